@@ -1,0 +1,103 @@
+"""Run a function on N local ranks, each in its own spawned process with a process group.
+
+Used by the tests, the benchmarks and ``tide.train``. Every failure surfaces in the caller: an
+exception on any rank stops all ranks and is re-raised with that rank's traceback, and a run that
+outlives ``timeout`` is killed and reported (a hung collective never blocks the caller).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, results, pg_timeout_s):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        if device_type == "cuda":
+            # One GPU per rank when there are enough; otherwise ranks share GPUs (gloo only).
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    device_type: str = "cpu",
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return the per-rank results.
+
+    ``fn`` must be importable by module path (spawn pickles it by name) and return something
+    picklable. Raises :class:`RankError` if any rank raised, :class:`TimeoutError` after ``timeout``
+    seconds (all ranks are killed either way).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    pg_timeout_s = max(10, int(timeout))
+    procs = [
+        ctx.Process(target=_rank_main, daemon=True,
+                    args=(r, world_size, port, backend, device_type, dict(env or {}), fn, args, results,
+                          pg_timeout_s))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outs: dict[int, Any] = {}
+    try:
+        while len(outs) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(outs))
+                raise TimeoutError(f"run_ranks: ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
+            try:
+                rank, status, payload = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outs]
+                if dead:
+                    raise RankError(f"run_ranks: rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
+                continue
+            if status == "error":
+                raise RankError(f"rank {rank} of {world_size} failed:\n{payload}")
+            outs[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outs) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [outs[r] for r in range(world_size)]

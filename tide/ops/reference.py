@@ -1,0 +1,115 @@
+"""Reference backend of the ``tide`` ops over ``torch.distributed`` (gloo on CPU, gloo or NCCL on CUDA).
+
+Layout-aware like the CUDA transport, only slower: the all-gather writes straight into each parameter's
+output (the own shard is cast into its final rows, then gathered in place), and the reduce-scatter
+exchanges each gradient's destination rows with ``all_to_all_single`` straight from autograd's tensor,
+then sums the W contributions in fp32 in rank order. No flat rank-major buffer and no full-group fp32
+buffer is built; the only staging is one bf16 receive buffer per parameter (this rank's rows from all
+W ranks) while its exchange is in flight.
+
+Its results define the ops' semantics: the CUDA transport must match them bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from tide.meta import checks
+from tide.meta.layout import rank_row_range, rows_and_row_numel
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def resolve_group(op: str, group_name: str, world_size: int) -> dist.ProcessGroup:
+    """The process group registered as ``group_name``, checked against ``world_size``."""
+    try:
+        group = _resolve_process_group(group_name)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ValueError(f"tide.{op}: group_name {group_name!r} does not name a registered process group") from e
+    if group.size() != world_size:
+        raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has {group.size()} ranks")
+    return group
+
+
+def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
+    op = "all_gather_into_params_"
+    checks.check_all_gather_into_params(op, shards, outs, world_size)
+    group = resolve_group(op, group_name, world_size)
+    rank = group.rank()
+    works = []
+    for shard, out in zip(shards, outs):
+        n = shard.numel()
+        if n == 0:
+            continue
+        flat = out.view(-1)
+        own = flat[rank * n:(rank + 1) * n]
+        own.copy_(shard.view(-1))  # the only cast: own shard into its final rows
+        works.append(_all_gather_single(flat, own, group=group, async_op=True))
+    for w in works:
+        w.wait()
+
+
+def sum_contributions_(shard_flat: torch.Tensor, contributions: torch.Tensor, scale: float, accumulate: bool) -> None:
+    """``shard_flat[:n] (+)= scale * sum_k contributions[k]``, fp32, k in order 0..W-1; the tail
+    ``shard_flat[n:]`` (padding) is zeroed unless accumulating. This order is the ops' contract."""
+    n = contributions.shape[1]
+    acc = contributions[0].to(torch.float32, copy=True)
+    for k in range(1, contributions.shape[0]):
+        acc.add_(contributions[k])
+    acc.mul_(scale)
+    if accumulate:
+        shard_flat[:n].add_(acc)
+    else:
+        shard_flat[:n].copy_(acc)
+        shard_flat[n:].zero_()
+
+
+def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name) -> None:
+    op = "reduce_scatter_params_"
+    checks.check_reduce_scatter_params(op, grads, shard_grads, world_size)
+    group = resolve_group(op, group_name, world_size)
+    rank = group.rank()
+    pending = []
+    for grad, shard in zip(grads, shard_grads):
+        d0, row = rows_and_row_numel(tuple(grad.shape))
+        send = []
+        for r in range(world_size):
+            start, stop = rank_row_range(d0, world_size, r)
+            send.append((stop - start) * row)
+        mine = send[rank]
+        recv = grad.new_empty((world_size, mine))
+        work = None
+        if d0 * row:
+            work = dist.all_to_all_single(recv.view(-1), grad.reshape(-1), [mine] * world_size, send,
+                                          group=group, async_op=True)
+        pending.append((work, recv, shard))
+    for work, recv, shard in pending:
+        if work is not None:
+            work.wait()
+        sum_contributions_(shard.view(-1), recv, scale, accumulate)
+
+
+def all_gather(shards, world_size, group_name) -> list[torch.Tensor]:
+    checks.check_all_gather("all_gather", shards, world_size)
+    outs = [s.new_empty((world_size * s.shape[0], *s.shape[1:])) for s in shards]
+    torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group_name)
+    return outs
+
+
+def reduce_scatter(inputs, scale, out_dtype, world_size, group_name) -> list[torch.Tensor]:
+    checks.check_reduce_scatter("reduce_scatter", inputs, out_dtype, world_size)
+    shards = [x.new_empty((x.shape[0] // world_size, *x.shape[1:]), dtype=torch.float32) for x in inputs]
+    torch.ops.tide.reduce_scatter_params_(inputs, shards, scale, False, world_size, group_name)
+    return [s if (out_dtype or x.dtype) == torch.float32 else s.to(out_dtype or x.dtype)
+            for s, x in zip(shards, inputs)]
+
+
+for _name, _fn in (
+    ("all_gather_into_params_", all_gather_into_params_),
+    ("reduce_scatter_params_", reduce_scatter_params_),
+    ("all_gather", all_gather),
+    ("reduce_scatter", reduce_scatter),
+):
+    torch.library.impl(f"tide::{_name}", ("CPU", "CUDA"), _fn)

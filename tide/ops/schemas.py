@@ -1,0 +1,45 @@
+"""The ``tide`` operator schemas: the library's public contract, all in one place.
+
+Shapes (W = world_size, c_i = ceil(d0_i / W), rank r of the group):
+
+all_gather_into_params_(shards, outs, world_size, group_name)
+    ``shards[i]`` is this rank's padded shard ``(c_i, *rest)``; ``outs[i]`` is ``(W*c_i, *rest)`` or its
+    1-D flattening. Rank r's shard lands in rows ``[r*c_i, (r+1)*c_i)`` of ``outs[i]``. ``outs`` may have
+    another float dtype than ``shards``: the cast is fused into the placement.
+
+reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)
+    ``grads[i]`` is the unpadded unsharded gradient ``(d0_i, *rest)`` (bf16, fp16 or fp32);
+    ``shard_grads[i]`` is this rank's padded fp32 shard ``(c_i, *rest)``. Computes, for this rank's rows,
+    ``scale * sum_{k=0..W-1} grads_k[i]`` summed in fp32 in rank order (bit-deterministic), rows
+    ``>= d0_i`` as zero, and writes it to ``shard_grads[i]`` (adds it when ``accumulate``).
+
+all_gather(shards, world_size, group_name) -> outs
+reduce_scatter(inputs, scale, out_dtype, world_size, group_name) -> outs
+    Functional forms on padded shapes (``(c_i, *rest)`` <-> ``(W*c_i, *rest)``), each the other's
+    backward. ``out_dtype=None`` keeps each input's dtype; the sum is fp32 either way.
+
+``group_name`` is a registered ``ProcessGroup.group_name``; ``world_size`` must equal its size.
+"""
+import torch
+
+lib = torch.library.Library("tide", "DEF")
+
+SCHEMAS = {
+    "all_gather_into_params_":
+        "all_gather_into_params_(Tensor[] shards, Tensor(a!)[] outs, int world_size, str group_name) -> ()",
+    "reduce_scatter_params_":
+        "reduce_scatter_params_(Tensor[] grads, Tensor(a!)[] shard_grads, float scale, bool accumulate, "
+        "int world_size, str group_name) -> ()",
+    "all_gather":
+        "all_gather(Tensor[] shards, int world_size, str group_name) -> Tensor[]",
+    "reduce_scatter":
+        "reduce_scatter(Tensor[] inputs, float scale, ScalarType? out_dtype, int world_size, str group_name) "
+        "-> Tensor[]",
+}
+
+for _schema in SCHEMAS.values():
+    lib.define(_schema)
+
+# The mutating ops return nothing; keep them in traced graphs even when their outputs look unused.
+for _name in ("all_gather_into_params_", "reduce_scatter_params_"):
+    torch.fx.node.has_side_effect(getattr(torch.ops.tide, _name).default)
