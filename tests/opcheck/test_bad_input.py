@@ -1,0 +1,115 @@
+"""Bad input fails at once with an error naming the op and the argument: in eager (before any
+collective) and under FakeTensor (the fake kernels run the same checks)."""
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import tide  # noqa: F401
+from tide.launch import free_port
+
+ops = torch.ops.tide
+
+
+@pytest.fixture(scope="module")
+def group_name():
+    """A real one-rank gloo group in this process: enough to check group resolution and size."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def _f32(*shape):
+    return torch.randn(*shape)
+
+
+def _bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+# (op, args builder (group_name, world_size=1) -> args, expected exception, message pattern)
+BAD_CALLS = {
+    "ag_length_mismatch": (ops.all_gather_into_params_,
+                           lambda g: ([_f32(2, 3)], [_f32(2, 3), _f32(2)], 1, g),
+                           ValueError, r"tide\.all_gather_into_params_: shards has 1 tensors but outs has 2"),
+    "ag_out_shape": (ops.all_gather_into_params_, lambda g: ([_f32(2, 3)], [_f32(3, 3)], 1, g),
+                     ValueError, r"tide\.all_gather_into_params_: outs\[0\] has shape \(3, 3\)"),
+    "ag_int_dtype": (ops.all_gather_into_params_,
+                     lambda g: ([torch.ones(2, dtype=torch.int32)], [_f32(2)], 1, g),
+                     TypeError, r"tide\.all_gather_into_params_: shards\[0\] has dtype torch\.int32"),
+    "ag_non_contiguous": (ops.all_gather_into_params_, lambda g: ([_f32(3, 2).t()], [_f32(2, 3)], 1, g),
+                          ValueError, r"tide\.all_gather_into_params_: shards\[0\] must be contiguous"),
+    "ag_zero_d_shard": (ops.all_gather_into_params_, lambda g: ([torch.tensor(1.0)], [_f32(1)], 1, g),
+                        ValueError, r"tide\.all_gather_into_params_: shards\[0\] is 0-d"),
+    "ag_bad_world_size": (ops.all_gather_into_params_, lambda g: ([_f32(2)], [_f32(0)], 0, g),
+                          ValueError, r"tide\.all_gather_into_params_: world_size must be >= 1"),
+    "rs_length_mismatch": (ops.reduce_scatter_params_, lambda g: ([_bf16(4)], [], 1.0, False, 1, g),
+                           ValueError, r"tide\.reduce_scatter_params_: grads has 1 tensors but shard_grads has 0"),
+    "rs_shard_dtype": (ops.reduce_scatter_params_, lambda g: ([_bf16(4, 2)], [_bf16(4, 2)], 1.0, False, 1, g),
+                       TypeError, r"tide\.reduce_scatter_params_: shard_grads\[0\] has dtype torch\.bfloat16"),
+    "rs_shard_shape": (ops.reduce_scatter_params_, lambda g: ([_bf16(4, 2)], [_f32(4, 3)], 1.0, False, 1, g),
+                       ValueError, r"tide\.reduce_scatter_params_: shard_grads\[0\] has shape \(4, 3\)"),
+    "rs_non_contiguous": (ops.reduce_scatter_params_,
+                          lambda g: ([_bf16(2, 4).t()], [_f32(4, 2)], 1.0, False, 1, g),
+                          ValueError, r"tide\.reduce_scatter_params_: grads\[0\] must be contiguous"),
+    "ag_functional_zero_d": (ops.all_gather, lambda g: ([torch.tensor(2.0)], 1, g),
+                             ValueError, r"tide\.all_gather: shards\[0\] is 0-d"),
+    "rs_functional_indivisible": (ops.reduce_scatter, lambda g: ([_f32(3, 2)], 1.0, None, 2, g),
+                                  ValueError, r"tide\.reduce_scatter: inputs\[0\] has shape \(3, 2\)"),
+    "rs_functional_out_dtype": (ops.reduce_scatter, lambda g: ([_f32(2)], 1.0, torch.int64, 1, g),
+                                TypeError, r"tide\.reduce_scatter: out_dtype torch\.int64"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_is_rejected_in_eager(case, group_name):
+    op, build, exc, pattern = BAD_CALLS[case]
+    with pytest.raises(exc, match=pattern):
+        op(*build(group_name))
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_is_rejected_by_the_fake_kernel(case):
+    op, build, exc, pattern = BAD_CALLS[case]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(exc, match=pattern):
+            op(*build("no-group-needed-for-shape-checks"))
+
+
+def test_mixed_devices_are_rejected():
+    meta = torch.empty(4, device="meta")
+    with pytest.raises(ValueError, match=r"tide\.all_gather_into_params_: outs\[0\] is on meta but shards\[0\] is on cpu"):
+        ops.all_gather_into_params_([_f32(4)], [meta], 1, "g")
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: ops.all_gather_into_params_([_f32(2)], [_f32(4)], 2, g),
+    lambda g: ops.reduce_scatter_params_([_bf16(4)], [_f32(2)], 1.0, False, 2, g),
+    lambda g: ops.all_gather([_f32(2)], 2, g),
+    lambda g: ops.reduce_scatter([_f32(4)], 1.0, None, 2, g),
+])
+def test_world_size_must_match_the_group(call, group_name):
+    with pytest.raises(ValueError, match=r"tide\.\w+: world_size=2 but group .* has 1 ranks"):
+        call(group_name)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: ops.all_gather_into_params_([_f32(2)], [_f32(2)], 1, "no-such-group"),
+    lambda: ops.reduce_scatter_params_([_bf16(2)], [_f32(2)], 1.0, False, 1, "no-such-group"),
+])
+def test_unknown_group_name(call, group_name):
+    with pytest.raises(ValueError, match=r"tide\.\w+: group_name 'no-such-group' does not name a registered process group"):
+        call()
+
+
+def test_one_rank_group_is_an_identity(group_name):
+    """The smallest real collective: W=1 gathers the shard and reduces to scale * grad."""
+    shard, out = _f32(3, 2), torch.full((3, 2), float("nan"), dtype=torch.bfloat16)
+    ops.all_gather_into_params_([shard], [out], 1, group_name)
+    assert torch.equal(out, shard.to(torch.bfloat16))
+    grad, sg = _bf16(3, 2), torch.full((3, 2), float("nan"))
+    ops.reduce_scatter_params_([grad], [sg], 0.5, False, 1, group_name)
+    assert torch.equal(sg, grad.float() * 0.5)

@@ -1,0 +1,199 @@
+"""opcheck of every tide op, eager results against a float64 reference, and torch.compile parity.
+
+Each test spawns 2 and 3 gloo ranks (tide.launch.run_ranks: a rank that fails or hangs fails the test
+within the timeout). Shapes shard unevenly; data is fresh per test run; outputs are poisoned first.
+"""
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tide  # noqa: F401  (registers the ops)
+from tide.launch import run_ranks
+from tests.opcheck import cases
+from tide.meta.layout import rows_and_row_numel, shard_rows
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+WORLD_SIZES = (2, 3)
+
+
+def _seed() -> int:
+    return random.SystemRandom().randrange(1 << 30)
+
+
+def _ag_args(ws, rank, seed, shard_dtype, out_dtype, flat_outs):
+    shapes = [s for s in cases.param_shapes(ws) if s]  # padded shards are >= 1-d
+    shards_by_rank = []
+    for r in range(ws):
+        gen = cases.rank_generator(seed, r)
+        shards_by_rank.append([cases.padded_shard(s, ws, r, shard_dtype, gen) for s in shapes])
+    outs = []
+    for s in shards_by_rank[rank]:
+        shape = (ws * s.numel(),) if flat_outs else (ws * s.shape[0], *s.shape[1:])
+        outs.append(cases.poisoned(shape, out_dtype))
+    return shards_by_rank, outs
+
+
+def _rs_args(ws, rank, seed, grad_dtype):
+    shapes = cases.param_shapes(ws)
+    grads_by_rank = []
+    for r in range(ws):
+        gen = cases.rank_generator(seed, r)
+        grads_by_rank.append([cases.random_grad(s, grad_dtype, gen) for s in shapes])
+    shard_grads = []
+    for s in shapes:
+        d0, _ = rows_and_row_numel(s)
+        shard_grads.append(cases.poisoned((shard_rows(d0, ws), *s[1:]) if s else (1,), torch.float32))
+    return grads_by_rank, shard_grads
+
+
+def _opcheck_all(rank, ws, seed):
+    g = dist.group.WORLD.group_name
+    results = {}
+    shards_by_rank, outs = _ag_args(ws, rank, seed, torch.float32, torch.bfloat16, flat_outs=False)
+    results["all_gather_into_params_"] = torch.library.opcheck(
+        torch.ops.tide.all_gather_into_params_.default, (shards_by_rank[rank], outs, ws, g), raise_exception=False)
+    grads_by_rank, shard_grads = _rs_args(ws, rank, seed, torch.bfloat16)
+    results["reduce_scatter_params_"] = torch.library.opcheck(
+        torch.ops.tide.reduce_scatter_params_.default, (grads_by_rank[rank], shard_grads, 0.5, True, ws, g),
+        raise_exception=False)
+    xs = [s.clone().requires_grad_() for s in shards_by_rank[rank]]
+    results["all_gather"] = torch.library.opcheck(
+        torch.ops.tide.all_gather.default, (xs, ws, g), raise_exception=False)
+    ys = [torch.randn(ws * 3, 4, generator=cases.rank_generator(seed + 1, rank)).requires_grad_(),
+          torch.randn(ws * 2, generator=cases.rank_generator(seed + 2, rank), dtype=torch.bfloat16).requires_grad_()]
+    results["reduce_scatter"] = torch.library.opcheck(
+        torch.ops.tide.reduce_scatter.default, (ys, 0.25, torch.float32, ws, g), raise_exception=False)
+    return {op: {k: str(v) if v != "SUCCESS" else v for k, v in r.items()} for op, r in results.items()}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_opcheck_every_op(world_size):
+    per_rank = run_ranks(_opcheck_all, world_size, _seed(), timeout=300)
+    for rank, results in enumerate(per_rank):
+        assert set(results) == {"all_gather_into_params_", "reduce_scatter_params_", "all_gather", "reduce_scatter"}
+        for op, r in results.items():
+            assert tuple(r) == OPCHECK_UTILS, (rank, op, r)
+            assert all(v == "SUCCESS" for v in r.values()), f"rank {rank} {op}: {r}"
+
+
+def _check_semantics(rank, ws, seed):
+    g = dist.group.WORLD.group_name
+    # all_gather_into_params_: every (shard dtype, out dtype) pair, 2-D and flat outs; exact (a cast is exact
+    # to compute, so the result must equal the cast reference bit for bit).
+    for shard_dtype, out_dtype, flat in [(torch.float32, torch.bfloat16, False), (torch.bfloat16, torch.bfloat16, True),
+                                         (torch.float32, torch.float32, True), (torch.bfloat16, torch.float32, False)]:
+        shards_by_rank, outs = _ag_args(ws, rank, seed, shard_dtype, out_dtype, flat)
+        torch.ops.tide.all_gather_into_params_(shards_by_rank[rank], outs, ws, g)
+        for i, out in enumerate(outs):
+            want = cases.reference_all_gather([s[i] for s in shards_by_rank], out_dtype)
+            assert torch.equal(out, want.view(out.shape)), (shard_dtype, out_dtype, flat, i)
+        seed += 1
+    # reduce_scatter_params_: bf16 and fp32 grads, write and accumulate; float64 reference within the fp32
+    # rounding bound, and bit-exact against the promised fp32 rank-order sum.
+    for grad_dtype in (torch.bfloat16, torch.float32):
+        for accumulate in (False, True):
+            scale = 1.0 / ws if accumulate else 0.37
+            grads_by_rank, shard_grads = _rs_args(ws, rank, seed, grad_dtype)
+            base = [torch.randn(s.shape, generator=cases.rank_generator(seed + 7, rank)) for s in shard_grads]
+            if accumulate:
+                for s, b in zip(shard_grads, base):
+                    s.copy_(b)
+            torch.ops.tide.reduce_scatter_params_(grads_by_rank[rank], shard_grads, scale, accumulate, ws, g)
+            for i, got in enumerate(shard_grads):
+                contributions = [gr[i] for gr in grads_by_rank]
+                exact64, fp32 = cases.reference_reduce_scatter(contributions, ws, rank, scale)
+                if accumulate:
+                    fp32 = base[i] + fp32
+                    exact64 = base[i].to(torch.float64) + exact64
+                assert torch.equal(got, fp32), (grad_dtype, accumulate, i)
+                tol = cases.fp32_sum_tolerance([c.reshape(-1) for c in contributions], scale)
+                c_rows = got.reshape(-1).numel()
+                err = (got.to(torch.float64).reshape(-1) - exact64.reshape(-1)).abs()
+                bound = torch.zeros(c_rows, dtype=torch.float64)
+                d0, row = rows_and_row_numel(tuple(contributions[0].shape))
+                start = min(rank * shard_rows(d0, ws), d0) * row
+                n = min(c_rows, d0 * row - start) if d0 * row > start else 0
+                bound[:n] = tol[start:start + n]
+                bound += (exact64.abs().reshape(-1) + 1) * 2.0 ** -23  # final rounding (and of the accumulate add)
+                assert bool((err <= bound).all()), (grad_dtype, accumulate, i, float(err.max()))
+            seed += 1
+    # functional pair on padded shapes
+    xs = [torch.randn(3, 4, generator=cases.rank_generator(seed, r)) for r in range(ws)]
+    (y,) = torch.ops.tide.all_gather([xs[rank]], ws, g)
+    assert torch.equal(y, torch.cat(xs))
+    zs = [torch.randn(ws * 2, 3, generator=cases.rank_generator(seed + 3, r), dtype=torch.bfloat16) for r in range(ws)]
+    (z,) = torch.ops.tide.reduce_scatter([zs[rank]], 2.0, None, ws, g)
+    assert z.dtype == torch.bfloat16
+    _, fp32 = cases.reference_reduce_scatter(zs, ws, rank, 2.0)
+    assert torch.equal(z, fp32.to(torch.bfloat16))
+    # autograd: d/dx sum(all_gather(x) * w_rank) = sum_k w_k[rank's rows]; d/dx sum(rs(x) * v_rank) = scale * cat_k v_k
+    x = torch.randn(3, 2, generator=cases.rank_generator(seed + 4, rank), requires_grad=True)
+    ws_ = [torch.randn(ws * 3, 2, generator=cases.rank_generator(seed + 5, r)) for r in range(ws)]
+    (torch.ops.tide.all_gather([x], ws, g)[0] * ws_[rank]).sum().backward()
+    want = sum(w.to(torch.float64)[rank * 3:(rank + 1) * 3] for w in ws_)
+    assert torch.allclose(x.grad.to(torch.float64), want, rtol=1e-6, atol=1e-6)
+    x = torch.randn(ws * 2, 3, generator=cases.rank_generator(seed + 6, rank), requires_grad=True)
+    vs = [torch.randn(2, 3, generator=cases.rank_generator(seed + 8, r)) for r in range(ws)]
+    (torch.ops.tide.reduce_scatter([x], 0.5, None, ws, g)[0] * vs[rank]).sum().backward()
+    assert torch.equal(x.grad, 0.5 * torch.cat(vs))
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_results_match_float64_reference(world_size):
+    assert run_ranks(_check_semantics, world_size, _seed(), timeout=300) == [True] * world_size
+
+
+def _check_compile(rank, ws, seed):
+    g = dist.group.WORLD.group_name
+    torch._dynamo.reset()
+
+    def gather_then_scale(shards, outs):
+        torch.ops.tide.all_gather_into_params_(shards, outs, ws, g)
+        return [o * 2 for o in outs]
+
+    def reduce_accumulate(grads, shard_grads):
+        torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 0.5, True, ws, g)
+        return [s + 1 for s in shard_grads]
+
+    def functional_pair(xs):
+        ys = torch.ops.tide.all_gather(xs, ws, g)
+        zs = torch.ops.tide.reduce_scatter([y.sin() for y in ys], 0.5, torch.float32, ws, g)
+        return sum((z * z).sum() for z in zs)
+
+    shards_by_rank, _ = _ag_args(ws, rank, seed, torch.float32, torch.bfloat16, flat_outs=False)
+    shards = shards_by_rank[rank]
+    eager_outs = [cases.poisoned((ws * s.shape[0], *s.shape[1:]), torch.bfloat16) for s in shards]
+    comp_outs = [o.clone() for o in eager_outs]
+    want = gather_then_scale(shards, eager_outs)
+    got = torch.compile(gather_then_scale, fullgraph=True)(shards, comp_outs)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)) and all(
+        torch.equal(a, b) for a, b in zip(eager_outs, comp_outs)), "compiled all_gather_into_params_ differs"
+
+    grads_by_rank, shard_grads = _rs_args(ws, rank, seed, torch.bfloat16)
+    for s in shard_grads:
+        s.copy_(torch.randn(s.shape, generator=cases.rank_generator(seed + 5, rank)))
+    comp_shards = [s.clone() for s in shard_grads]
+    want = reduce_accumulate(grads_by_rank[rank], shard_grads)
+    got = torch.compile(reduce_accumulate, fullgraph=True)(grads_by_rank[rank], comp_shards)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "compiled reduce_scatter_params_ differs"
+    assert all(torch.equal(a, b) for a, b in zip(shard_grads, comp_shards)), "compiled mutation differs"
+
+    xs = [torch.randn(3, 4, generator=cases.rank_generator(seed + 9, rank), requires_grad=True),
+          torch.randn(2, generator=cases.rank_generator(seed + 11, rank), requires_grad=True)]
+    xc = [x.detach().clone().requires_grad_() for x in xs]
+    loss = functional_pair(xs)
+    loss.backward()
+    loss_c = torch.compile(functional_pair, fullgraph=True)(xc)
+    loss_c.backward()
+    assert torch.allclose(loss, loss_c, rtol=1e-6, atol=1e-6), (float(loss), float(loss_c))
+    for a, b in zip(xs, xc):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_torch_compile_fullgraph_matches_eager(world_size):
+    assert run_ranks(_check_compile, world_size, _seed(), timeout=600) == [True] * world_size
