@@ -8,6 +8,7 @@ if ! command -v nvcc >/dev/null 2>&1; then
   echo "check_csrc: nvcc not found; skipping the csrc/ compile check"
   exit 0
 fi
+[ -d csrc ] || { echo "check_csrc: no csrc/ folder"; exit 0; }
 mapfile -t sources < <(find csrc -name '*.cu' -o -name '*.cpp' | sort)
 if [ "${#sources[@]}" -eq 0 ]; then echo "check_csrc: no sources under csrc/"; exit 0; fi
 

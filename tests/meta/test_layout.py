@@ -143,7 +143,8 @@ def test_layout_conversion_bytes_counts_stock_copies():
     # two bf16 params on 4 ranks, fp32 shards: (8, 3) -> c=2 and (5,) -> c=2
     layout = GroupLayout([(8, 3), (5,)], [2, 2], 4)
     b = layout.layout_conversion_bytes(shard_itemsizes=[4, 4])
-    assert b["all_gather_copy_in"] == 6 * (4 + 2) + 2 * (4 + 2)
+    assert b["cast"] == 6 * (4 + 2) + 2 * (4 + 2)
+    assert b["all_gather_copy_in"] == 2 * (6 + 2) * 2
     assert b["split_with_sizes_copy"] == 2 * (24 + 8) * 2
     assert b["chunk_cat"] == (24 * 2 + 24 * 4) + (5 * 2 + 8 * 4)
-    assert b["removed"] == b["split_with_sizes_copy"] + b["chunk_cat"]
+    assert b["removed"] == b["all_gather_copy_in"] + b["split_with_sizes_copy"] + b["chunk_cat"]

@@ -224,22 +224,25 @@ class GroupLayout:
         return sum(p.numel * p.itemsize for p in self.params)
 
     def layout_conversion_bytes(self, shard_itemsizes: Sequence[int], reduce_itemsize: int = 4) -> dict[str, int]:
-        """Bytes stock FSDP2 moves per unshard and per reduce to convert layouts, on one rank.
+        """Bytes (read + written) stock FSDP2 moves per unshard and per reduce to convert layouts, on one rank.
 
-        Stock unshard: ``all_gather_copy_in`` reads each shard (``shard_itemsizes``) and writes it into
-        the flat buffer in the param dtype; ``split_with_sizes_copy`` reads and writes the whole
-        gathered group once more. Stock reduce: ``chunk_cat`` reads every unsharded gradient and writes
-        a padded buffer in ``reduce_itemsize``. TIDE keeps only the own-shard cast of the unshard
-        (read shard + write param dtype), so the copy-in cast is not counted as removed.
+        Stock unshard: a foreach cast of the shards (``shard_itemsizes``) into a flat param-dtype buffer
+        (``cast``), ``all_gather_copy_in`` packing that buffer into this rank's block of the rank-major
+        output, and ``split_with_sizes_copy`` copying the whole gathered group out per parameter.
+        Stock reduce: ``chunk_cat`` reads every unsharded gradient and writes a padded rank-major buffer
+        in ``reduce_itemsize``. TIDE keeps only the cast (straight into the final address), so
+        ``removed`` counts the other three.
         """
-        copy_in = sum(p.shard_numel * (s + p.itemsize) for p, s in zip(self.params, shard_itemsizes))
+        cast = sum(p.shard_numel * (s + p.itemsize) for p, s in zip(self.params, shard_itemsizes))
+        copy_in = sum(2 * p.shard_numel * p.itemsize for p in self.params)
         copy_out = sum(2 * p.out_numel * p.itemsize for p in self.params)
         chunk_cat = sum(p.numel * p.grad_itemsize + p.out_numel * reduce_itemsize for p in self.params)
         return {
+            "cast": cast,
             "all_gather_copy_in": copy_in,
             "split_with_sizes_copy": copy_out,
             "chunk_cat": chunk_cat,
-            "removed": copy_out + chunk_cat,
+            "removed": copy_in + copy_out + chunk_cat,
         }
 
 
