@@ -1,0 +1,37 @@
+"""run_ranks turns a failing or hanging rank into a prompt test failure."""
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tide.launch import RankError, run_ranks
+
+
+def _rank_and_size(rank, world_size):
+    return rank, world_size, dist.get_world_size()
+
+
+def _rank1_raises(rank, world_size):
+    if rank == 1:
+        raise KeyError("boom on rank 1")
+    dist.barrier()  # rank 0 waits in a collective that rank 1 never joins
+
+
+def _hangs(rank, world_size):
+    time.sleep(3600)
+
+
+def test_results_come_back_in_rank_order():
+    assert run_ranks(_rank_and_size, 3) == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
+
+
+def test_an_exception_on_one_rank_fails_the_run_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 of 2 failed:(.|\n)*KeyError: 'boom on rank 1'"):
+        run_ranks(_rank1_raises, 2, timeout=120)
+    assert time.monotonic() - t0 < 60  # the blocked peer is killed, not waited for
+
+
+def test_a_hang_times_out():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 8 s"):
+        run_ranks(_hangs, 2, timeout=8)
