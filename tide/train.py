@@ -1,0 +1,207 @@
+"""Main command: train the Llama-like model with stock FSDP2 and with TIDE, then compare.
+
+    python -m tide.train [--ranks 4] [--steps 10] [--model tiny] [--device auto] [--backend auto]
+    torchrun --nproc-per-node 4 -m tide.train ...
+
+Without torchrun it spawns ``--ranks`` local ranks (CPU + gloo without a GPU; one rank per GPU with
+NCCL when GPUs exist). Under torchrun (RANK/WORLD_SIZE set) it runs in-process. Rank 0 prints a
+progress line per step and a final table: loss per step for both runs and their max difference,
+median step time, peak memory and the layout-conversion bytes TIDE removes per step.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import tide.fsdp
+from tide.meta.layout import GroupLayout
+from tide.models import PRESETS, Llama, LlamaConfig, batch, loss_fn
+
+
+def fsdp_model(cfg: LlamaConfig, *, device, mp_policy: MixedPrecisionPolicy | None = None, use_tide: bool = False,
+               rs_mode: str = "in_place", prefetch: bool = False, seed: int = 0, **fsdp_kwargs) -> Llama:
+    """The model with ``fully_shard`` on every block and on the root; ``fsdp_kwargs`` go to every call.
+    ``prefetch`` sets explicit forward/backward prefetch of the next/previous block."""
+    torch.manual_seed(seed)
+    model = Llama(cfg).to(device)
+    if mp_policy is not None:
+        fsdp_kwargs["mp_policy"] = mp_policy
+    for layer in model.layers:
+        fully_shard(layer, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    if prefetch:
+        layers = list(model.layers)
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers):
+                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+            if i > 0:
+                layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    if use_tide:
+        tide.fsdp.enable(model, rs_mode=rs_mode)
+    return model
+
+
+def train_step(model, optim, cfg: LlamaConfig, step: int, rank: int, *, accum: int = 1, no_sync: bool = False,
+               device="cpu") -> torch.Tensor:
+    """One optimizer step over ``accum`` micro-batches (with ``no_sync``: only the last reduces).
+    Returns this rank's loss (mean over micro-batches), detached."""
+    total = torch.zeros((), device=device)
+    for a in range(accum):
+        if no_sync:
+            model.set_requires_gradient_sync(a == accum - 1)
+        tokens, targets = batch(cfg, step * accum + a, rank, device=device)
+        loss = loss_fn(model(tokens), targets) / accum
+        loss.backward()
+        total += loss.detach()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return total
+
+
+def removed_bytes_per_step(model: Llama) -> int:
+    """Layout-conversion bytes TIDE removes per training step on one rank, from the layout plan of every
+    group: one unshard in forward, one more in backward for groups resharded after forward, one reduce."""
+    total = 0
+    for g in tide.fsdp.param_groups(model):
+        ps = g.fsdp_params
+        ws = g._all_gather_process_group.size() if ps else 1
+        layout = GroupLayout([tuple(p._orig_size) for p in ps],
+                             [(p.param_dtype or p.orig_dtype).itemsize for p in ps], ws,
+                             grad_itemsizes=[(p.param_dtype or p.orig_dtype).itemsize for p in ps])
+        conv = layout.layout_conversion_bytes([p.orig_dtype.itemsize for p in ps])
+        unshards = 2 if g.post_forward_mesh_info is not None else 1
+        total += unshards * conv["split_with_sizes_copy"] + conv["chunk_cat"]
+    return total
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA max_memory_allocated"
+    # ru_maxrss is KiB on Linux; it is the process high-water mark (covers both runs).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process max RSS (CPU)"
+
+
+def _run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device: torch.device) -> dict:
+    use_tide = label == "tide"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    model = fsdp_model(cfg, device=device, mp_policy=mp, use_tide=use_tide, rs_mode=args.rs_mode, seed=args.seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    tide.fsdp.reset_stats()
+    losses, times = [], []
+    for step in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss = train_step(model, optim, cfg, step, rank, device=device)
+        dist.all_reduce(loss)  # mean over ranks, also a barrier for the timing
+        loss = loss.item() / world_size
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if rank == 0:
+            print(f"[{label:5s}] step {step + 1}/{args.steps}  loss {loss:.6f}  {times[-1] * 1e3:8.1f} ms", flush=True)
+    peak, peak_kind = _peak_memory(device)
+    return {"losses": losses, "median_step_s": statistics.median(times[1:] or times), "peak": peak,
+            "peak_kind": peak_kind, "stats": tide.fsdp.stats(),
+            "removed": removed_bytes_per_step(model) if use_tide else 0}
+
+
+def _table(stock: dict, tide_: dict, args, world_size: int, device: torch.device) -> str:
+    lines = [f"\nTIDE vs stock FSDP2: model={args.model} ranks={world_size} device={device.type} "
+             f"backend={dist.get_backend()} torch={torch.__version__} params={'bf16/fp32 reduce' if args.bf16 else 'fp32'}",
+             f"{'step':>5} {'stock loss':>12} {'tide loss':>12} {'|diff|':>10}"]
+    diffs = []
+    for i, (a, b) in enumerate(zip(stock["losses"], tide_["losses"])):
+        diffs.append(abs(a - b))
+        lines.append(f"{i + 1:>5} {a:>12.6f} {b:>12.6f} {diffs[-1]:>10.2e}")
+    mib = 1 << 20
+    lines += [
+        f"max |loss diff|            {max(diffs):.3e}",
+        f"median step time           stock {stock['median_step_s'] * 1e3:.1f} ms   tide {tide_['median_step_s'] * 1e3:.1f} ms",
+        f"peak memory, rank 0        stock {stock['peak'] / mib:.1f} MiB   tide {tide_['peak'] / mib:.1f} MiB"
+        f"   ({stock['peak_kind']})",
+        f"layout conversion removed  {tide_['removed'] / mib:.3f} MiB per step per rank (GroupLayout plan)",
+        f"tide path counts           {tide_['stats']}",
+    ]
+    if device.type == "cpu":
+        lines.append("note: on CPU the tide ops run the reference backend (one gloo collective per parameter), "
+                     "so step times compare gloo call counts, not the CUDA transport")
+    return "\n".join(lines)
+
+
+def worker(rank: int, world_size: int, args) -> str | None:
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    cfg = PRESETS[args.model]
+    stock = _run("stock", args, cfg, rank, world_size, device)
+    tide_ = _run("tide", args, cfg, rank, world_size, device)
+    if rank != 0:
+        return None
+    table = _table(stock, tide_, args, world_size, device)
+    print(table, flush=True)
+    return table
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="tide-train", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--ranks", type=int, default=None, help="local ranks to spawn (default: GPUs, or 4 on CPU)")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--rs-mode", choices=tide.fsdp.RS_MODES, default="in_place")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--fp32", dest="bf16", action="store_false", help="no mixed precision (default: bf16 params, fp32 reduce)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are killed")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    if args.backend == "auto":
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.backend == "nccl" and args.device != "cuda":
+        p.error("--backend nccl needs --device cuda")
+    if args.ranks is None:
+        args.ranks = torch.cuda.device_count() if args.device == "cuda" else 4
+    if args.ranks < 1 or args.steps < 1:
+        p.error("--ranks and --steps must be >= 1")
+    if args.backend == "nccl" and args.ranks > torch.cuda.device_count():
+        p.error(f"--backend nccl needs one GPU per rank: {args.ranks} ranks, {torch.cuda.device_count()} GPUs")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+        try:
+            worker(rank, world_size, args)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    from tide.launch import run_ranks
+
+    print(f"tide.train: spawning {args.ranks} ranks ({args.device}, {args.backend}), model={args.model}, "
+          f"steps={args.steps}", flush=True)
+    run_ranks(worker, args.ranks, args, backend=args.backend, device_type=args.device, timeout=args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
