@@ -28,11 +28,15 @@ from tide.models import PRESETS, Llama, LlamaConfig, batch, loss_fn
 
 
 def fsdp_model(cfg: LlamaConfig, *, device, mp_policy: MixedPrecisionPolicy | None = None, use_tide: bool = False,
-               rs_mode: str = "in_place", prefetch: bool = False, seed: int = 0, **fsdp_kwargs) -> Llama:
+               rs_mode: str = "in_place", prefetch: bool = False, seed: int = 0, before_shard=None,
+               **fsdp_kwargs) -> Llama:
     """The model with ``fully_shard`` on every block and on the root; ``fsdp_kwargs`` go to every call.
-    ``prefetch`` sets explicit forward/backward prefetch of the next/previous block."""
+    ``prefetch`` sets explicit forward/backward prefetch of the next/previous block; ``before_shard(model)``
+    may change the model before sharding."""
     torch.manual_seed(seed)
     model = Llama(cfg).to(device)
+    if before_shard is not None:
+        before_shard(model)
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
     for layer in model.layers:

@@ -1,0 +1,53 @@
+"""tide.fsdp API: argument errors, the torch version gate, enable/disable on a live FSDP2 model."""
+import pytest
+import torch
+
+import tide.fsdp
+from tests.fsdp import workers
+from tide.fsdp import compat
+from tide.launch import run_ranks
+
+
+def test_bad_rs_mode():
+    with pytest.raises(ValueError, match=r"tide.fsdp.enable: rs_mode must be one of .*'bogus'"):
+        tide.fsdp.enable(torch.nn.Linear(2, 2), rs_mode="bogus")
+
+
+def test_no_fsdp_module():
+    with pytest.raises(ValueError, match="tide.fsdp.enable: module \\(Linear\\) contains no FSDP2 module"):
+        tide.fsdp.enable(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu", "2.14.1"])
+def test_tested_versions_pass(version):
+    compat.check_torch_version("f", False, version)
+
+
+@pytest.mark.parametrize("version", ["2.12.0", "2.15.0.dev20260926", "3.0.0"])
+def test_untested_versions_raise_unless_forced(version, monkeypatch):
+    monkeypatch.delenv(compat.FORCE_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=f"f: torch {version} is not a tested version"):
+        compat.check_torch_version("f", False, version)
+    compat.check_torch_version("f", True, version)
+    monkeypatch.setenv(compat.FORCE_ENV, "1")
+    compat.check_torch_version("f", False, version)
+
+
+def test_reduce_arity_matches_this_torch():
+    assert compat.REDUCE_ARITY == (6 if compat.torch_version() < (2, 12) else 7)
+
+
+def test_stats_shape():
+    tide.fsdp.reset_stats()
+    assert tide.fsdp.stats() == {"all_gather": {}, "reduce_scatter": {}}
+
+
+def test_enable_twice_then_disable():
+    for r in run_ranks(workers.enable_disable, 2, timeout=120):
+        assert r["groups"] == 3
+        assert set(r["first"]["all_gather"]) == {"tide"}
+        assert r["once"]
+        assert set(r["slot_reuse"]["reduce_scatter"]) == {"tide"}
+        assert r["restored"]
+        assert set(r["after_disable"]["all_gather"]) == {"stock:not_enabled"}
+        assert set(r["after_disable"]["reduce_scatter"]) == {"stock:not_enabled"}

@@ -1,0 +1,232 @@
+"""Rank functions of the FSDP2 tests (spawned by ``tide.launch.run_ranks``; importable by module path).
+
+Each run trains the same model twice in one process, stock FSDP2 then TIDE, from the same seed and
+data, and returns what the test compares: losses, final full parameters, ``tide.fsdp.stats()`` and
+the calls to FSDP2's layout-conversion ops.
+
+Tolerance (used by the tests): TIDE's reduce sums the W contributions in fp32 in rank order and
+applies 1/W as a multiply; gloo sums in its own order and divides. Each reduced gradient element
+can differ by a few fp32 ulps (relative ~1e-7 for W <= 4, observed 0 to 2 ulps); AdamW turns that
+into parameter differences of the same relative order per step, which 5-7 steps cannot grow beyond
+~1e-6 absolute on O(1) parameters. With bf16 params a last-ulp fp32 difference can flip one bf16
+rounding (2^-8 relative on that element), which moves the loss by far less than 1e-3. A real
+error (wrong scale, wrong rows, a lost accumulation) moves both by >1e-2.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tide.fsdp
+from tide.models import PRESETS
+from tide.train import fsdp_model, train_step
+
+PARAM_ATOL, PARAM_RTOL = 1e-5, 1e-4
+LOSS_ATOL_FP32, LOSS_ATOL_BF16 = 1e-5, 1e-3
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+COPY_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
+
+
+class CopyOpCounter(TorchDispatchMode):
+    """Counts calls to FSDP2's layout-conversion ops (they are dispatcher ops, so the mode sees them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = dict.fromkeys(COPY_OPS, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in self.counts:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _full_params(model) -> list:
+    # numpy, not tensors: torch's multiprocessing would pass tensors through shared memory that dies
+    # with the rank process.
+    return [p.detach().full_tensor().float().numpy().copy() for p in model.parameters()]
+
+
+def _train(cfg, rank, *, use_tide, steps, mp=None, accum=1, no_sync=False, prefetch=False, count_ops=False,
+           setup=None, **fsdp_kwargs):
+    """Build (``setup`` runs after sharding), train ``steps`` steps, return model, optimizer, results."""
+    model = fsdp_model(cfg, device="cpu", mp_policy=mp, use_tide=use_tide, prefetch=prefetch, **fsdp_kwargs)
+    if setup is not None:
+        setup(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tide.fsdp.reset_stats()
+    counter = CopyOpCounter()
+    losses = []
+    for step in range(steps):
+        if count_ops:
+            with counter:
+                losses.append(train_step(model, optim, cfg, step, rank, accum=accum, no_sync=no_sync).item())
+        else:
+            losses.append(train_step(model, optim, cfg, step, rank, accum=accum, no_sync=no_sync).item())
+    return model, optim, {"losses": losses, "params": _full_params(model), "stats": tide.fsdp.stats(),
+                          "copy_ops": counter.counts}
+
+
+def _pair(cfg, rank, *, steps=5, stock_setup=None, tide_setup=None, **kw) -> dict:
+    _, _, stock = _train(cfg, rank, use_tide=False, steps=steps, setup=stock_setup, **kw)
+    _, _, tide_ = _train(cfg, rank, use_tide=True, steps=steps, setup=tide_setup, **kw)
+    return {"stock": stock, "tide": tide_}
+
+
+def _count_post_accumulate_hooks(counter: list):
+    def setup(model):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda _p: counter.append(1))
+    return setup
+
+
+def _state_dict_roundtrip(cfg, rank, ckpt_dir: str) -> dict:
+    """Train with TIDE, save the sharded model+optimizer state with DCP, load it into a fresh TIDE model,
+    train one more step on both: the reloaded run must continue bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim, _ = _train(cfg, rank, use_tide=True, steps=3, mp=BF16)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir)
+    fresh = fsdp_model(cfg, device="cpu", mp_policy=BF16, use_tide=True, seed=123)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_optim.zero_grad()
+    fmsd, fosd = get_state_dict(fresh, fresh_optim)
+    state = {"model": fmsd, "optim": fosd}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_state_dict(fresh, fresh_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded_equal = all((a == b).all() for a, b in zip(_full_params(model), _full_params(fresh)))
+    tide.fsdp.reset_stats()
+    cont = train_step(model, optim, cfg, 3, rank).item()
+    cont_fresh = train_step(fresh, fresh_optim, cfg, 3, rank).item()
+    return {"loaded_equal": loaded_equal, "continued": (cont, cont_fresh),
+            "params_equal": all((a == b).all() for a, b in zip(_full_params(model), _full_params(fresh))),
+            "stats": tide.fsdp.stats()}
+
+
+def parity(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    """Every parity configuration on one world size (one spawn: spawning dominates the test time)."""
+    torch.set_num_threads(1)
+    tiny = PRESETS["tiny"]
+    tied = PRESETS["tiny"].__class__(**{**PRESETS["tiny"].__dict__, "tie_embeddings": True})
+    out = {}
+    # bf16 params / fp32 reduce, reshard after forward, explicit prefetch; TIDE with force-sum (same
+    # values as stock's AVG: sum then /W). Copy ops are counted in both runs (stock is the control).
+    out["bf16_prefetch"] = _pair(tiny, rank, mp=BF16, prefetch=True, count_ops=True,
+                                 tide_setup=lambda m: m.set_force_sum_reduction_for_comms(True))
+    # No mixed precision, no reshard after forward, tied head, 2 micro-batches accumulating into the
+    # sharded .grad (TIDE adds in place when every shard is even), post-accumulate-grad hooks.
+    hooks = {"stock": [], "tide": []}
+    out["fp32_tied_accum"] = _pair(tied, rank, accum=2, reshard_after_forward=False,
+                                   stock_setup=_count_post_accumulate_hooks(hooks["stock"]),
+                                   tide_setup=_count_post_accumulate_hooks(hooks["tide"]))
+    out["fp32_tied_accum"]["hooks"] = {k: len(v) for k, v in hooks.items()}
+
+    # bf16 + no_sync accumulation (fp32 unsharded grads reach the reduce) with gradient_divide_factor 3:
+    # stock runs it as force-sum + post-divide (gloo has no PREMUL_SUM), TIDE as a plain divide factor.
+    def divide_by_3(force_sum):
+        def setup(m):
+            m.set_gradient_divide_factor(3.0)
+            m.set_force_sum_reduction_for_comms(force_sum)
+        return setup
+    out["bf16_no_sync_factor"] = _pair(tiny, rank, mp=BF16, accum=2, no_sync=True,
+                                       stock_setup=divide_by_3(True), tide_setup=divide_by_3(False))
+    out["state_dict"] = _state_dict_roundtrip(tiny, rank, ckpt_dir)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ fallbacks
+def _shard_dim1(world_size):
+    from torch.distributed.tensor import Shard
+
+    def fn(param):
+        return Shard(1) if param.dim() == 2 and param.shape[1] % world_size == 0 else None
+    return fn
+
+
+def _async_unshard(model):
+    model._set_unshard_async_op(True)
+
+
+def _frozen_bf16_param(model):
+    # A frozen bf16 parameter in block 0's fp32 group: that group's all-gather mixes dtypes (stock's
+    # uint8 path); its reduce only sees fp32 grads (stock FSDP2 itself needs uniform grad dtypes).
+    frozen = torch.nn.Parameter(torch.randn(7, 3).to(torch.bfloat16), requires_grad=False)
+    model.layers[0].register_parameter("frozen_bf16", frozen)
+
+
+def _unknown_args(cfg, rank) -> dict:
+    """A newer FSDP passing an extra argument: the wrapper hands it, untouched, to the original
+    function (here the stock one, which rejects it) and counts stock:unknown_args."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
+
+    model, _, _ = _train(cfg, rank, use_tide=True, steps=1)
+    group = tide.fsdp.param_groups(model)[0]
+    stream = torch.cpu.current_stream()
+    tide.fsdp.reset_stats()
+    try:
+        _pg.foreach_all_gather(group.fsdp_params, group._all_gather_process_group, False, stream, stream,
+                               group.device, group._all_gather_comm, future_flag=True)
+        error = None
+    except TypeError as e:
+        error = str(e)
+    return {"error": error, "stats": tide.fsdp.stats()}
+
+
+def fallbacks_2(rank: int, world_size: int) -> dict:
+    """Fallback cases on 2 ranks: each trains stock and TIDE-enabled; the reasons come from stats()."""
+    torch.set_num_threads(1)
+    tiny = PRESETS["tiny"]
+    return {
+        "shard_dim": _pair(tiny, rank, steps=3, shard_placement_fn=_shard_dim1(world_size)),
+        "cpu_offload": _pair(tiny, rank, steps=3, offload_policy=CPUOffloadPolicy(pin_memory=False)),
+        "async_op": _pair(tiny, rank, steps=3, stock_setup=_async_unshard, tide_setup=_async_unshard),
+        "mixed_param_dtypes": _pair(tiny, rank, steps=3, before_shard=_frozen_bf16_param),
+        "unknown_args": _unknown_args(tiny, rank),
+    }
+
+
+def fallbacks_4(rank: int, world_size: int) -> dict:
+    """HSDP (2 replicas x 2 shards) and reshard_after_forward=2 (post-forward mesh) on 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    tiny = PRESETS["tiny"]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return {
+        "hsdp": _pair(tiny, rank, steps=3, mesh=mesh, mp=BF16),
+        "reshard_int": _pair(tiny, rank, steps=3, reshard_after_forward=2, mp=BF16),
+    }
+
+
+def world_size_1(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    return {"ws1": _pair(PRESETS["tiny"], rank, steps=3, mp=BF16)}
+
+
+def enable_disable(rank: int, world_size: int) -> dict:
+    """enable twice (idempotent, updates rs_mode), then disable: the groups get their stock comms back."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    torch.set_num_threads(1)
+    cfg = PRESETS["tiny"]
+    model, optim, first = _train(cfg, rank, use_tide=True, steps=1)
+    tide.fsdp.enable(model, rs_mode="slot_reuse")
+    groups = tide.fsdp.param_groups(model)
+    once = all(type(g._all_gather_comm.fallback) is DefaultAllGather
+               and type(g._reduce_scatter_comm.fallback) is DefaultReduceScatter
+               and g._reduce_scatter_comm.rs_mode == "slot_reuse" for g in groups)
+    tide.fsdp.reset_stats()
+    train_step(model, optim, cfg, 1, rank)
+    slot_reuse = tide.fsdp.stats()
+    tide.fsdp.disable(model)
+    restored = all(type(g._all_gather_comm) is DefaultAllGather and type(g._reduce_scatter_comm) is DefaultReduceScatter
+                   for g in groups)
+    tide.fsdp.reset_stats()
+    train_step(model, optim, cfg, 2, rank)
+    return {"first": first["stats"], "once": once, "slot_reuse": slot_reuse, "restored": restored,
+            "after_disable": tide.fsdp.stats(), "groups": len(groups)}
