@@ -6,12 +6,15 @@ from tests.fsdp import workers
 from tide.launch import run_ranks
 
 
-def assert_parity(result: dict, loss_atol: float) -> None:
+def assert_parity(result: dict, loss_atol: float, grad_atol: float = workers.GRAD_ATOL) -> None:
     stock, tide_ = result["stock"], result["tide"]
     torch.testing.assert_close(torch.tensor(tide_["losses"]), torch.tensor(stock["losses"]), atol=loss_atol, rtol=0)
     assert len(stock["params"]) == len(tide_["params"])
     for a, b in zip(tide_["params"], stock["params"]):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=workers.PARAM_ATOL, rtol=workers.PARAM_RTOL)
+    assert len(stock["grads"]) == len(tide_["grads"]) > 0
+    for a, b in zip(tide_["grads"], stock["grads"]):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=grad_atol, rtol=workers.GRAD_RTOL)
 
 
 def assert_all_tide(stats: dict) -> None:

@@ -9,8 +9,10 @@ applies 1/W as a multiply; gloo sums in its own order and divides. Each reduced 
 can differ by a few fp32 ulps (relative ~1e-7 for W <= 4, observed 0 to 2 ulps); AdamW turns that
 into parameter differences of the same relative order per step, which 5-7 steps cannot grow beyond
 ~1e-6 absolute on O(1) parameters. With bf16 params a last-ulp fp32 difference can flip one bf16
-rounding (2^-8 relative on that element), which moves the loss by far less than 1e-3. A real
-error (wrong scale, wrong rows, a lost accumulation) moves both by >1e-2.
+rounding (2^-8 relative on that element), which moves the loss by far less than 1e-3. The final
+gradients (one extra backward, same parameters up to those ulps) agree to ~1e-6 relative. A real
+error moves losses/parameters by >1e-2 (wrong rows, a lost accumulation) or the gradients by its own
+relative size (a wrong divide factor, to which AdamW's update is blind).
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tide.fsdp
-from tide.models import PRESETS
+from tide.models import PRESETS, batch, loss_fn
 from tide.train import fsdp_model, train_step
 
 PARAM_ATOL, PARAM_RTOL = 1e-5, 1e-4
+GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
 LOSS_ATOL_FP32, LOSS_ATOL_BF16 = 1e-5, 1e-3
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -66,8 +69,15 @@ def _train(cfg, rank, *, use_tide, steps, mp=None, accum=1, no_sync=False, prefe
                 losses.append(train_step(model, optim, cfg, step, rank, accum=accum, no_sync=no_sync).item())
         else:
             losses.append(train_step(model, optim, cfg, step, rank, accum=accum, no_sync=no_sync).item())
-    return model, optim, {"losses": losses, "params": _full_params(model), "stats": tide.fsdp.stats(),
-                          "copy_ops": counter.counts}
+    stats = tide.fsdp.stats()
+    # One more backward without an optimizer step: AdamW is blind to a uniformly mis-scaled gradient,
+    # so the test also compares the reduced gradients themselves.
+    tokens, targets = batch(cfg, steps * accum, rank)
+    loss_fn(model(tokens), targets).backward()
+    grads = [p.grad.full_tensor().numpy().copy() for p in model.parameters() if p.grad is not None]
+    optim.zero_grad(set_to_none=True)
+    return model, optim, {"losses": losses, "params": _full_params(model), "grads": grads,
+                          "stats": stats, "copy_ops": counter.counts}
 
 
 def _pair(cfg, rank, *, steps=5, stock_setup=None, tide_setup=None, **kw) -> dict:
