@@ -1,0 +1,274 @@
+// tide sum_contributions: the destination-side kernel of TIDE-RS.
+//
+// For every segment s of a launch (see SumSegment in csrc/tide.h):
+//
+//   x_k(i) = k == own_rank ? own[i] : (staging + k * stride + entry_off)[i]      k = 0 .. K-1
+//   acc    = float(x_0(i));  acc = acc + float(x_1(i));  ...;  acc = acc + float(x_{K-1}(i))
+//   v      = acc * float(scale)
+//   out[i] = accumulate ? out[i] + v : v                                           i in [0, n)
+//
+// in exactly that order, each step one IEEE fp32 operation rounded to nearest (__fadd_rn /
+// __fmul_rn, so nvcc cannot contract a step into an FMA). That is bit for bit what the reference
+// backend computes (tide.ops.reference.sum_contributions_). Padding segments (zero != 0) write 0.
+//
+// The grid is persistent and bounded (default 16 CTAs, TIDE_RS_CTAS): the kernel is short-lived,
+// shares the GPU with the model's kernels, and never waits on a flag (the stream waits before it with
+// cuStreamWaitValue32), so it cannot starve the SM-run "copies" of a 1-GPU test. Each thread keeps
+// kUnroll 16-B vectors of each of the K sources in flight before it adds (K templated for 1..8);
+// segments whose pointers are not all 16-B aligned, and vector tails, take a scalar path.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <c10/util/Exception.h>
+
+#include "tide.h"
+
+namespace tide {
+namespace {
+
+constexpr int kUnroll = 2;  // 16-B vectors per source per thread in flight (measured sweet spot, transport.md §6)
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float load(const void* p, int64_t i) {
+    return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+  }
+};
+template <>
+struct Elem<__half> {
+  static __device__ __forceinline__ float load(const void* p, int64_t i) {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  }
+};
+
+// Unpacks one 16-B vector into its elements as fp32 (exact conversions).
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& v, float* f);
+template <>
+__device__ __forceinline__ void unpack<float>(const uint4& v, float* f) {
+  f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+}
+template <>
+__device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& v, float* f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    f[2 * j] = __uint_as_float(w[j] << 16);
+    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+template <>
+__device__ __forceinline__ void unpack<__half>(const uint4& v, float* f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    __half2 h = *reinterpret_cast<const __half2*>(&w[j]);
+    float2 g = __half22float2(h);
+    f[2 * j] = g.x;
+    f[2 * j + 1] = g.y;
+  }
+}
+
+// The launch-wide scalars, copied out of the parameter struct into registers (passing the whole
+// SumArgs by reference would make nvcc copy its 3.9 KB to the stack).
+struct Common {
+  const char* staging;
+  int64_t stride;
+  int32_t k;
+  int32_t own_rank;
+  float scale;
+  int32_t accumulate;
+};
+
+// A streaming 16-B load: read-only path, no L1 allocation, and a 256-B L2 prefetch hint, which keeps
+// more bytes in flight per CTA than a plain __ldg (the sources are read exactly once).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ const void* source(const Common& a, const SumSegment& s, int k) {
+  return k == a.own_rank ? s.own : static_cast<const void*>(a.staging + k * a.stride + s.entry_off);
+}
+
+__device__ __forceinline__ float finish(float acc, float scale, bool accumulate, float old) {
+  const float v = __fmul_rn(acc, scale);
+  return accumulate ? __fadd_rn(old, v) : v;
+}
+
+// Scalar path over elements [begin, n): any alignment, any K.
+template <typename T>
+__device__ void sum_scalar(const Common& a, const SumSegment& s, int64_t begin) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < s.n; i += stride) {
+    float acc = Elem<T>::load(source(a, s, 0), i);
+    for (int k = 1; k < a.k; ++k) acc = __fadd_rn(acc, Elem<T>::load(source(a, s, k), i));
+    s.out[i] = finish(acc, a.scale, a.accumulate, a.accumulate ? s.out[i] : 0.f);
+  }
+}
+
+// Vector path over the first nvec 16-B vectors of every source; K known at compile time.
+template <typename T, int K>
+__device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
+  constexpr int E = 16 / sizeof(T);  // elements per 16-B vector
+  const uint4* src[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) src[k] = static_cast<const uint4*>(source(a, s, k));
+  float4* out = reinterpret_cast<float4*>(s.out);
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < nvec;
+       base += nthreads * kUnroll) {
+    uint4 v[kUnroll][K];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t idx = base + u * nthreads;
+      if (idx < nvec) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[u][k] = ld_stream(src[k] + idx);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t idx = base + u * nthreads;
+      if (idx >= nvec) continue;
+      float acc[E], x[E];
+      unpack<T>(v[u][0], acc);
+#pragma unroll
+      for (int k = 1; k < K; ++k) {
+        unpack<T>(v[u][k], x);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
+      }
+#pragma unroll
+      for (int q = 0; q < E / 4; ++q) {
+        float4* o = out + idx * (E / 4) + q;
+        float4 old = a.accumulate ? *o : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 r;
+        r.x = finish(acc[4 * q + 0], a.scale, a.accumulate, old.x);
+        r.y = finish(acc[4 * q + 1], a.scale, a.accumulate, old.y);
+        r.z = finish(acc[4 * q + 2], a.scale, a.accumulate, old.z);
+        r.w = finish(acc[4 * q + 3], a.scale, a.accumulate, old.w);
+        *o = r;
+      }
+    }
+  }
+}
+
+// Vector path with K known only at run time (K > 8): one vector per source at a time.
+template <typename T>
+__device__ void sum_vector_any_k(const Common& a, const SumSegment& s, int64_t nvec) {
+  constexpr int E = 16 / sizeof(T);
+  float4* out = reinterpret_cast<float4*>(s.out);
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < nvec; idx += nthreads) {
+    float acc[E], x[E];
+    unpack<T>(__ldg(static_cast<const uint4*>(source(a, s, 0)) + idx), acc);
+    for (int k = 1; k < a.k; ++k) {
+      unpack<T>(__ldg(static_cast<const uint4*>(source(a, s, k)) + idx), x);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
+    }
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q) {
+      float4* o = out + idx * (E / 4) + q;
+      float4 old = a.accumulate ? *o : make_float4(0.f, 0.f, 0.f, 0.f);
+      float4 r;
+      r.x = finish(acc[4 * q + 0], a.scale, a.accumulate, old.x);
+      r.y = finish(acc[4 * q + 1], a.scale, a.accumulate, old.y);
+      r.z = finish(acc[4 * q + 2], a.scale, a.accumulate, old.z);
+      r.w = finish(acc[4 * q + 3], a.scale, a.accumulate, old.w);
+      *o = r;
+    }
+  }
+}
+
+template <typename T, int K>
+__device__ void sum_segment(const Common& a, const SumSegment& s) {
+  constexpr int E = 16 / sizeof(T);
+  bool aligned = (reinterpret_cast<uintptr_t>(s.out) & 15) == 0;
+  for (int k = 0; k < a.k; ++k) aligned = aligned && (reinterpret_cast<uintptr_t>(source(a, s, k)) & 15) == 0;
+  if (!aligned) {
+    sum_scalar<T>(a, s, 0);
+    return;
+  }
+  const int64_t nvec = s.n / E;
+  if constexpr (K > 0) {
+    sum_vector<T, K>(a, s, nvec);
+  } else {
+    sum_vector_any_k<T>(a, s, nvec);
+  }
+  sum_scalar<T>(a, s, nvec * E);  // tail: fewer than E elements
+}
+
+__device__ void zero_segment(const SumSegment& s) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < s.n; i += stride) s.out[i] = 0.f;
+}
+
+// One instantiation per (source dtype, K): every non-padding segment of a launch has dtype T, and
+// K = 0 means "K known at run time" (more than 8 contributions).
+template <typename T, int K>
+__global__ void __launch_bounds__(kSumThreads, 1) sum_contributions_kernel(const __grid_constant__ SumArgs a) {
+  const Common c{a.staging, a.stride, a.k, a.own_rank, a.scale, a.accumulate};
+  for (int i = 0; i < a.nseg; ++i) {
+    const SumSegment s = a.seg[i];
+    if (s.zero) {
+      zero_segment(s);
+    } else {
+      sum_segment<T, K>(c, s);
+    }
+  }
+}
+
+template <typename T>
+void launch_typed(const SumArgs& a, int ctas, cudaStream_t stream) {
+  switch (a.k) {
+    case 1: sum_contributions_kernel<T, 1><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 2: sum_contributions_kernel<T, 2><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 3: sum_contributions_kernel<T, 3><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 4: sum_contributions_kernel<T, 4><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 5: sum_contributions_kernel<T, 5><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 6: sum_contributions_kernel<T, 6><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 7: sum_contributions_kernel<T, 7><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 8: sum_contributions_kernel<T, 8><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    default: sum_contributions_kernel<T, 0><<<ctas, kSumThreads, 0, stream>>>(a); break;
+  }
+}
+
+}  // namespace
+
+void launch_sum_contributions(const SumArgs& args, int ctas, cudaStream_t stream) {
+  TORCH_CHECK(args.nseg >= 0 && args.nseg <= kMaxSegments, "tide.sum_contributions: nseg=", args.nseg,
+              " out of range [0, ", kMaxSegments, "]");
+  TORCH_CHECK(args.k >= 1, "tide.sum_contributions: needs at least one contribution, got k=", args.k);
+  TORCH_CHECK(ctas >= 1, "tide.sum_contributions: ctas must be >= 1 (TIDE_RS_CTAS), got ", ctas);
+  if (args.nseg == 0) return;
+  int32_t dtype = -1;
+  for (int i = 0; i < args.nseg; ++i) {
+    if (args.seg[i].zero) continue;
+    TORCH_CHECK(dtype < 0 || dtype == args.seg[i].dtype,
+                "tide.sum_contributions: all segments of one launch must share a dtype (segment ", i, ")");
+    dtype = args.seg[i].dtype;
+  }
+  if (dtype == kBF16) {
+    launch_typed<__nv_bfloat16>(args, ctas, stream);
+  } else if (dtype == kF16) {
+    launch_typed<__half>(args, ctas, stream);
+  } else {
+    launch_typed<float>(args, ctas, stream);
+  }
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "tide.sum_contributions: launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace tide

@@ -1,0 +1,75 @@
+// Shared declarations of the TIDE CUDA extension: kernel argument structs and launchers.
+//
+// Kernel arguments travel by value as one __grid_constant__ struct, so a launch needs no device-side
+// descriptor table and no extra copy. kMaxSegments bounds that struct below the classic 4 KB
+// kernel-parameter limit (96 * 40 B + header = 3.9 KB); a host call with more segments splits into
+// several launches on the same stream.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace tide {
+
+// Wire dtypes of the tide ops (tide.meta.checks.FLOAT_DTYPES).
+enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+#if defined(__CUDACC__)
+#define TIDE_HOST_DEVICE __host__ __device__
+#else
+#define TIDE_HOST_DEVICE
+#endif
+
+TIDE_HOST_DEVICE inline int dtype_size(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
+
+constexpr int kMaxSegments = 96;    // keeps SumArgs / CastArgs under 4 KB of kernel parameters
+constexpr int kSumThreads = 512;    // 16 warps per summing CTA: enough 16-B loads in flight per SM
+constexpr int kCastThreads = 512;
+
+// One segment of the summing kernel:
+//   out[i] (+)= scale * (x_0[i] + x_1[i] + ... + x_{K-1}[i]),  i in [0, n), fp32, k in rank order,
+// where x_k = own                                     for k == own_rank (read where it lies), and
+//       x_k = staging + k * stride + entry_off         otherwise (the k-th contributor's entry).
+// zero != 0 makes it a padding segment: out[i] = 0.
+struct SumSegment {
+  float* out;
+  const void* own;
+  int64_t entry_off;
+  int64_t n;
+  int32_t dtype;  // dtype of every x_k
+  int32_t zero;
+};
+
+struct SumArgs {
+  const char* staging;
+  int64_t stride;
+  int32_t k;
+  int32_t own_rank;
+  float scale;
+  int32_t accumulate;
+  int32_t nseg;
+  SumSegment seg[kMaxSegments];
+};
+
+// Launches the bounded-grid summing kernel (csrc/ops/sum_contributions.cu) on `stream`.
+void launch_sum_contributions(const SumArgs& args, int ctas, cudaStream_t stream);
+
+// One segment of the cast/copy kernel: dst[i] = cast<dst_dtype>(src[i]), i in [0, n).
+struct CastSegment {
+  const void* src;
+  void* dst;
+  int64_t n;
+  int32_t src_dtype;
+  int32_t dst_dtype;
+};
+
+struct CastArgs {
+  int32_t nseg;
+  CastSegment seg[kMaxSegments];
+};
+
+// Launches the multi-segment cast/copy kernel (csrc/ops/cast_segments.cu) on `stream`.
+void launch_cast_segments(const CastArgs& args, int ctas, cudaStream_t stream);
+
+}  // namespace tide

@@ -1,0 +1,313 @@
+"""Rank functions of the CUDA transport tests (spawned by tide.launch.run_ranks; importable without CUDA).
+
+Every check compares the CUDA transport with the reference backend bit for bit: the reference runs
+on CPU copies of the same inputs over the same gloo group (``torch.ops.tide.*`` on CPU tensors), the
+CUDA outputs are poisoned (NaN) before each call, and inputs are fresh random data each time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+# Multicast stays off everywhere; several ranks may share one GPU through symmetric memory over gloo.
+ENV = {
+    "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+AG_DTYPES = (torch.float32, torch.bfloat16)
+RS_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
+
+
+def assert_bits(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if not bits_equal(got, want):
+        g, w = got.detach().cpu().float(), want.detach().cpu().float()
+        bad = ~((g == w) | (g.isnan() & w.isnan()))
+        raise AssertionError(f"{what}: {int(bad.sum())} of {g.numel()} elements differ "
+                             f"(first at {bad.flatten().nonzero()[:5].flatten().tolist()}; "
+                             f"got {g.flatten()[bad.flatten()][:5].tolist()}, want {w.flatten()[bad.flatten()][:5].tolist()})")
+
+
+def random_shapes(rng: random.Random, world_size: int, n_params: int, allow_0d: bool) -> list[tuple]:
+    shapes = []
+    for _ in range(n_params):
+        kind = rng.random()
+        if allow_0d and kind < 0.05:
+            shapes.append(())
+        elif kind < 0.4:
+            shapes.append((rng.randint(1, 4 * world_size + 7),))
+        else:
+            shapes.append((rng.randint(1, 3 * world_size + 5), rng.randint(1, 67)))
+    return shapes
+
+
+def _data(shape, dtype, gen) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def ag_case(rng: random.Random, world_size: int, rank: int, seed: int, n_params: int):
+    """Padded shards (this rank's, CPU) and the out dtypes of one random all-gather."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    shard_shapes = []
+    for s in random_shapes(rng, world_size, n_params, allow_0d=False):
+        c = -(-s[0] // world_size)
+        shard_shapes.append((c, *s[1:]))
+    shard_dtypes = [rng.choice(AG_DTYPES) for _ in shard_shapes]
+    out_dtypes = [rng.choice(AG_DTYPES) for _ in shard_shapes]
+    shards = [_data(sh, dt, gen) for sh, dt in zip(shard_shapes, shard_dtypes)]
+    return shards, out_dtypes
+
+
+def rs_case(rng: random.Random, world_size: int, rank: int, seed: int, n_params: int):
+    """Unpadded grads (CPU), initial shard grads (CPU, random: used when accumulating), scale, accumulate."""
+    from tide.meta.layout import rows_and_row_numel, shard_rows
+
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    shapes = random_shapes(rng, world_size, n_params, allow_0d=True)
+    dtype_all = rng.choice(RS_DTYPES + (None,))  # None: a mix of dtypes within the group
+    grads, shards = [], []
+    for s in shapes:
+        dt = dtype_all or rng.choice(RS_DTYPES)
+        grads.append(_data(s, dt, gen))
+        d0, _ = rows_and_row_numel(s)
+        shards.append(torch.randn((shard_rows(d0, world_size), *s[1:]), generator=gen))
+    scale = rng.choice([1.0, 1.0 / world_size, rng.uniform(0.01, 3.0)])
+    accumulate = rng.random() < 0.4
+    return grads, shards, scale, accumulate
+
+
+def ref_all_gather(shards_cpu, out_dtypes, world_size, group_name):
+    outs = [torch.full((world_size * s.numel(),), float("nan"), dtype=dt) for s, dt in zip(shards_cpu, out_dtypes)]
+    torch.ops.tide.all_gather_into_params_(shards_cpu, outs, world_size, group_name)
+    return outs
+
+
+def ref_reduce_scatter(grads_cpu, shards_cpu, scale, accumulate, world_size, group_name):
+    outs = [s.clone() if accumulate else torch.full_like(s, float("nan")) for s in shards_cpu]
+    torch.ops.tide.reduce_scatter_params_(grads_cpu, outs, scale, accumulate, world_size, group_name)
+    return outs
+
+
+def cuda_all_gather(arena, shards_cpu, out_dtypes, world_size, group_name, bound: bool):
+    dev = arena.device
+    shards = [s.to(dev) for s in shards_cpu]
+    if bound:
+        from tide.transport import plans
+
+        layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, world_size)
+        outs = arena.slot_views(layout, out_dtypes, arena.next_slot())
+    else:
+        outs = [torch.empty((world_size * s.numel(),), dtype=dt, device=dev) for s, dt in zip(shards, out_dtypes)]
+    for o in outs:
+        o.fill_(float("nan"))
+    torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group_name)
+    return [o.clone() for o in outs] if bound else outs  # a bound slot is reused K calls later
+
+
+def cuda_reduce_scatter(arena, grads_cpu, shards_cpu, scale, accumulate, world_size, group_name, mode):
+    dev = arena.device
+    grads = [g.to(dev) for g in grads_cpu]
+    outs = [s.to(dev) if accumulate else torch.full(s.shape, float("nan"), device=dev) for s in shards_cpu]
+    arena.rs_mode = mode
+    torch.ops.tide.reduce_scatter_params_(grads, outs, scale, accumulate, world_size, group_name)
+    return outs
+
+
+def _enable(group, slot_bytes, ring_bytes):
+    from tide import transport
+
+    return transport.enable(group, slot_bytes=slot_bytes, rs_ring_bytes=ring_bytes)
+
+
+def bitexact(rank: int, world_size: int, seed: int, trials: int) -> dict:
+    """Random all-gathers (bound and unbound outputs) and reduce-scatters (both modes), each checked."""
+    import tide  # noqa: F401
+    from tide import transport
+
+    transport.reset_stats()
+    group = dist.group.WORLD
+    name = group.group_name
+    arena = _enable(group, 4 << 20, 64 << 10)  # a tiny ring: chunks span several rounds and wrap it
+    rng = random.Random(seed)  # same stream on every rank: shapes, dtypes and modes agree
+    checked = 0
+    for t in range(trials):
+        shards, out_dtypes = ag_case(rng, world_size, rank, seed + t, rng.randint(1, 14))
+        bound = rng.random() < 0.5
+        got = cuda_all_gather(arena, shards, out_dtypes, world_size, name, bound)
+        want = ref_all_gather(shards, out_dtypes, world_size, name)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_bits(f"rank {rank} trial {t} all_gather param {i} (bound={bound})", g, w)
+        grads, init, scale, acc = rs_case(rng, world_size, rank, seed + t, rng.randint(1, 14))
+        mode = rng.choice(("in_place", "slot_reuse"))
+        got = cuda_reduce_scatter(arena, grads, init, scale, acc, world_size, name, mode)
+        want = ref_reduce_scatter(grads, init, scale, acc, world_size, name)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_bits(f"rank {rank} trial {t} reduce_scatter param {i} (mode={mode}, acc={acc})", g, w)
+        checked += 2
+    torch.cuda.synchronize()
+    return {"checked": checked, "stats": transport.stats()["calls"]}
+
+
+def stress(rank: int, world_size: int, seed: int, steps: int) -> dict:
+    """A random sequence of AG/RS calls over several groups (world, a duplicate of it, pairs), both RS
+    modes, bound and unbound outputs, issued back to back and checked at the end."""
+    import tide  # noqa: F401
+    from tide import transport
+
+    transport.reset_stats()
+    groups = [dist.group.WORLD, dist.new_group(backend="gloo")]
+    pairs = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, world_size - 1, 2)] if world_size >= 4 else []
+    if pairs:
+        groups.append(pairs[rank // 2] if rank // 2 < len(pairs) else None)
+    arenas = {}
+    for i, g in enumerate(groups):
+        if g is not None:
+            arenas[i] = _enable(g, 2 << 20, (16 << 10) * g.size() * (i + 1))
+    rng = random.Random(seed)
+    pending = []
+    for step in range(steps):
+        gi = rng.randrange(len(groups))
+        op = rng.choice(("ag", "rs"))
+        n_params = rng.randint(1, 10)
+        flavour = rng.random()
+        case_rng = random.Random(rng.random())
+        if groups[gi] is None or gi not in arenas:
+            continue
+        g, arena = groups[gi], arenas[gi]
+        W, r, name = g.size(), g.rank(), g.group_name
+        if op == "ag":
+            shards, out_dtypes = ag_case(case_rng, W, r, seed * 7 + step, n_params)
+            got = cuda_all_gather(arena, shards, out_dtypes, W, name, bound=flavour < 0.5)
+            pending.append((f"step {step} ag group {gi}", got, (shards, out_dtypes, W, name), "ag"))
+        else:
+            grads, init, scale, acc = rs_case(case_rng, W, r, seed * 7 + step, n_params)
+            mode = "slot_reuse" if flavour < 0.5 else "in_place"
+            got = cuda_reduce_scatter(arena, grads, init, scale, acc, W, name, mode)
+            pending.append((f"step {step} rs group {gi} {mode}", got, (grads, init, scale, acc, W, name), "rs"))
+    torch.cuda.synchronize()
+    # References in issue order (each group's ranks issue the same sequence of reference collectives).
+    for what, got, args, op in pending:
+        want = ref_all_gather(*args) if op == "ag" else ref_reduce_scatter(*args)
+        for i, (gt, w) in enumerate(zip(got, want)):
+            assert_bits(f"rank {rank} {what} param {i}", gt, w)
+    return {"checked": len(pending), "stats": transport.stats()["calls"]}
+
+
+def _chrome_kernels(prof, path: str) -> list[dict]:
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    return [{"cat": e.get("cat"), "name": e.get("name")} for e in events
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def profile_zero_sm(rank: int, world_size: int, trace_dir: str) -> dict:
+    """GPU activity of one TIDE-AG and one TIDE-RS (after a warm-up), from torch.profiler."""
+    import tide  # noqa: F401
+    from torch.profiler import ProfilerActivity, profile
+
+    group = dist.group.WORLD
+    name = group.group_name
+    arena = _enable(group, 4 << 20, 1 << 20)
+    rng = random.Random(5)
+    shards, out_dtypes = ag_case(rng, world_size, rank, 11, 8)
+    shards = [s.to(torch.bfloat16) for s in shards]
+    out_dtypes = [torch.bfloat16] * len(shards)
+    grads, init, _, _ = rs_case(rng, world_size, rank, 12, 8)
+    grads = [g.to(torch.bfloat16) for g in grads]
+    for _ in range(2):  # warm-up: extension, plans, first-use driver work
+        cuda_all_gather(arena, shards, out_dtypes, world_size, name, bound=True)
+        cuda_reduce_scatter(arena, grads, init, 1.0, False, world_size, name, "in_place")
+    dev = arena.device
+    shards_d = [s.to(dev) for s in shards]
+    from tide.transport import plans
+
+    layout = plans.all_gather_layout([s.shape for s in shards_d], out_dtypes, world_size)
+    outs = arena.slot_views(layout, out_dtypes, arena.next_slot())
+    grads_d = [g.to(dev) for g in grads]
+    shard_out = [torch.empty(s.shape, device=dev) for s in init]
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof_ag:
+        torch.ops.tide.all_gather_into_params_(shards_d, outs, world_size, name)
+        torch.cuda.synchronize()
+    dist.barrier()
+    arena.rs_mode = "in_place"
+    with profile(activities=[ProfilerActivity.CUDA]) as prof_rs:
+        torch.ops.tide.reduce_scatter_params_(grads_d, shard_out, 1.0, False, world_size, name)
+        torch.cuda.synchronize()
+    dist.barrier()
+    return {
+        "gpus": torch.cuda.device_count(),
+        "ag": _chrome_kernels(prof_ag, os.path.join(trace_dir, f"ag_rank{rank}.json")),
+        "rs": _chrome_kernels(prof_rs, os.path.join(trace_dir, f"rs_rank{rank}.json")),
+        "counters": arena.counters(),
+    }
+
+
+def fallbacks(rank: int, world_size: int) -> dict:
+    """One NCCL rank: TIDE path, stock path without an arena, stock path under CUDA-graph capture."""
+    import tide  # noqa: F401
+    from tide import transport
+    from tide.transport import probe
+
+    transport.reset_stats()
+    group = dist.group.WORLD
+    name = group.group_name
+    dev = torch.device("cuda", torch.cuda.current_device())
+    shards = [torch.randn(5, 3, device=dev), torch.randn(7, device=dev, dtype=torch.bfloat16)]
+    want = [s.float().flatten() for s in shards]
+
+    def run(outs):
+        for o in outs:
+            o.fill_(float("nan"))
+        torch.ops.tide.all_gather_into_params_(shards, outs, 1, name)
+
+    outs = [torch.empty(15, device=dev), torch.empty(7, device=dev)]
+    run(outs)  # no arena yet: stock
+    no_arena_ok = all(bits_equal(o, w) for o, w in zip(outs, want))
+    transport.enable(group, slot_bytes=1 << 16)
+    run(outs)  # TIDE
+    tide_ok = all(bits_equal(o, w) for o, w in zip(outs, want))
+    # Under graph capture: stock collectives (NCCL), captured and replayed.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(outs)  # warm-up outside capture on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.tide.all_gather_into_params_(shards, outs, 1, name)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    graph_ok = all(bits_equal(o, w) for o, w in zip(outs, want))
+    rendezvous_in_capture = "allowed"
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        try:
+            transport.Arena(group, 1 << 16)
+        except RuntimeError as e:  # raised before any CUDA work, so the capture stays valid
+            rendezvous_in_capture = str(e)
+    torch.cuda.synchronize()
+    return {
+        "no_arena_ok": no_arena_ok,
+        "tide_ok": tide_ok,
+        "graph_ok": graph_ok,
+        "rendezvous_in_capture": rendezvous_in_capture,
+        "stats": transport.stats()["calls"],
+        "multicast_allowed": probe.multicast_allowed(),
+        "env": {k: os.environ.get(k) for k in ENV},
+    }

@@ -1,0 +1,68 @@
+"""CUDA kernels of the mutating ``tide`` ops: the TIDE transport when the group has an arena.
+
+For a CUDA call: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``) and
+the current stream is not capturing a CUDA graph, the transport runs (zero-copy when the outputs are
+bound in an arena slot, else gathered in a slot and copied out); otherwise the reference backend runs
+(the stock collectives), and :func:`tide.transport.stats` records why. The functional ``all_gather`` /
+``reduce_scatter`` keep the reference registration: they call these two ops.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+from tide.meta import checks
+from tide.ops import reference
+from tide.transport import arena as _arena
+from tide.transport import records
+
+
+def _arena_for(op: str, group_name: str, world_size: int):
+    a = _arena.get(group_name)
+    if a is None:
+        records.record(op, "stock", "no_arena")
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        records.record(op, "stock", "cuda_graph_capture")
+        return None
+    if a.world_size != world_size:
+        raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has {a.world_size} ranks")
+    return a
+
+
+def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
+    op = "all_gather_into_params_"
+    a = _arena_for(op, group_name, world_size)
+    if a is not None:
+        checks.check_all_gather_into_params(op, shards, outs, world_size)
+        if a.all_gather_into_params(shards, outs) is not None:
+            records.record(op, "tide")
+            return
+        records.record(op, "stock", "group_larger_than_slot")
+    reference.all_gather_into_params_(shards, outs, world_size, group_name)
+
+
+def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name) -> None:
+    op = "reduce_scatter_params_"
+    a = _arena_for(op, group_name, world_size)
+    if a is None:
+        reference.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)
+        return
+    checks.check_reduce_scatter_params(op, grads, shard_grads, world_size)
+    mode = a.reduce_scatter_params(grads, shard_grads, scale, accumulate)
+    records.record(op, "tide", mode)
+
+
+# Replaces the reference's CUDA kernel (tide/ops/reference.py registers ("CPU", "CUDA")). torch 2.11's
+# Library.impl refuses a second Python kernel for a key unless allowed to override.
+_lib = torch.library.Library("tide", "IMPL")
+_OVERRIDE = {"allow_override": True} if "allow_override" in inspect.signature(_lib.impl).parameters else {}
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # torch warns about any override; this one is intended
+    for _name, _fn in (("all_gather_into_params_", all_gather_into_params_),
+                       ("reduce_scatter_params_", reduce_scatter_params_)):
+        if not _OVERRIDE:
+            getattr(torch.library, "_impls", set()).discard(f"tide/{_name}/CUDA")
+        _lib.impl(_name, _fn, "CUDA", **_OVERRIDE)

@@ -1,0 +1,237 @@
+"""The symmetric arena of one TIDE group, and the registry the ``tide`` ops consult.
+
+One arena per TIDE group, rendezvoused once when TIDE is enabled (never inside CUDA-graph capture),
+through torch symmetric memory (CUDA backend; several processes may share one GPU with
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` over a gloo group). Byte layout, identical on every
+rank (peers' copies at ``buffer_ptrs[p]``)::
+
+    [0, flags_bytes)                       int32 flag words: ag_free[K][W], ag_ready[K][W],
+                                           rs_ready[R][W], rs_free[W][R], 4 source words
+    slots_off + i * slot_bytes             all-gather slot i < K (param-major, GroupLayout offsets)
+    ring_off + (s * W + q) * entry_bytes   reduce-scatter staging entry of ring slot s < R, contributor q
+
+Sizes: K = ``num_slots`` (default 2: FSDP2 holds the current and the prefetched group), ``slot_bytes``
+the largest enabled group's ``GroupLayout.slot_bytes``; the staging ring is ``rs_ring_bytes`` in all
+(``TIDE_RS_RING_BYTES``, default 32 MiB, independent of the model), R = ``ring_depth`` slots of W entries.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from tide.meta.layout import GroupLayout
+from tide.transport import plans, records
+
+log = logging.getLogger("tide.transport")
+
+DEFAULT_RS_RING_BYTES = 32 << 20
+DEFAULT_RING_DEPTH = 2
+DEFAULT_CTAS = 16
+RS_MODES = ("in_place", "slot_reuse")
+
+_ARENAS: dict[str, "Arena"] = {}
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+class Arena:
+    """Symmetric memory, flags and CUDA streams of one TIDE group.
+
+    Arguments:
+        group: the group's process group (gloo or NCCL); every rank must construct its arena together.
+        slot_bytes: bytes of one all-gather slot (the largest ``GroupLayout.slot_bytes`` to serve).
+        num_slots: K, the all-gather slot ring.
+        rs_ring_bytes: bytes of the reduce-scatter staging ring (``TIDE_RS_RING_BYTES``).
+        ring_depth: R, staging slots per destination (each holds W entries).
+        ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
+        rs_mode: ``"in_place"`` or ``"slot_reuse"`` for op-level calls (``TIDE_RS_MODE``).
+        batch_copies: one ``cudaMemcpyBatchAsync`` per push (default) or one ``cudaMemcpyAsync`` per piece
+            (``TIDE_CE_BATCH=0``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, slot_bytes: int, *, num_slots: int = 2,
+                 rs_ring_bytes: int | None = None, ring_depth: int = DEFAULT_RING_DEPTH, ctas: int | None = None,
+                 rs_mode: str | None = None, batch_copies: bool | None = None) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        from tide.transport import build
+
+        self.ext = build.load()
+        self.group = group
+        self.group_name = group.group_name
+        self.world_size = group.size()
+        self.rank = group.rank()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.rs_mode = rs_mode or os.environ.get("TIDE_RS_MODE", "in_place")
+        if self.rs_mode not in RS_MODES:
+            raise ValueError(f"tide.transport.Arena: rs_mode must be one of {RS_MODES}, got {self.rs_mode!r}")
+        W = self.world_size
+        self.num_slots = num_slots
+        self.ring_depth = ring_depth
+        self.ctas = ctas or _env_int("TIDE_RS_CTAS", DEFAULT_CTAS)
+        ring = rs_ring_bytes or _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
+        self.entry_bytes = max(4096, (ring // (ring_depth * W)) // 4096 * 4096)
+        self.slot_bytes = _align(max(int(slot_bytes), 16), 4096)
+        flag_words = 2 * num_slots * W + 2 * ring_depth * W + 4
+        self.flags_bytes = _align(4 * flag_words, 4096)
+        self.slots_off = self.flags_bytes
+        self.ring_off = self.slots_off + num_slots * self.slot_bytes
+        self.total_bytes = self.ring_off + ring_depth * W * self.entry_bytes
+        if batch_copies is None:
+            batch_copies = os.environ.get("TIDE_CE_BATCH", "1") != "0"
+
+        self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        bases = [int(p) for p in self.handle.buffer_ptrs]
+        if bases[self.rank] != self.buffer.data_ptr():
+            raise RuntimeError("tide.transport.Arena: symmetric buffer does not start at its allocation base")
+        self.buffer[: self.flags_bytes].zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
+        self._c = self.ext.Arena(self.rank, W, bases, self.device.index, 0, self.slots_off, self.slot_bytes,
+                                 num_slots, self.ring_off, self.entry_bytes, ring_depth, self.ctas, batch_copies)
+        assert self._c.flag_words() == flag_words
+        self._ag_plans: dict = {}
+        self._rs_plans: dict = {}
+        self._logged = False
+
+    def __repr__(self) -> str:
+        return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"
+                f"{self.slot_bytes}, ring={self.ring_depth}x{self.world_size}x{self.entry_bytes}, ctas={self.ctas})")
+
+    # ------------------------------------------------------------------------------------ plans
+    def _log_once(self) -> None:
+        if not self._logged:
+            self._logged = True
+            log.info("tide.transport: %r, %d bytes of symmetric memory", self, self.total_bytes)
+
+    def ag_plan(self, shards: Sequence[torch.Tensor], out_dtypes: Sequence[torch.dtype]):
+        key = (tuple(tuple(s.shape) for s in shards), tuple(out_dtypes))
+        entry = self._ag_plans.get(key)
+        if entry is None:
+            layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, self.world_size)
+            info = plans.ag_plan_info(layout, out_dtypes, self.rank)
+            c = self.ext.AgPlan(info.own_off, info.own_bytes, info.out_off, info.out_numel,
+                                [plans.DTYPE_CODES[d] for d in out_dtypes], layout.slot_bytes)
+            entry = self._ag_plans[key] = (info, c)
+        return entry
+
+    def rs_plan(self, grads: Sequence[torch.Tensor]):
+        key = tuple((tuple(g.shape), g.dtype) for g in grads)
+        entry = self._rs_plans.get(key)
+        if entry is None:
+            info = plans.rs_plan_info([g.shape for g in grads], [g.dtype for g in grads], self.world_size, self.rank,
+                                      self.entry_bytes)
+            flat = [[[x for chunk in rnd for x in chunk] for rnd in per_dest] for per_dest in info.rounds]
+            c = self.ext.RsPlan(flat, [list(p) for p in info.pads], [plans.DTYPE_CODES[g.dtype] for g in grads],
+                                info.pack_off, info.round_bytes, info.pack_bytes)
+            entry = self._rs_plans[key] = (info, c)
+        return entry
+
+    # ------------------------------------------------------------------------------------ ops
+    def all_gather_into_params(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> int | None:
+        """TIDE-AG of ``shards`` into ``outs`` (zero-copy when ``outs`` are bound in a slot, else gathered in
+        the next slot and copied out). Returns the slot, or None when the group does not fit a slot."""
+        info, c = self.ag_plan(shards, [o.dtype for o in outs])
+        if info.layout.slot_bytes > self.slot_bytes:
+            return None
+        self._log_once()
+        return self._c.all_gather(c, list(shards), list(outs))
+
+    def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
+                              accumulate: bool, rs_mode: str | None = None, reuse_slot: int | None = None) -> str:
+        """TIDE-RS into this rank's fp32 ``shard_grads``. ``rs_mode="slot_reuse"`` first packs the gradients
+        into ``reuse_slot`` (default: the slot the next all-gather takes, i.e. the one just vacated) and
+        pushes from there; it degrades to In-Place when the packed gradients do not fit a slot.
+        Returns the mode that ran."""
+        info, c = self.rs_plan(grads)
+        mode = rs_mode or self.rs_mode
+        slot = -1
+        if mode == "slot_reuse":
+            if info.pack_bytes <= self.slot_bytes:
+                slot = self._c.next_slot() if reuse_slot is None else int(reuse_slot)
+            else:
+                mode = "in_place"
+                records.record("reduce_scatter_params_", "tide", "slot_reuse_too_large_in_place")
+        self._log_once()
+        self._c.reduce_scatter(c, list(grads), list(shard_grads), float(scale), bool(accumulate), slot)
+        return mode
+
+    # ------------------------------------------------------------------------------------ zero-copy binding
+    def next_slot(self) -> int:
+        """The slot the next unbound all-gather takes."""
+        return self._c.next_slot()
+
+    def slot_views(self, layout: GroupLayout, dtypes: Sequence[torch.dtype], slot: int) -> list[torch.Tensor]:
+        """1-D views of this rank's slot ``slot`` at every param's all-gather output (param-major)."""
+        if layout.slot_bytes > self.slot_bytes:
+            raise ValueError(f"tide.transport: group needs {layout.slot_bytes} slot bytes, the arena has {self.slot_bytes}")
+        base = self.slots_off + slot * self.slot_bytes
+        views = []
+        for p, dt in zip(layout.params, dtypes):
+            start = base + p.slot_offset
+            views.append(self.buffer[start:start + p.out_bytes].view(dt))
+        return views
+
+    def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int | None = None) -> int:
+        """Point the storages of the 1-D all-gather outputs ``outs`` (their views see it too) into slot
+        ``slot`` (default: the next slot) at their param-major addresses; returns the slot. Each output
+        must own its whole storage (storage offset 0, ``W*shard_numel`` elements)."""
+        slot = self.next_slot() if slot is None else int(slot)
+        W = self.world_size
+        layout = plans.all_gather_layout([(o.numel() // W,) for o in outs], [o.dtype for o in outs], W)
+        if layout.slot_bytes > self.slot_bytes:
+            raise ValueError(f"tide.transport.bind_outputs: group needs {layout.slot_bytes} slot bytes, "
+                             f"the arena has {self.slot_bytes}")
+        base = self.buffer.data_ptr() + self.slots_off + slot * self.slot_bytes
+        for o, p in zip(outs, layout.params):
+            if o.storage_offset() != 0 or o.numel() % W:
+                raise ValueError("tide.transport.bind_outputs: outputs must start their storage and have W*c elements")
+            self.ext.bind_storage(o, base + p.slot_offset, p.out_bytes)
+        return slot
+
+    def counters(self) -> dict[str, int]:
+        copies, nbytes, kernels, flags = self._c.counters()
+        return {"ce_copies": copies, "ce_bytes": nbytes, "kernels": kernels, "flags": flags, "ctas": self.ctas,
+                "arena_bytes": self.total_bytes}
+
+
+# ---------------------------------------------------------------------------------------- registry
+def enable(group: dist.ProcessGroup, *, slot_bytes: int | None = None, layouts: Sequence[GroupLayout] = (),
+           **kwargs) -> Arena:
+    """Create (collectively) and register the arena of ``group``; its slots fit ``slot_bytes`` or the
+    largest of ``layouts``. Must be called by every rank of ``group``, outside CUDA-graph capture."""
+    need = max([slot_bytes or 0] + [l.slot_bytes for l in layouts])
+    if need <= 0:
+        raise ValueError("tide.transport.enable: give slot_bytes or layouts")
+    arena = Arena(group, need, **kwargs)
+    _ARENAS[group.group_name] = arena
+    return arena
+
+
+def disable(group_name: str) -> None:
+    """Unregister (and drop) the arena of ``group_name``; its ops take the stock path afterwards."""
+    arena = _ARENAS.pop(group_name, None)
+    if arena is not None:
+        torch.cuda.synchronize(arena.device)
+
+
+def get(group_name: str) -> Arena | None:
+    return _ARENAS.get(group_name)
+
+
+def arenas() -> dict[str, Arena]:
+    return dict(_ARENAS)

@@ -1,0 +1,93 @@
+"""Plans of the CUDA transport, built once per group layout from :class:`tide.meta.layout.GroupLayout`.
+
+An all-gather plan says where this rank's shard of every parameter sits in a slot (``own_off``) and
+where each parameter's output starts (``out_off``). A reduce-scatter plan packs the chunks of
+``GroupLayout.rs_chunks(dest)`` into staging entries of ``entry_bytes`` (each chunk 16-B aligned in
+its entry), one list of rounds per destination, plus this rank's padding ranges and, for Slot-Reuse,
+where each (destination, round) lies when the gradients are packed into a slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tide.meta.layout import GroupLayout
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ALIGN = 16
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def all_gather_layout(shard_shapes: Sequence[Sequence[int]], out_dtypes: Sequence[torch.dtype],
+                      world_size: int) -> GroupLayout:
+    """The slot layout of an all-gather of padded shards ``(c_i, *rest)`` into ``(W*c_i, *rest)`` outputs."""
+    shapes = [(world_size * int(s[0]), *(int(x) for x in s[1:])) for s in shard_shapes]
+    return GroupLayout(shapes, [d.itemsize for d in out_dtypes], world_size)
+
+
+@dataclass
+class AgPlanInfo:
+    layout: GroupLayout
+    out_dtypes: tuple
+    own_off: list
+    own_bytes: list
+    out_off: list
+    out_numel: list
+
+
+def ag_plan_info(layout: GroupLayout, out_dtypes: Sequence[torch.dtype], rank: int) -> AgPlanInfo:
+    own_off, own_bytes, out_off, out_numel = [], [], [], []
+    for p in layout.params:
+        start, stop = p.slot_byte_range(rank)
+        own_off.append(start)
+        own_bytes.append(stop - start)
+        out_off.append(p.slot_offset)
+        out_numel.append(p.out_numel)
+    return AgPlanInfo(layout, tuple(out_dtypes), own_off, own_bytes, out_off, out_numel)
+
+
+@dataclass
+class RsPlanInfo:
+    layout: GroupLayout
+    rounds: list  # rounds[d][j] = [(param, grad_off, shard_off, numel, entry_off), ...]
+    round_bytes: list  # [d][j] bytes used in the entry
+    pack_off: list  # [d][j] bytes from the slot start (Slot-Reuse)
+    pack_bytes: int
+    pads: list  # [(param, shard_off, numel)] of this rank
+
+
+def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[torch.dtype], world_size: int,
+                 rank: int, entry_bytes: int) -> RsPlanInfo:
+    itemsizes = [d.itemsize for d in grad_dtypes]
+    layout = GroupLayout(grad_shapes, itemsizes, world_size, rs_chunk_bytes=entry_bytes)
+    rounds, round_bytes = [], []
+    for d in range(world_size):
+        per_dest, used = [], []
+        cur, off = [], 0
+        for c in layout.rs_chunks(d):
+            nbytes = c.numel * itemsizes[c.param]
+            if cur and off + nbytes > entry_bytes:
+                per_dest.append(cur)
+                used.append(off)
+                cur, off = [], 0
+            cur.append((c.param, c.grad_offset, c.shard_offset, c.numel, off))
+            off = _align(off + nbytes)
+        if cur:
+            per_dest.append(cur)
+            used.append(off)
+        rounds.append(per_dest)
+        round_bytes.append(used)
+    pack_off, total = [], 0
+    for d in range(world_size):
+        offs = []
+        for b in round_bytes[d]:
+            offs.append(total)
+            total += b
+        pack_off.append(offs)
+    pads = [(p.param, p.shard_offset, p.numel) for p in layout.pad_ranges(rank)]
+    return RsPlanInfo(layout, rounds, round_bytes, pack_off, total, pads)
