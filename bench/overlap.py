@@ -1,0 +1,149 @@
+"""Operator overlap test (one GPU): how much a concurrent reduction slows a GEMM, per reduction grid.
+
+The preprint's operator-level experiment, reproduced on one GPU without a network. Foreground: a bf16
+GEMM whose tile count fits one wave of the SMs (and a multi-wave GEMM), or a memory-bound background
+kernel. Concurrently, on a second stream: the reduction of a 32 MiB reduce-scatter's data (W = 8 bf16
+contributions of 4 MiB summed in fp32 into a 8 MiB fp32 shard) by TIDE-RS's summing kernel on a grid of
+G CTAs, launched back to back for the whole foreground run (the way a reduce-scatter in flight keeps its
+CTAs busy). G = all SMs stands for a default NCCL reduce-scatter occupying every SM, G = 4 for NCCL capped
+at 4 CTAs, G = 8/16/20 for TIDE-RS.
+
+What this does NOT include: network time (the preprint's 6.75 ms RS is dominated by it) and NCCL's
+own kernels; reductions here are local HBM only. Reported per (foreground, G): foreground median time
+alone and concurrent (slowdown %), and the median time of one 32 MiB reduction while concurrent.
+Writes bench/results/overlap.csv and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RS_BYTES = 32 << 20
+CONTRIBUTORS = 8
+
+
+def one_wave_gemm_shape(sms: int) -> tuple[int, int, int]:
+    """M = N with at most ``sms`` 128x128 output tiles (so at most one wave for any cuBLAS tile of
+    128x128 or larger), K long enough for ~1 ms."""
+    tiles = math.isqrt(sms)
+    return tiles * 128, tiles * 128, 1 << 17
+
+
+def event_ms(fn, stream) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(stream)
+    fn()
+    b.record(stream)
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--grids", default="all,4,8,16,20")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+
+    from tide.transport import build
+
+    ext = build.load()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    grids = [sms if g == "all" else int(g) for g in args.grids.split(",")]
+
+    n = RS_BYTES // 2 // CONTRIBUTORS  # bf16 elements per contribution
+    staging = torch.randn(CONTRIBUTORS * n, device=dev).to(torch.bfloat16)
+    shard = torch.randn(n, device=dev)
+
+    def reduce(ctas):
+        ext.sum_strided(shard, staging, CONTRIBUTORS, n * 2, n, 0.125, False, ctas)
+
+    M, N, K = one_wave_gemm_shape(sms)
+    a1, b1 = torch.randn(M, K, device=dev, dtype=torch.bfloat16), torch.randn(K, N, device=dev, dtype=torch.bfloat16)
+    a2, b2 = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    big = torch.randn(1 << 28, device=dev)  # 1 GiB fp32: memory-bound background
+    big_out = torch.empty_like(big)
+    foregrounds = {
+        f"gemm_one_wave_{M}x{N}x{K}": lambda: torch.mm(a1, b1),
+        "gemm_multi_wave_8192^3": lambda: torch.mm(a2, b2),
+        "memory_bound_1GiB_scale": lambda: torch.mul(big, 1.5, out=big_out),
+    }
+    main_stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    rows = []
+    for g in grids:
+        for _ in range(3):
+            reduce(g)
+        alone_reduce = statistics.median(event_ms(lambda: reduce(g), main_stream) for _ in range(args.reps))
+        for name, fg in foregrounds.items():
+            for _ in range(2):
+                fg()
+            alone = statistics.median(event_ms(fg, main_stream) for _ in range(args.reps))
+            launches = max(2, math.ceil(1.5 * alone / alone_reduce))
+            fg_times, red_times = [], []
+            for _ in range(args.reps):
+                torch.cuda.synchronize()
+                s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(side):
+                    s0.record(side)
+                    for _ in range(launches):
+                        reduce(g)
+                    s1.record(side)
+                fg_times.append(event_ms(fg, main_stream))
+                s1.synchronize()
+                red_times.append(s0.elapsed_time(s1) / launches)
+            conc = statistics.median(fg_times)
+            rows.append({
+                "foreground": name, "ctas": g, "grid": "all SMs" if g == sms else str(g),
+                "fg_alone_ms": alone, "fg_concurrent_ms": conc, "slowdown_pct": 100 * (conc / alone - 1),
+                "reduce_alone_ms": alone_reduce, "reduce_concurrent_ms": statistics.median(red_times),
+                "reduce_launches": launches,
+            })
+            r = rows[-1]
+            print(f"{name:34s} G={g:3d}: fg {alone:7.3f} -> {conc:7.3f} ms ({r['slowdown_pct']:+6.1f}%), "
+                  f"32 MiB reduction {alone_reduce * 1e3:7.1f} us alone, {r['reduce_concurrent_ms'] * 1e3:7.1f} us "
+                  f"concurrent", flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with open(out / "overlap.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
+        w.writeheader()
+        w.writerows({**r, **meta} for r in rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in foregrounds:
+        sel = [r for r in rows if r["foreground"] == name]
+        axes[0].plot([r["ctas"] for r in sel], [r["slowdown_pct"] for r in sel], marker="o", label=name)
+        axes[1].plot([r["ctas"] for r in sel], [r["reduce_concurrent_ms"] * 1e3 for r in sel], marker="o", label=name)
+    axes[0].axhline(3, color="gray", ls="--", label="3% target")
+    axes[0].set_ylabel("foreground slowdown (%)")
+    axes[1].set_ylabel("one 32 MiB reduction, concurrent (us)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("reduction grid (CTAs)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Operator overlap, {meta['gpu']}, {meta['date']} (local reduction, no network)")
+    fig.tight_layout()
+    fig.savefig(out / "overlap.png", dpi=120)
+    one_wave = [r for r in rows if r["foreground"].startswith("gemm_one_wave")]
+    print("SUMMARY overlap one-wave GEMM slowdown: " +
+          ", ".join(f"G={r['grid']} {r['slowdown_pct']:+.1f}% ({r['reduce_concurrent_ms'] * 1e3:.0f} us/RS)"
+                    for r in one_wave))
+
+
+if __name__ == "__main__":
+    main()
