@@ -4,13 +4,17 @@ The preprint's operator-level experiment, reproduced on one GPU without a networ
 GEMM whose tile count fits one wave of the SMs (and a multi-wave GEMM), or a memory-bound background
 kernel. Concurrently, on a second stream: the reduction of a 32 MiB reduce-scatter's data (W = 8 bf16
 contributions of 4 MiB summed in fp32 into a 8 MiB fp32 shard) by TIDE-RS's summing kernel on a grid of
-G CTAs, launched back to back for the whole foreground run (the way a reduce-scatter in flight keeps its
-CTAs busy). G = all SMs stands for a default NCCL reduce-scatter occupying every SM, G = 4 for NCCL capped
-at 4 CTAs, G = 8/16/20 for TIDE-RS.
+G CTAs, in one of two modes that span the whole foreground run:
 
-What this does NOT include: network time (the preprint's 6.75 ms RS is dominated by it) and NCCL's
-own kernels; reductions here are local HBM only. Reported per (foreground, G): foreground median time
-alone and concurrent (slowdown %), and the median time of one 32 MiB reduction while concurrent.
+- ``resident``: one long launch, its CTAs on their SMs from start to end, the way an SM-based NCCL
+  reduce-scatter stays resident while the network delivers its data (G = all SMs: a default NCCL
+  reduce-scatter; G = 4: NCCL capped at 4 CTAs);
+- ``chunked``: short launches back to back, one per 4 MiB chunk (8 x 512 KiB contributions), the way
+  TIDE-RS launches its bounded grid only when a chunk has landed by copy engine (G = 8/16/20).
+
+Both modes are run for every G. Not included: network time (the preprint's 6.75 ms RS is dominated by
+it) and NCCL's own kernels; reductions here read local HBM only. Reported per (foreground, mode, G):
+foreground median time alone and concurrent (slowdown %), and the time of one 32 MiB reduction.
 Writes bench/results/overlap.csv and .png.
 """
 from __future__ import annotations
@@ -59,12 +63,14 @@ def main(argv=None):
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     grids = [sms if g == "all" else int(g) for g in args.grids.split(",")]
 
-    n = RS_BYTES // 2 // CONTRIBUTORS  # bf16 elements per contribution
-    staging = torch.randn(CONTRIBUTORS * n, device=dev).to(torch.bfloat16)
-    shard = torch.randn(n, device=dev)
+    n = RS_BYTES // 2 // CONTRIBUTORS  # bf16 elements per contribution of one 32 MiB reduce-scatter
+    chunk_n = n // 8
+    big_n = 64 << 20  # resident mode: up to 8 x 128 MiB of contributions per launch
+    staging = torch.randn(CONTRIBUTORS * big_n, device=dev).to(torch.bfloat16)
+    shard = torch.randn(big_n, device=dev)
 
-    def reduce(ctas):
-        ext.sum_strided(shard, staging, CONTRIBUTORS, n * 2, n, 0.125, False, ctas)
+    def reduce(ctas, elems):
+        ext.sum_strided(shard, staging, CONTRIBUTORS, big_n * 2, elems, 0.125, False, ctas)
 
     M, N, K = one_wave_gemm_shape(sms)
     a1, b1 = torch.randn(M, K, device=dev, dtype=torch.bfloat16), torch.randn(K, N, device=dev, dtype=torch.bfloat16)
@@ -77,39 +83,49 @@ def main(argv=None):
         "memory_bound_1GiB_scale": lambda: torch.mul(big, 1.5, out=big_out),
     }
     main_stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    alone = {}
+    for name, fg in foregrounds.items():
+        for _ in range(2):
+            fg()
+        alone[name] = statistics.median(event_ms(fg, main_stream) for _ in range(args.reps))
     rows = []
     for g in grids:
         for _ in range(3):
-            reduce(g)
-        alone_reduce = statistics.median(event_ms(lambda: reduce(g), main_stream) for _ in range(args.reps))
+            reduce(g, n)
+        rs_alone = statistics.median(event_ms(lambda: reduce(g, n), main_stream) for _ in range(args.reps))
         for name, fg in foregrounds.items():
-            for _ in range(2):
-                fg()
-            alone = statistics.median(event_ms(fg, main_stream) for _ in range(args.reps))
-            launches = max(2, math.ceil(1.5 * alone / alone_reduce))
-            fg_times, red_times = [], []
-            for _ in range(args.reps):
-                torch.cuda.synchronize()
-                s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(side):
-                    s0.record(side)
-                    for _ in range(launches):
-                        reduce(g)
-                    s1.record(side)
-                fg_times.append(event_ms(fg, main_stream))
-                s1.synchronize()
-                red_times.append(s0.elapsed_time(s1) / launches)
-            conc = statistics.median(fg_times)
-            rows.append({
-                "foreground": name, "ctas": g, "grid": "all SMs" if g == sms else str(g),
-                "fg_alone_ms": alone, "fg_concurrent_ms": conc, "slowdown_pct": 100 * (conc / alone - 1),
-                "reduce_alone_ms": alone_reduce, "reduce_concurrent_ms": statistics.median(red_times),
-                "reduce_launches": launches,
-            })
-            r = rows[-1]
-            print(f"{name:34s} G={g:3d}: fg {alone:7.3f} -> {conc:7.3f} ms ({r['slowdown_pct']:+6.1f}%), "
-                  f"32 MiB reduction {alone_reduce * 1e3:7.1f} us alone, {r['reduce_concurrent_ms'] * 1e3:7.1f} us "
-                  f"concurrent", flush=True)
+            for mode in ("resident", "chunked"):
+                # launches and elements per launch so the side stream outlasts the foreground by ~1.5x
+                if mode == "resident":
+                    elems = min(big_n, max(n, int(1.5 * alone[name] / rs_alone * n)))
+                    launches = max(1, math.ceil(1.5 * alone[name] / (rs_alone * elems / n)))
+                else:
+                    elems = chunk_n
+                    launches = max(2, math.ceil(1.5 * alone[name] / (rs_alone / 8)))
+                fg_times, rs_times = [], []
+                for _ in range(args.reps):
+                    torch.cuda.synchronize()
+                    s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    with torch.cuda.stream(side):
+                        s0.record(side)
+                        for _ in range(launches):
+                            reduce(g, elems)
+                        s1.record(side)
+                    fg_times.append(event_ms(fg, main_stream))
+                    s1.synchronize()
+                    rs_times.append(s0.elapsed_time(s1) * n / (launches * elems))  # ms per 32 MiB reduced
+                conc = statistics.median(fg_times)
+                rows.append({
+                    "foreground": name, "mode": mode, "ctas": g, "grid": "all SMs" if g == sms else str(g),
+                    "fg_alone_ms": alone[name], "fg_concurrent_ms": conc,
+                    "slowdown_pct": 100 * (conc / alone[name] - 1),
+                    "rs32_alone_ms": rs_alone, "rs32_concurrent_ms": statistics.median(rs_times),
+                    "launches": launches, "elems_per_launch": elems,
+                })
+                r = rows[-1]
+                print(f"{name:30s} {mode:8s} G={g:3d}: fg {alone[name]:7.3f} -> {conc:7.3f} ms "
+                      f"({r['slowdown_pct']:+6.1f}%), 32 MiB reduction {rs_alone * 1e3:6.1f} us alone, "
+                      f"{r['rs32_concurrent_ms'] * 1e3:6.1f} us concurrent", flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,23 +141,26 @@ def main(argv=None):
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name in foregrounds:
-        sel = [r for r in rows if r["foreground"] == name]
-        axes[0].plot([r["ctas"] for r in sel], [r["slowdown_pct"] for r in sel], marker="o", label=name)
-        axes[1].plot([r["ctas"] for r in sel], [r["reduce_concurrent_ms"] * 1e3 for r in sel], marker="o", label=name)
-    axes[0].axhline(3, color="gray", ls="--", label="3% target")
+        for mode, ls in (("resident", "-"), ("chunked", "--")):
+            sel = [r for r in rows if r["foreground"] == name and r["mode"] == mode]
+            label = f"{name.split('_')[0]}-{'_'.join(name.split('_')[1:3])} {mode}"
+            axes[0].plot([r["ctas"] for r in sel], [r["slowdown_pct"] for r in sel], ls=ls, marker="o", label=label)
+            axes[1].plot([r["ctas"] for r in sel], [r["rs32_concurrent_ms"] * 1e3 for r in sel], ls=ls, marker="o",
+                         label=label)
+    axes[0].axhline(3, color="gray", ls=":", label="3% target")
     axes[0].set_ylabel("foreground slowdown (%)")
-    axes[1].set_ylabel("one 32 MiB reduction, concurrent (us)")
+    axes[1].set_ylabel("32 MiB reduction while concurrent (us)")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("reduction grid (CTAs)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.suptitle(f"Operator overlap, {meta['gpu']}, {meta['date']} (local reduction, no network)")
     fig.tight_layout()
     fig.savefig(out / "overlap.png", dpi=120)
     one_wave = [r for r in rows if r["foreground"].startswith("gemm_one_wave")]
     print("SUMMARY overlap one-wave GEMM slowdown: " +
-          ", ".join(f"G={r['grid']} {r['slowdown_pct']:+.1f}% ({r['reduce_concurrent_ms'] * 1e3:.0f} us/RS)"
+          ", ".join(f"{r['mode']} G={r['grid']} {r['slowdown_pct']:+.1f}% ({r['rs32_concurrent_ms'] * 1e3:.0f} us/RS)"
                     for r in one_wave))
 
 
