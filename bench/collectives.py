@@ -1,0 +1,219 @@
+"""TIDE-AG / TIDE-RS against the collectives they replace, 1 MiB to 1 GiB.
+
+Every rank holds one param group of 8 bf16 parameters with uneven dim-0 shards whose gathered size is
+the message size S. Variants, per message size:
+
+- ``tide_ag``: ``torch.ops.tide.all_gather_into_params_`` into outputs bound in the arena slot
+  (zero-copy, the FSDP2 path); ``tide_rs``: ``torch.ops.tide.reduce_scatter_params_`` of the bf16 grads
+  into fp32 shard grads (In-Place mode).
+- with one GPU per rank (NCCL): ``nccl_ag`` / ``nccl_rs_bf16`` (``torch.distributed`` on flat buffers),
+  ``fsdp2_ag`` (FSDP2's copy-in + NCCL all-gather + copy-out with its own ops) and ``fsdp2_rs_fp32``
+  (``chunk_cat`` into fp32 + NCCL fp32 reduce-scatter), and ``symm_mem_ag`` / ``symm_mem_rs_fp32`` (the same
+  with the flat buffers rendezvoused in torch symmetric memory, as ``set_symm_mem_for_comm`` does) where
+  the torch version has symmetric memory.
+- ranks sharing one GPU (gloo group + symmetric memory): only the TIDE variants and ``reference_*`` (the
+  ops' gloo reference, CPU-staged). **These are not NVLink numbers**: every "peer" copy is a same-GPU
+  SM copy, and all ranks share one GPU's HBM.
+
+busbw as nccl-tests defines it: ``S / t * (W-1)/W`` where S is the all-gather's output bytes (bf16)
+and the reduce-scatter's input bytes per rank (bf16 grads; the fp32 variants move 2x the bytes for the
+same S). t is the slowest rank's median. SM time: the summed duration of non-memcpy/memset GPU kernels
+one call launches (torch.profiler). Writes bench/results/collectives.csv and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+       "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+N_PARAMS = 8
+
+
+def group_shapes(total_bytes: int, world_size: int) -> list[tuple[int, int]]:
+    """8 bf16 params of 1024-element rows, uneven dim 0, gathered size about ``total_bytes``."""
+    rows = max(N_PARAMS, total_bytes // 2 // 1024)
+    base = [rows * w // 36 for w in range(1, N_PARAMS + 1)]  # weights 1..8 sum to 36
+    base[-1] += rows - sum(base)
+    return [(max(1, r + (i % 3) - 1), 1024) for i, r in enumerate(base)]  # +-1 row: uneven shards
+
+
+def median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def sm_time_us(fn) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not any(
+                k in e.name.lower() for k in ("memcpy", "memset")):
+            total += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return total
+
+
+def _rank(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
+    import tide  # noqa: F401
+    import tide.transport
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives  # noqa: F401  (torch.ops.fsdp.*)
+
+    from tide.meta.layout import GroupLayout
+    from tide.ops import reference
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    gn = group.group_name
+    layouts = {s: GroupLayout(group_shapes(s << 20, world_size), [2] * N_PARAMS, world_size) for s in sizes_mib}
+    arena = tide.transport.enable(group, layouts=list(layouts.values()))
+    symm_mem = None
+    if one_gpu_per_rank:
+        try:
+            from torch.distributed import _symmetric_memory as symm_mem
+        except ImportError:
+            symm_mem = None
+    rows = []
+    for size, layout in layouts.items():
+        params = layout.params
+        numels = [p.shard_numel for p in params]
+        total = sum(numels)
+        shards = [torch.randn(n, device=dev).to(torch.bfloat16) for n in numels]
+        outs = [torch.empty(p.out_numel, device=dev, dtype=torch.bfloat16) for p in params]
+        arena.bind_outputs(outs, slot=0)
+        grads = [torch.randn(p.shape, device=dev).to(torch.bfloat16) for p in params]
+        shard_grads = [torch.empty((p.shard_rows, 1024), device=dev) for p in params]
+        ag_bytes = world_size * total * 2
+        rs_bytes = sum(g.numel() for g in grads) * 2
+        variants = {
+            "tide_ag": (lambda: torch.ops.tide.all_gather_into_params_(shards, outs, world_size, gn), ag_bytes),
+            "tide_rs": (lambda: torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 1.0 / world_size, False,
+                                                                      world_size, gn), rs_bytes),
+        }
+        if one_gpu_per_rank:
+            flat_in = torch.empty(total, device=dev, dtype=torch.bfloat16)
+            flat_out = torch.empty(world_size * total, device=dev, dtype=torch.bfloat16)
+            rs_in_bf16 = torch.empty(world_size * total, device=dev, dtype=torch.bfloat16)
+            rs_out_bf16 = torch.empty(total, device=dev, dtype=torch.bfloat16)
+            rs_in32 = torch.empty(world_size * total, device=dev)
+            rs_out32 = torch.empty(total, device=dev)
+
+            def fsdp2_ag(out_buf=flat_out):
+                inp, out = torch.ops.fsdp.all_gather_copy_in(shards, out_buf, numels, total, rank)
+                dist.all_gather_into_tensor(out, inp)
+                torch.ops.fsdp.split_with_sizes_copy(out.view(world_size, -1), numels, dim=1,
+                                                     out=[o.view(world_size, -1) for o in outs])
+
+            def fsdp2_rs(inp=rs_in32, out=rs_out32):
+                torch.ops.fsdp.chunk_cat(grads, dim=0, num_chunks=world_size, out=inp.view(world_size, -1))
+                dist.reduce_scatter_tensor(out, inp)
+
+            variants.update({
+                "nccl_ag": (lambda: dist.all_gather_into_tensor(flat_out, flat_in), ag_bytes),
+                "nccl_rs_bf16": (lambda: dist.reduce_scatter_tensor(rs_out_bf16, rs_in_bf16), rs_bytes),
+                "fsdp2_ag": (fsdp2_ag, ag_bytes),
+                "fsdp2_rs_fp32": (fsdp2_rs, rs_bytes),
+            })
+            if symm_mem is not None:
+                sm_out = symm_mem.empty(world_size * total, device=dev, dtype=torch.bfloat16)
+                symm_mem.rendezvous(sm_out, gn)
+                sm_in = symm_mem.empty(world_size * total, device=dev)
+                sm_rs_out = symm_mem.empty(total, device=dev)
+                symm_mem.rendezvous(sm_in, gn)
+                symm_mem.rendezvous(sm_rs_out, gn)
+                variants["symm_mem_ag"] = (lambda: fsdp2_ag(sm_out), ag_bytes)
+                variants["symm_mem_rs_fp32"] = (lambda: fsdp2_rs(sm_in, sm_rs_out), rs_bytes)
+        elif size <= 64:
+            variants["reference_ag"] = (lambda: reference.all_gather_into_params_(shards, outs, world_size, gn),
+                                        ag_bytes)
+            variants["reference_rs"] = (lambda: reference.reduce_scatter_params_(
+                grads, shard_grads, 1.0 / world_size, False, world_size, gn), rs_bytes)
+        for name, (fn, nbytes) in variants.items():
+            fn()
+            ms = median_ms(fn, reps)
+            rows.append({"variant": name, "size_mib": size, "bytes": nbytes, "ms": ms, "sm_us": sm_time_us(fn)})
+    tide.transport.disable(gn)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=None, help="default: the GPU count if >= 2, else 4")
+    p.add_argument("--sizes", default="1,4,16,64,256,1024", help="message sizes in MiB")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tide.launch import run_ranks
+
+    gpus = torch.cuda.device_count()
+    ranks = args.ranks or (gpus if gpus >= 2 else 4)
+    one_gpu_per_rank = gpus >= ranks
+    backend = "nccl" if one_gpu_per_rank else "gloo"
+    sizes = [int(s) for s in args.sizes.split(",")]
+    per_rank = run_ranks(_rank, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend, device_type="cuda",
+                         env=ENV, timeout=540)
+    mode = "one GPU per rank (NVLink)" if one_gpu_per_rank else f"{ranks} ranks sharing {gpus} GPU: NOT NVLink numbers"
+    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "gpus": gpus,
+            "ranks": ranks, "backend": backend, "mode": mode, "torch": torch.__version__}
+    rows = []
+    for i, r in enumerate(per_rank[0]):
+        t = max(pr[i]["ms"] for pr in per_rank)
+        busbw = r["bytes"] / (t / 1e3) * (ranks - 1) / ranks / 1e9
+        rows.append({**r, "ms": t, "busbw_GBps": busbw, "sm_us": max(pr[i]["sm_us"] for pr in per_rank), **meta})
+        print(f"{r['variant']:18s} {r['size_mib']:5d} MiB  {t:8.3f} ms  busbw {busbw:8.1f} GB/s  "
+              f"SM {rows[-1]['sm_us']:9.1f} us", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "collectives.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        sel = [r for r in rows if r["variant"] == name]
+        ax = axes[0] if name.endswith("ag") else axes[1]
+        ax.plot([r["size_mib"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o", label=name)
+    for ax, title in zip(axes, ("all-gather", "reduce-scatter")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size S (MiB)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{meta['gpu']} x{gpus}, {mode}, {meta['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "collectives.png", dpi=120)
+    big = [r for r in rows if r["size_mib"] == max(sizes)]
+    print("SUMMARY collectives (" + mode + f", {max(sizes)} MiB): " +
+          ", ".join(f"{r['variant']} {r['busbw_GBps']:.0f} GB/s SM {r['sm_us']:.0f} us" for r in big))
+
+
+if __name__ == "__main__":
+    main()
