@@ -9,14 +9,14 @@ function, counted in :func:`stats` under ``"stock:<reason>"`` and logged once pe
 
 Everything else FSDP2 owns (streams, events, prefetch, reshard, keep-alives, state) stays stock.
 
-Two functions here are the transport's hooks (looked up at call time, so a transport may rebind them):
-:func:`bind_all_gather_outputs` (where each param's all-gather output lives) and
-:func:`reduce_scatter_into_shards` (the reduce-scatter call, given the group's ``rs_mode``).
+Three functions here are the transport's hooks (module globals looked up at call time, so a transport
+may rebind them): :func:`bind_all_gather_outputs` (where each param's all-gather output lives),
+:func:`all_gather_into_outputs` and :func:`reduce_scatter_into_shards` (the collective calls; the
+latter gets the group's ``rs_mode``).
 """
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 
 import torch
@@ -30,7 +30,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide.fsdp import compat
 from tide.meta.checks import FLOAT_DTYPES
-from tide.meta.layout import shard_rows
 
 log = logging.getLogger("tide.fsdp")
 
@@ -52,6 +51,9 @@ class TideAllGather(AllGather):
 
     def __init__(self, fallback: AllGather) -> None:
         self.fallback = fallback
+        # (the group's fsdp_params list, its static fallback reason): FSDP passes the same list object on
+        # every unshard, and the checked properties are fixed once FSDP's lazy init has set the dtypes.
+        self.static_reason: tuple[list, str | None] | None = None
 
     def allocate(self, size, *, dtype, device):
         return self.fallback.allocate(size, dtype=dtype, device=device)
@@ -66,6 +68,9 @@ class TideReduceScatter(ReduceScatter):
     def __init__(self, fallback: ReduceScatter, rs_mode: str) -> None:
         self.fallback = fallback
         self.rs_mode = rs_mode
+        # FSDPParams whose fixed properties (placement, offload, DTensor) passed: each reduce passes a
+        # fresh list (the params that have grads), so the check is remembered per param.
+        self.checked_params: set[int] = set()
 
     def allocate(self, size, *, dtype, device):
         return self.fallback.allocate(size, dtype=dtype, device=device)
@@ -141,12 +146,19 @@ def all_gather_fallback_reason(fsdp_params, group, async_op, device, comm, extra
         return "async_op"
     if group.size() == 1:
         return "world_size_1"
+    for p in fsdp_params:
+        if p.sharded_state != ShardedState.SHARDED:
+            return "post_forward_mesh"
+    if comm.static_reason is None or comm.static_reason[0] is not fsdp_params:
+        comm.static_reason = (fsdp_params, _static_all_gather_reason(fsdp_params))
+    return comm.static_reason[1]
+
+
+def _static_all_gather_reason(fsdp_params) -> str | None:
     dtype = None
     for p in fsdp_params:
         if (reason := _param_reason(p)) is not None:
             return reason
-        if p.sharded_state != ShardedState.SHARDED:
-            return "post_forward_mesh"
         if hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"):
             return "all_gather_extension"
         d = p.param_dtype or p.orig_dtype
@@ -173,19 +185,23 @@ def reduce_fallback_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, dev
         return "hsdp"
     if all_reduce_hook is not None:
         return "all_reduce_hook"
-    grad_dtypes = {g.dtype for g in grads}
-    if len(grad_dtypes) != 1:
-        return "mixed_grad_dtypes"  # stock raises its own uniform-dtype error
-    # TIDE sums in fp32 into fp32 shards; a bf16/fp16 reduce (and fp16's pre/post-divide) stays stock.
-    if (reduce_dtype or grads[0].dtype) != torch.float32:
-        return "reduce_dtype"
-    for p, g in zip(fsdp_params, grads):
-        if (reason := _param_reason(p)) is not None:
-            return reason
-        if g.dtype not in FLOAT_DTYPES:
-            return "unsupported_dtype"
+    grad_dtype = grads[0].dtype
+    for g in grads:
+        if g.dtype != grad_dtype:
+            return "mixed_grad_dtypes"  # stock raises its own uniform-dtype error
         if not g.is_contiguous():
             return "noncontiguous_grad"
+    if grad_dtype not in FLOAT_DTYPES:
+        return "unsupported_dtype"
+    # TIDE sums in fp32 into fp32 shards; a bf16/fp16 reduce (and fp16's pre/post-divide) stays stock.
+    if (reduce_dtype or grad_dtype) != torch.float32:
+        return "reduce_dtype"
+    checked = comm.checked_params
+    for p in fsdp_params:
+        if id(p) not in checked:
+            if (reason := _param_reason(p)) is not None:
+                return reason
+            checked.add(id(p))
     return None
 
 
@@ -213,6 +229,11 @@ def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
     return outs
 
 
+def all_gather_into_outputs(shards, outs, world_size: int, group: dist.ProcessGroup) -> None:
+    """Gather every rank's padded shard into each param's output (called on the all-gather stream)."""
+    torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group.group_name)
+
+
 def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: bool, world_size: int,
                                group: dist.ProcessGroup, rs_mode: str) -> None:
     """Reduce the unsharded ``grads`` into this rank's padded fp32 ``shard_grads``.
@@ -238,9 +259,9 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     with handle.stream(all_gather_stream):
         if preserved:
             with torch.autograd._unsafe_preserve_version_counter(preserved):
-                torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group.group_name)
+                all_gather_into_outputs(shards, outs, world_size, group)
         else:
-            torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group.group_name)
+            all_gather_into_outputs(shards, outs, world_size, group)
         event = all_gather_stream.record_event()
     return TideAllGatherResult(outs[0].new_empty(0), event, None, [], [], [])
 
@@ -283,22 +304,26 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_d
             reduce_scatter_into_shards(grads, in_place, scale, True, world_size, rs_group, comm.rs_mode)
             rs_event = rs_stream.record_event()
         else:
-            rows = [shard_rows(g.shape[0], world_size) if g.dim() else 1 for g in grads]
-            numels = [r * math.prod(g.shape[1:]) for r, g in zip(rows, grads)]
-            flat = torch.empty(sum(numels), dtype=torch.float32, device=device)
-            shards, offset = [], 0
-            for r, n, g in zip(rows, numels, grads):
-                shards.append(flat[offset:offset + n].view(r, *g.shape[1:]))
-                offset += n
+            # Stock's reduce-output layout: padded shards back to back, each (c, *rest) (dim-0 sharding,
+            # so the contiguous strides of the unpadded shard are those of the padded one too).
+            offsets, total = [], 0
+            for p in fsdp_params:
+                offsets.append(total)
+                total += p.padded_sharded_param_size.numel()
+            flat = torch.empty(total, dtype=torch.float32, device=device)
+            as_strided = flat.as_strided
+            shards = [as_strided(p.padded_sharded_param_size, p.contiguous_sharded_stride, o)
+                      for p, o in zip(fsdp_params, offsets)]
             reduce_scatter_into_shards(grads, shards, scale, False, world_size, rs_group, comm.rs_mode)
             rs_event = rs_stream.record_event()
             # Stock epilogue: cast to the orig dtype, view each unpadded shard, accumulate or assign.
             output = _to_dtype_if_needed(flat, orig_dtype)
-            offset = 0
-            for p, n in zip(fsdp_params, numels):
-                new_grad = torch.as_strided(output, size=p.sharded_size, stride=p.contiguous_sharded_stride,
-                                            storage_offset=offset)
-                offset += n
+            for p, shard, o in zip(fsdp_params, shards, offsets):
+                if output is flat and p.sharded_size == p.padded_sharded_param_size:
+                    new_grad = shard  # already the unpadded shard's view: saves a view op per param
+                else:
+                    new_grad = torch.as_strided(output, size=p.sharded_size, stride=p.contiguous_sharded_stride,
+                                                storage_offset=o)
                 if p.sharded_param.grad is not None:
                     p.sharded_param.grad._local_tensor += new_grad
                 else:

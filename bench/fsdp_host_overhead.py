@@ -1,0 +1,194 @@
+"""Host (CPU) time of the FSDP2 seam vs stock FSDP2, per unshard and per reduce of a 60-parameter group.
+
+    python bench/fsdp_host_overhead.py [--reps 300] [--dim 16]
+
+2 ranks, CPU, gloo. One ``fully_shard`` group of 30 ``Linear(dim, dim)`` layers (60 parameters),
+bf16 params with fp32 reduce. Timed per call, on rank 0, medians over ``--reps``:
+
+* unshard: ``FSDPParamGroup.unshard()`` + ``wait_for_unshard()`` (-> ``foreach_all_gather`` and
+  ``foreach_all_gather_copy_out``, plus FSDP's own bookkeeping, identical for both);
+* reduce: ``foreach_reduce`` on fresh unsharded bf16 gradients (the seam's entry point).
+
+``total`` is the wall time of the call, ``collective`` the time inside the collective itself (stock: the
+comm object's call, timed by a delegating comm; TIDE: the seam's ``all_gather_into_outputs`` /
+``reduce_scatter_into_shards`` hooks), and ``host = total - collective`` is the Python/launch path that
+surrounds the collective: what the seam adds or removes. ``host cpu`` counts the calling thread's CPU
+time (robust when 2 ranks share 2 cores and a rank gets descheduled), ``host wall`` the wall clock.
+On CPU the TIDE collective is the reference backend (one gloo call per parameter), so only ``host``
+compares like with like.
+
+Writes bench/results/fsdp_host_overhead.csv and .png and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+import tide.fsdp
+from tide.fsdp import seam
+from tide.launch import run_ranks
+
+RESULTS = Path(__file__).resolve().parent / "results"
+N_LAYERS = 30  # weight + bias each: 60 parameters in the group
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
+
+
+class _Timer:
+    """Accumulates wall and thread-CPU seconds spent inside the wrapped calls."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            w0, c0 = _now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                w1, c1 = _now()
+                self.wall += w1 - w0
+                self.cpu += c1 - c0
+        return timed
+
+
+class TimedAllGather(DefaultAllGather):
+    def __init__(self, timer):
+        self.timer = timer
+
+    def __call__(self, *args, **kwargs):
+        return self.timer.wrap(super().__call__)(*args, **kwargs)
+
+
+class TimedReduceScatter(DefaultReduceScatter):
+    def __init__(self, timer):
+        self.timer = timer
+
+    def __call__(self, *args, **kwargs):
+        return self.timer.wrap(super().__call__)(*args, **kwargs)
+
+
+def _model(dim: int, use_tide: bool, timer: _Timer):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(N_LAYERS)))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model.set_custom_all_gather(TimedAllGather(timer))
+    model.set_custom_reduce_scatter(TimedReduceScatter(timer))
+    if use_tide:
+        tide.fsdp.enable(model)
+    model(torch.randn(2, dim)).sum().backward()  # lazy init, streams, first allocation
+    return model
+
+
+def _measure(rank: int, world_size: int, dim: int, reps: int, use_tide: bool) -> dict:
+    timer = _Timer()
+    model = _model(dim, use_tide, timer)
+    (group,) = tide.fsdp.param_groups(model)
+    assert len(group.fsdp_params) == 2 * N_LAYERS
+    hooks = {}
+    if use_tide:  # time the collectives inside the seam through its hook functions
+        for name in ("all_gather_into_outputs", "reduce_scatter_into_shards"):
+            hooks[name] = getattr(seam, name)
+            setattr(seam, name, timer.wrap(hooks[name]))
+    stream = torch.cpu.current_stream()
+    samples = {"unshard": [], "reduce": []}  # per call: (total wall, collective wall, total cpu, collective cpu)
+
+    def timed(op, fn):
+        timer.wall = timer.cpu = 0.0
+        w0, c0 = _now()
+        fn()
+        w1, c1 = _now()
+        samples[op].append((w1 - w0, timer.wall, c1 - c0, timer.cpu))
+
+    def unshard():
+        group.unshard()
+        group.wait_for_unshard()
+
+    tide.fsdp.reset_stats()
+    try:
+        for _ in range(reps):
+            timed("unshard", unshard)
+            group.reshard()
+            grads = [torch.randn(p._orig_size, dtype=torch.bfloat16) for p in group.fsdp_params]
+            for p in group.fsdp_params:
+                p.sharded_param.grad = None
+            timed("reduce", lambda: _pg.foreach_reduce(
+                group.fsdp_params, grads, group._reduce_scatter_process_group, stream, group._reduce_scatter_comm,
+                torch.float32, torch.float32, group.device, None, None, stream, True, None, None, False))
+    finally:
+        for name, fn in hooks.items():
+            setattr(seam, name, fn)
+    stats = tide.fsdp.stats()
+    # Stock runs first, before anything installed the seam: it is plain FSDP2.
+    expected = {"tide"} if use_tide else set()
+    assert set(stats["all_gather"]) == expected and set(stats["reduce_scatter"]) == expected, stats
+    med = statistics.median
+    return {op: {"host_cpu_us": med(tc - cc for _, _, tc, cc in rows) * 1e6,
+                 "host_wall_us": med(tw - cw for tw, cw, _, _ in rows) * 1e6,
+                 "collective_wall_us": med(cw for _, cw, _, _ in rows) * 1e6,
+                 "total_wall_us": med(tw for tw, _, _, _ in rows) * 1e6}
+            for op, rows in samples.items()}
+
+
+def bench_rank(rank: int, world_size: int, dim: int, reps: int) -> dict:
+    torch.set_num_threads(1)
+    stock = _measure(rank, world_size, dim, reps, False)
+    return {"stock": stock, "tide": _measure(rank, world_size, dim, reps, True)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=300)
+    p.add_argument("--dim", type=int, default=16)
+    args = p.parse_args(argv)
+    result = run_ranks(bench_rank, 2, args.dim, args.reps, timeout=900)[0]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    cols = ("host_cpu_us", "host_wall_us", "collective_wall_us", "total_wall_us")
+    rows = [(op, path, *(r[op][c] for c in cols)) for op in ("unshard", "reduce") for path, r in result.items()]
+    meta = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d')}, 2 ranks gloo, 60 params of {args.dim}x{args.dim}/{args.dim}, {args.reps} reps")
+    with open(RESULTS / "fsdp_host_overhead.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["op", "path", *cols, "setup"])
+        for row in rows:
+            w.writerow([*row[:2], *(f"{v:.1f}" for v in row[2:]), meta])
+    print(f"FSDP2 seam host time ({meta}), medians in microseconds")
+    print(f"{'op':8s} {'path':6s} {'host cpu':>9s} {'host wall':>10s} {'collective':>11s} {'total':>9s}")
+    for op, path, *vals in rows:
+        print(f"{op:8s} {path:6s} " + " ".join(f"{v:{w}.1f}" for v, w in zip(vals, (9, 10, 11, 9))))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ops = ["unshard", "reduce"]
+    width = 0.35
+    for i, path in enumerate(("stock", "tide")):
+        ax.bar([x + (i - 0.5) * width for x in range(len(ops))], [result[path][op]["host_cpu_us"] for op in ops], width,
+               label=path)
+    ax.set_xticks(range(len(ops)), ops)
+    ax.set_ylabel("host CPU time per call, median (µs)")
+    ax.set_title("FSDP2 seam host time, 60-param group (CPU, gloo, 2 ranks)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "fsdp_host_overhead.png", dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
