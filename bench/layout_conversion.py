@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import statistics
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shrink", type=int, default=1, help="divide every dim (CPU smoke runs)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "layout_conversion")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     rows = []
@@ -111,13 +112,21 @@ def main(argv=None) -> int:
                   f"{ms['split_with_sizes_copy']:7.3f} ms  chunk_cat {ms['chunk_cat']:7.3f} ms  "
                   f"(cast {ms['cast']:6.3f} / TIDE cast {ms['tide_own_shard_cast']:6.3f})  "
                   f"removed {per_layer:7.3f} ms/layer, {per_layer * layers:8.1f} ms/step", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
+    args.out.mkdir(parents=True, exist_ok=True)
+    dest = args.out / "layout_conversion"
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if device.type == "cuda"
+            else "cpu", "torch": torch.__version__}
+    rows = [{**r, **meta} for r in rows]
+    with open(dest.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    plot(rows, args.out.with_suffix(".png"), str(device))
-    print(f"wrote {args.out.with_suffix('.csv')} and .png")
+    plot(rows, dest.with_suffix(".png"), meta["device"])
+    print(f"wrote {dest.with_suffix('.csv')} and .png")
+    big = [r for r in rows if r["world_size"] == max(args.world_sizes)]
+    print("SUMMARY layout_conversion (removed per step, W=%d): " % max(args.world_sizes) +
+          ", ".join(f"{r['model']} {r['removed_ms_per_step']:.1f} ms ({r['removed_MiB_per_layer'] * r['layers'] / 1024:.1f} GiB)"
+                    for r in big))
     return 0
 
 
