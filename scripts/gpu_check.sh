@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# One call on a bare H200 machine: build the CUDA extension, run tests/cuda and the GPU benchmarks,
-# print a summary table last. Logs go to $OUT (the device tool) or ./out. Usage:
-#   bash scripts/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks)
+# One call on a bare H200 machine: build the CUDA extension, run tests/cuda and every GPU benchmark,
+# print a summary table last. Usage:
+#   bash scripts/gpu_check.sh [--quick]      (--quick: build and tests only)
+# Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
+# the environment in $OUT/env.txt and the summary in $OUT/summary.txt ($OUT: the device tool's output
+# folder, or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/gpu_check.XXXX)
+mkdir -p "$OUT" "$WORK/results" "$WORK/logs"
 # Multicast stays off; several ranks may share one GPU through symmetric memory over gloo.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
@@ -15,12 +19,14 @@ export MAX_JOBS=${MAX_JOBS:-16}
 PY=${PYTHON:-python3}
 quick=0; [ "${1:-}" = "--quick" ] && quick=1
 declare -a summary
-stage() {  # stage NAME LOG CMD...
-  local name=$1 log=$2; shift 2
+failed=0
+stage() {  # stage NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  "$@" >"$OUT/$log" 2>&1
+  timeout "$limit" "$@" >"$WORK/logs/$name.log" 2>&1
   local rc=$?
-  summary+=("$(printf '%-22s %-5s %4ss  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "$log")")
+  [ $rc = 0 ] || failed=1
+  summary+=("$(printf '%-18s %-7s %4ss' "$name" "$([ $rc = 0 ] && echo ok || { [ $rc = 124 ] && echo TIMEOUT || echo "FAIL($rc)"; })" $((SECONDS - t0)))")
   return $rc
 }
 
@@ -28,26 +34,35 @@ stage() {  # stage NAME LOG CMD...
   date -u +"date: %Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY - <<'PY'
-import torch, json
+import json
 from tide.transport import probe
 print(json.dumps(probe.summary(), default=str))
 PY
   nvcc --version | tail -1
 } >"$OUT/env.txt" 2>&1
 
-stage build build.log $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
-stage tests tests.log $PY -m pytest tests/cuda -q -rA -p no:cacheprovider --timeout=480 --junitxml="$OUT/tests.xml"
+stage build 300 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
+stage tests 420 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=400
 if [ $quick = 0 ]; then
-  for b in bench/bench_sum_kernel.py bench/bench_host_time.py bench/bench_memory.py; do
-    [ -f "$b" ] && stage "$(basename "$b" .py)" "$(basename "$b" .py).log" $PY "$b" --out "$OUT"
-  done
+  stage sum_kernel 120 $PY bench/bench_sum_kernel.py --out "$WORK/results"
+  stage host_time 180 $PY bench/bench_host_time.py --out "$WORK/results"
+  [ -f bench/bench_memory.py ] && stage memory 180 $PY bench/bench_memory.py --out "$WORK/results"
+  stage layout_conversion 180 $PY bench/layout_conversion.py --out "$WORK/results"
+  stage overlap 180 $PY bench/overlap.py --out "$WORK/results"
+  stage collectives 300 $PY bench/collectives.py --out "$WORK/results"
+  stage train_step 300 $PY bench/train_step.py --out "$WORK/results"
 fi
 
-echo "==================== environment"
-cat "$OUT/env.txt"
-echo "==================== tests (last lines)"
-tail -n 40 "$OUT/tests.log"
-echo "==================== benchmark summaries"
-grep -h '^SUMMARY' "$OUT"/*.log 2>/dev/null
-echo "==================== gpu_check summary"
-printf '%s\n' "${summary[@]}"
+tar -czf "$OUT/results.tgz" -C "$WORK/results" .
+tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
+{
+  echo "==================== environment"
+  cat "$OUT/env.txt"
+  echo "==================== tests (last lines)"
+  tail -n 25 "$WORK/logs/tests.log"
+  echo "==================== benchmark summaries"
+  grep -h '^SUMMARY' "$WORK"/logs/*.log 2>/dev/null
+  echo "==================== gpu_check summary"
+  printf '%s\n' "${summary[@]}"
+} | tee "$OUT/summary.txt"
+exit $failed
