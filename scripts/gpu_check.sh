@@ -18,11 +18,16 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tide_torch_extensions}
 export MAX_JOBS=${MAX_JOBS:-16}
 PY=${PYTHON:-python3}
 quick=0; [ "${1:-}" = "--quick" ] && quick=1
+# Whole-run budget (the device tool stops a command at 600 s): a stage gets at most what is left, and
+# is skipped (and reported) when under 20 s remain, so the archives and the summary are always written.
+budget=${GPU_CHECK_BUDGET_S:-560}
 declare -a summary
 failed=0
 stage() {  # stage NAME TIMEOUT_S CMD...
   local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS left=$((budget - SECONDS - 10))
+  if [ $left -lt 20 ]; then summary+=("$(printf '%-18s %-7s' "$name" SKIPPED) (run budget spent)"); failed=1; return 1; fi
+  [ $limit -gt $left ] && limit=$left
   timeout "$limit" "$@" >"$WORK/logs/$name.log" 2>&1
   local rc=$?
   [ $rc = 0 ] || failed=1
