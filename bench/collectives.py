@@ -23,18 +23,14 @@ one call launches (torch.profiler). Writes bench/results/collectives.csv and .pn
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-       "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+from common import RESULTS, cuda_ms, pyplot, run_meta, write_csv
+
 N_PARAMS = 8
 
 
@@ -51,12 +47,7 @@ def median_ms(fn, reps: int) -> float:
     for _ in range(reps):
         torch.cuda.synchronize()
         dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(cuda_ms(fn))
     return statistics.median(times)
 
 
@@ -164,8 +155,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tide.launch import run_ranks
+    from tide.launch import CUDA_RANK_ENV, run_ranks
 
     gpus = torch.cuda.device_count()
     ranks = args.ranks or (gpus if gpus >= 2 else 4)
@@ -173,10 +163,9 @@ def main(argv=None):
     backend = "nccl" if one_gpu_per_rank else "gloo"
     sizes = [int(s) for s in args.sizes.split(",")]
     per_rank = run_ranks(_rank, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend, device_type="cuda",
-                         env=ENV, timeout=540)
+                         env=CUDA_RANK_ENV, timeout=540)
     mode = "one GPU per rank (NVLink)" if one_gpu_per_rank else f"{ranks} ranks sharing {gpus} GPU: NOT NVLink numbers"
-    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "gpus": gpus,
-            "ranks": ranks, "backend": backend, "mode": mode, "torch": torch.__version__}
+    meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, mode=mode)
     rows = []
     for i, r in enumerate(per_rank[0]):
         t = max(pr[i]["ms"] for pr in per_rank)
@@ -185,15 +174,8 @@ def main(argv=None):
         print(f"{r['variant']:18s} {r['size_mib']:5d} MiB  {t:8.3f} ms  busbw {busbw:8.1f} GB/s  "
               f"SM {rows[-1]['sm_us']:9.1f} us", flush=True)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "collectives.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    write_csv(out / "collectives.csv", rows)
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name in dict.fromkeys(r["variant"] for r in rows):
@@ -207,7 +189,7 @@ def main(argv=None):
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{meta['gpu']} x{gpus}, {mode}, {meta['date']}", fontsize=9)
+    fig.suptitle(f"{meta['device']} x{gpus}, {mode}, {meta['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "collectives.png", dpi=120)
     big = [r for r in rows if r["size_mib"] == max(sizes)]

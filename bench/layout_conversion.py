@@ -13,42 +13,31 @@ Per step = layers x (2 unshards: forward, and backward re-gather with reshard_af
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers torch.ops.fsdp.*)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_shapes import MODELS, shrink  # noqa: E402
+from common import RESULTS, cuda_ms, pyplot, run_meta, write_csv
+from model_shapes import MODELS, shrink
 
-from tide.meta.layout import GroupLayout  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from tide.meta.layout import GroupLayout
 
 
 def timed(fn, reps: int, device: torch.device) -> float:
     """Median milliseconds of ``fn`` over ``reps`` runs after 3 warm-ups."""
     for _ in range(3):
         fn()
-    times = []
     if device.type == "cuda":
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        import time
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(cuda_ms(fn) for _ in range(reps))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -112,15 +101,10 @@ def main(argv=None) -> int:
                   f"{ms['split_with_sizes_copy']:7.3f} ms  chunk_cat {ms['chunk_cat']:7.3f} ms  "
                   f"(cast {ms['cast']:6.3f} / TIDE cast {ms['tide_own_shard_cast']:6.3f})  "
                   f"removed {per_layer:7.3f} ms/layer, {per_layer * layers:8.1f} ms/step", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     dest = args.out / "layout_conversion"
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if device.type == "cuda"
-            else "cpu", "torch": torch.__version__}
+    meta = run_meta(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     rows = [{**r, **meta} for r in rows]
-    with open(dest.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(dest.with_suffix(".csv"), rows)
     plot(rows, dest.with_suffix(".png"), meta["device"])
     print(f"wrote {dest.with_suffix('.csv')} and .png")
     big = [r for r in rows if r["world_size"] == max(args.world_sizes)]
@@ -131,10 +115,7 @@ def main(argv=None) -> int:
 
 
 def plot(rows, path: Path, device: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):

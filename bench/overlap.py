@@ -20,15 +20,14 @@ Writes bench/results/overlap.csv and .png.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import math
 import statistics
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, cuda_ms, pyplot, run_meta, write_csv
+
 RS_BYTES = 32 << 20
 CONTRIBUTORS = 8
 
@@ -38,15 +37,6 @@ def one_wave_gemm_shape(sms: int) -> tuple[int, int, int]:
     128x128 or larger), K long enough for ~1 ms."""
     tiles = math.isqrt(sms)
     return tiles * 128, tiles * 128, 1 << 17
-
-
-def event_ms(fn, stream) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(stream)
-    fn()
-    b.record(stream)
-    b.synchronize()
-    return a.elapsed_time(b)
 
 
 def main(argv=None):
@@ -87,12 +77,12 @@ def main(argv=None):
     for name, fg in foregrounds.items():
         for _ in range(2):
             fg()
-        alone[name] = statistics.median(event_ms(fg, main_stream) for _ in range(args.reps))
+        alone[name] = statistics.median(cuda_ms(fg, main_stream) for _ in range(args.reps))
     rows = []
     for g in grids:
         for _ in range(3):
             reduce(g, n)
-        rs_alone = statistics.median(event_ms(lambda: reduce(g, n), main_stream) for _ in range(args.reps))
+        rs_alone = statistics.median(cuda_ms(lambda: reduce(g, n), main_stream) for _ in range(args.reps))
         for name, fg in foregrounds.items():
             for mode in ("resident", "chunked"):
                 # launches and elements per launch so the side stream outlasts the foreground by ~1.5x
@@ -111,7 +101,7 @@ def main(argv=None):
                         for _ in range(launches):
                             reduce(g, elems)
                         s1.record(side)
-                    fg_times.append(event_ms(fg, main_stream))
+                    fg_times.append(cuda_ms(fg, main_stream))
                     s1.synchronize()
                     rs_times.append(s0.elapsed_time(s1) * n / (launches * elems))  # ms per 32 MiB reduced
                 conc = statistics.median(fg_times)
@@ -128,16 +118,9 @@ def main(argv=None):
                       f"{r['rs32_concurrent_ms'] * 1e3:6.1f} us concurrent", flush=True)
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    with open(out / "overlap.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
-        w.writeheader()
-        w.writerows({**r, **meta} for r in rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    meta = run_meta()
+    write_csv(out / "overlap.csv", [{**r, **meta} for r in rows])
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name in foregrounds:
@@ -155,7 +138,7 @@ def main(argv=None):
         ax.set_xlabel("reduction grid (CTAs)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"Operator overlap, {meta['gpu']}, {meta['date']} (local reduction, no network)")
+    fig.suptitle(f"Operator overlap, {meta['device']}, {meta['date']} (local reduction, no network)")
     fig.tight_layout()
     fig.savefig(out / "overlap.png", dpi=120)
     one_wave = [r for r in rows if r["foreground"].startswith("gemm_one_wave")]

@@ -9,19 +9,15 @@ shows which path really ran. Writes bench/results/train_step.csv and .png.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-       "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+from common import RESULTS, pyplot, run_meta, write_csv
+
 VARIANTS = (("stock", None), ("tide_in_place", "in_place"), ("tide_slot_reuse", "slot_reuse"))
 
 
@@ -75,30 +71,21 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tide.launch import run_ranks
+    from tide.launch import CUDA_RANK_ENV, run_ranks
 
     gpus = torch.cuda.device_count()
     ranks = args.ranks or (gpus if gpus >= 2 else 2)
     backend = "nccl" if gpus >= ranks else "gloo"
     per_rank = run_ranks(_rank, ranks, args.model, args.steps, args.warmup, backend=backend, device_type="cuda",
-                         env=ENV, timeout=540)
+                         env=CUDA_RANK_ENV, timeout=540)
     mode = "one GPU per rank" if gpus >= ranks else f"{ranks} ranks sharing {gpus} GPU (smoke, gloo stock path)"
-    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "gpus": gpus,
-            "ranks": ranks, "backend": backend, "model": args.model, "steps": args.steps, "warmup": args.warmup,
-            "mode": mode, "torch": torch.__version__}
+    meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, model=args.model, steps=args.steps,
+                    warmup=args.warmup, mode=mode)
     rows = [{**r, "median_step_ms": max(pr[i]["median_step_ms"] for pr in per_rank), **meta}
             for i, r in enumerate(per_rank[0])]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "train_step.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    write_csv(out / "train_step.csv", rows)
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     names = [r["variant"] for r in rows]
@@ -108,7 +95,7 @@ def main(argv=None):
     axes[1].set_ylabel("peak memory, rank 0 (MiB)")
     for ax in axes:
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"{args.model}, {mode}, {meta['gpu']}, {meta['date']}", fontsize=8)
+    fig.suptitle(f"{args.model}, {mode}, {meta['device']}, {meta['date']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "train_step.png", dpi=120)
     print("SUMMARY train_step (" + mode + "): " +

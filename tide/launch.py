@@ -17,6 +17,16 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
+# Environment of CUDA ranks: NVLink multicast stays off (NCCL, torch symmetric memory, NVSHMEM), and
+# several ranks may share one GPU through torch symmetric memory over a gloo group.
+CUDA_RANK_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
+}
+
+
 class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""
 

@@ -1,0 +1,54 @@
+"""What every benchmark script shares: CUDA timing, run metadata, the CSV writer and the plot backend."""
+from __future__ import annotations
+
+import csv
+import datetime
+import statistics
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cuda_ms(fn: Callable[[], object], stream: torch.cuda.Stream | None = None) -> float:
+    """Milliseconds of one call of ``fn`` on ``stream`` (default: the current one), by CUDA events."""
+    stream = stream or torch.cuda.current_stream()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(stream)
+    fn()
+    b.record(stream)
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def median_cuda_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(cuda_ms(fn) for _ in range(reps))
+
+
+def run_meta(**extra) -> dict:
+    """Date, device and versions, added as columns to every CSV row."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"date": datetime.date.today().isoformat(), "device": device, "torch": torch.__version__,
+            "cuda": torch.version.cuda, **extra}
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
