@@ -9,6 +9,9 @@ bf16 params with fp32 reduce. Timed per call, on rank 0, medians over ``--reps``
   ``foreach_all_gather_copy_out``, plus FSDP's own bookkeeping, identical for both);
 * reduce: ``foreach_reduce`` on fresh unsharded bf16 gradients (the seam's entry point).
 
+Stock and TIDE calls alternate (ABBA order) in one process per rank (the stock group is simply not opted in), so
+background load on the machine affects both alike.
+
 ``total`` is the wall time of the call, ``collective`` the time inside the collective itself (stock: the
 comm object's call, timed by a delegating comm; TIDE: the seam's ``all_gather_into_outputs`` /
 ``reduce_scatter_into_shards`` hooks), and ``host = total - collective`` is the Python/launch path that
@@ -94,60 +97,73 @@ def _model(dim: int, use_tide: bool, timer: _Timer):
     return model
 
 
-def _measure(rank: int, world_size: int, dim: int, reps: int, use_tide: bool) -> dict:
-    timer = _Timer()
-    model = _model(dim, use_tide, timer)
-    (group,) = tide.fsdp.param_groups(model)
-    assert len(group.fsdp_params) == 2 * N_LAYERS
-    hooks = {}
-    if use_tide:  # time the collectives inside the seam through its hook functions
-        for name in ("all_gather_into_outputs", "reduce_scatter_into_shards"):
-            hooks[name] = getattr(seam, name)
-            setattr(seam, name, timer.wrap(hooks[name]))
-    stream = torch.cpu.current_stream()
-    samples = {"unshard": [], "reduce": []}  # per call: (total wall, collective wall, total cpu, collective cpu)
+class _Path:
+    """One model (stock or TIDE) and the per-call samples of its unshard and reduce."""
 
-    def timed(op, fn):
-        timer.wall = timer.cpu = 0.0
+    def __init__(self, dim: int, use_tide: bool):
+        self.timer = _Timer()
+        self.model = _model(dim, use_tide, self.timer)
+        (self.group,) = tide.fsdp.param_groups(self.model)
+        assert len(self.group.fsdp_params) == 2 * N_LAYERS
+        self.samples = {"unshard": [], "reduce": []}  # (total wall, collective wall, total cpu, collective cpu)
+
+    def timed(self, op, fn):
+        self.timer.wall = self.timer.cpu = 0.0
         w0, c0 = _now()
         fn()
         w1, c1 = _now()
-        samples[op].append((w1 - w0, timer.wall, c1 - c0, timer.cpu))
+        self.samples[op].append((w1 - w0, self.timer.wall, c1 - c0, self.timer.cpu))
 
-    def unshard():
-        group.unshard()
-        group.wait_for_unshard()
+    def step(self, stream) -> None:
+        g = self.group
 
+        def unshard():
+            g.unshard()
+            g.wait_for_unshard()
+
+        self.timed("unshard", unshard)
+        g.reshard()
+        grads = [torch.randn(p._orig_size, dtype=torch.bfloat16) for p in g.fsdp_params]
+        for p in g.fsdp_params:
+            p.sharded_param.grad = None
+        self.timed("reduce", lambda: _pg.foreach_reduce(
+            g.fsdp_params, grads, g._reduce_scatter_process_group, stream, g._reduce_scatter_comm,
+            torch.float32, torch.float32, g.device, None, None, stream, True, None, None, False))
+
+    def medians(self) -> dict:
+        med = statistics.median
+        return {op: {"host_cpu_us": med(tc - cc for _, _, tc, cc in rows) * 1e6,
+                     "host_wall_us": med(tw - cw for tw, cw, _, _ in rows) * 1e6,
+                     "collective_wall_us": med(cw for _, cw, _, _ in rows) * 1e6,
+                     "total_wall_us": med(tw for tw, _, _, _ in rows) * 1e6}
+                for op, rows in self.samples.items()}
+
+
+def bench_rank(rank: int, world_size: int, dim: int, reps: int) -> dict:
+    """Stock and TIDE calls alternate (ABBA), so load on the machine and the previous call's cache
+    footprint hit both alike."""
+    torch.set_num_threads(1)
+    paths = {"stock": _Path(dim, False), "tide": _Path(dim, True)}
+    # Time TIDE's collective through the seam's hook functions (stock's: through its timed comm objects).
+    hooks = {name: getattr(seam, name) for name in ("all_gather_into_outputs", "reduce_scatter_into_shards")}
+    for name, fn in hooks.items():
+        setattr(seam, name, paths["tide"].timer.wrap(fn))
+    stream = torch.cpu.current_stream()
     tide.fsdp.reset_stats()
     try:
+        order = list(paths.values())
         for _ in range(reps):
-            timed("unshard", unshard)
-            group.reshard()
-            grads = [torch.randn(p._orig_size, dtype=torch.bfloat16) for p in group.fsdp_params]
-            for p in group.fsdp_params:
-                p.sharded_param.grad = None
-            timed("reduce", lambda: _pg.foreach_reduce(
-                group.fsdp_params, grads, group._reduce_scatter_process_group, stream, group._reduce_scatter_comm,
-                torch.float32, torch.float32, group.device, None, None, stream, True, None, None, False))
+            for path in order:
+                path.step(stream)
+            order.reverse()  # ABBA: each path follows each other path equally often
     finally:
         for name, fn in hooks.items():
             setattr(seam, name, fn)
     stats = tide.fsdp.stats()
-    # Stock runs first, before anything installed the seam: it is plain FSDP2.
-    expected = {"tide"} if use_tide else set()
-    assert set(stats["all_gather"]) == expected and set(stats["reduce_scatter"]) == expected, stats
-    med = statistics.median
-    return {op: {"host_cpu_us": med(tc - cc for _, _, tc, cc in rows) * 1e6,
-                 "host_wall_us": med(tw - cw for tw, cw, _, _ in rows) * 1e6,
-                 "collective_wall_us": med(cw for _, cw, _, _ in rows) * 1e6,
-                 "total_wall_us": med(tw for tw, _, _, _ in rows) * 1e6}
-            for op, rows in samples.items()}
-
-
-def bench_rank(rank: int, world_size: int, dim: int, reps: int) -> dict:
-    torch.set_num_threads(1)
-    stock = _measure(rank, world_size, dim, reps, False)
-    return {"stock": stock, "tide": _measure(rank, world_size, dim, reps, True)}
+    # The stock group was never opted in: the seam hands every one of its calls to stock FSDP2.
+    for kind in ("all_gather", "reduce_scatter"):
+        assert stats[kind] == {"stock:not_enabled": reps, "tide": reps}, stats
+    return {name: path.medians() for name, path in paths.items()}
 
 
 def main(argv=None) -> int:
