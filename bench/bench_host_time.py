@@ -1,9 +1,15 @@
 """Host time to issue one all-gather and one reduce-scatter of a 60-parameter group: TIDE vs stock FSDP2.
 
 TIDE: W ranks (default 8, sharing the GPU when there are fewer GPUs; symmetric memory over gloo), one
-``torch.ops.tide.all_gather_into_params_`` into arena-bound outputs (FSDP's zero-copy case) and one
-``torch.ops.tide.reduce_scatter_params_`` (In-Place and Slot-Reuse) per iteration, timed on rank 0 from
-the Python call to its return (the GPU is synchronised between iterations, outside the timed region).
+``torch.ops.tide.all_gather_into_params_`` into arena-bound outputs (FSDP's zero-copy case; ``ag`` makes
+the slot views in the timed region, ``ag_op_only`` beforehand) and one
+``torch.ops.tide.reduce_scatter_params_`` (In-Place with the same gradient tensors every call, In-Place
+"moved" alternating between two gradient sets so every address changes each call, and Slot-Reuse) per
+iteration, timed on rank 0 from the Python call to its return (the GPU is synchronised between
+iterations, outside the timed region). Each copy mode (``TIDE_CE_MODE`` = graph, batch, loop) runs in its
+own set of ranks; the arena's counters split the C++ part of a call by kind of call (kernel launches,
+stream memops, graph launches, graph node updates, copy-API calls, events); the rest is Python and
+op dispatch.
 
 Stock: FSDP2's tensor ops for the same group, issued the way ``foreach_all_gather`` /
 ``foreach_all_gather_copy_out`` / ``foreach_reduce`` issue them (the copy-in ``_foreach_copy_`` into the flat
@@ -47,7 +53,15 @@ def _time(fn, iters: int) -> list[float]:
     return out
 
 
-def tide_rank(rank: int, world_size: int, iters: int) -> dict:
+VARIANTS = ("ag", "ag_op_only", "rs_in_place", "rs_in_place_moved", "rs_slot_reuse")
+CPP_KEYS = ("host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_graph_launch", "host_ns_graph_update",
+            "host_ns_graph_build", "host_ns_copy_api", "host_ns_event", "graph_launches", "graphs_built",
+            "graph_node_updates", "memop_calls", "copy_api_calls", "kernels", "op_calls")
+
+
+def tide_rank(rank: int, world_size: int, iters: int, mode: str) -> dict:
+    """One TIDE arena with copy mode ``mode``; per variant the host times of rank 0 and, from the arena's
+    counters, the per-call split of the C++ part (the rest of a call is Python and dispatch)."""
     import torch.distributed as dist
 
     import tide  # noqa: F401
@@ -61,29 +75,40 @@ def tide_rank(rank: int, world_size: int, iters: int) -> dict:
     shards = [torch.randn((-(-s[0] // world_size), *s[1:]), device=dev).to(torch.bfloat16) for s in shapes]
     dtypes = [torch.bfloat16] * len(shards)
     layout = plans.all_gather_layout([s.shape for s in shards], dtypes, world_size)
-    arena = transport.enable(group, slot_bytes=layout.slot_bytes)
+    arena = transport.enable(group, slot_bytes=layout.slot_bytes, ce_mode=mode)
     grads = [torch.randn(s, device=dev).to(torch.bfloat16) for s in shapes]
+    grads_b = [g.clone() for g in grads]  # a second set: "moved" alternates, so every address changes each call
     shard_grads = [torch.zeros((-(-s[0] // world_size), *s[1:]), device=dev) for s in shapes]
-    res = {}
+    views = [arena.slot_views(layout, dtypes, i) for i in range(arena.num_slots)]
+    flip = [0]
 
     def ag():
         outs = arena.slot_views(layout, dtypes, arena.next_slot())
         torch.ops.tide.all_gather_into_params_(shards, outs, world_size, name)
 
-    def rs():
-        torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 1.0 / world_size, True, world_size, name)
+    def ag_op_only():
+        torch.ops.tide.all_gather_into_params_(shards, views[arena.next_slot()], world_size, name)
 
-    for mode in ("in_place", "slot_reuse"):
-        arena.rs_mode = mode
-        _time(ag, 3), _time(rs, 3)
+    def rs(g=None):
+        torch.ops.tide.reduce_scatter_params_(g or grads, shard_grads, 1.0 / world_size, True, world_size, name)
+
+    def rs_moved():
+        flip[0] ^= 1
+        rs(grads_b if flip[0] else grads)
+
+    fns = {"ag": ag, "ag_op_only": ag_op_only, "rs_in_place": rs, "rs_in_place_moved": rs_moved, "rs_slot_reuse": rs}
+    res = {}
+    for variant in VARIANTS:
+        arena.rs_mode = "slot_reuse" if variant == "rs_slot_reuse" else "in_place"
+        _time(fns[variant], 4)  # warm-up: plans, graphs of both slots / ring phases
         dist.barrier()
-        res[f"tide_ag"] = _time(ag, iters)
-        res[f"tide_rs_{mode}"] = _time(rs, iters)
+        before = arena.counters()
+        times = _time(fns[variant], iters)
+        after = arena.counters()
         dist.barrier()
-    # Views are made outside the op too: time the op alone with views prepared beforehand.
-    views = [arena.slot_views(layout, dtypes, i) for i in range(arena.num_slots)]
-    res["tide_ag_op_only"] = _time(lambda: torch.ops.tide.all_gather_into_params_(
-        shards, views[arena.next_slot()], world_size, name), iters)
+        res[variant] = {"times": times, "cpp": {k: (after[k] - before[k]) / iters for k in CPP_KEYS}}
+    c = arena.counters()
+    res["arena"] = {k: c[k] for k in ("ce_mode", "ce_mode_now", "graph_error", "batched_memop_writes", "graphs_built")}
     return res if rank == 0 else {}
 
 
@@ -135,27 +160,52 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--modes", default="graph,batch,loop", help="TIDE_CE_MODE values to measure")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    tide_res = run_ranks(tide_rank, args.world_size, args.iters, backend="gloo", device_type="cuda", env=ENV,
-                         timeout=300)[0]
-    # The same with one cudaMemcpyAsync per piece instead of one cudaMemcpyBatchAsync per push.
-    loop_res = run_ranks(tide_rank, args.world_size, args.iters, backend="gloo", device_type="cuda",
-                         env={**ENV, "TIDE_CE_BATCH": "0"}, timeout=300)[0]
-    tide_res.update({k.replace("tide_", "tide_loop_"): v for k, v in loop_res.items()})
-    stock_res = run_ranks(stock_rank, 1, args.iters, args.world_size, backend="nccl", device_type="cuda", env=ENV,
-                          timeout=300)[0]
-    rows = []
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "world_size": args.world_size, "params": len(group_shapes())}
-    for k, v in {**tide_res, **stock_res}.items():
-        rows.append({"path": k, "median_us": statistics.median(v) * 1e6, "p10_us": sorted(v)[len(v) // 10] * 1e6,
-                     "p90_us": sorted(v)[(9 * len(v)) // 10] * 1e6, **meta})
-        print(f"{k:22s} median {rows[-1]['median_us']:8.1f} us  (p10 {rows[-1]['p10_us']:.1f}, p90 {rows[-1]['p90_us']:.1f})")
+    rows, med = [], {}
+
+    def add(path, mode, variant, times, cpp=None):
+        srt = sorted(times)
+        row = {"path": path, "ce_mode": mode, "variant": variant, "median_us": statistics.median(times) * 1e6,
+               "p10_us": srt[len(srt) // 10] * 1e6, "p90_us": srt[(9 * len(srt)) // 10] * 1e6}
+        cpp = cpp or {}
+        row["cpp_us"] = cpp.get("host_ns_total", float("nan")) / 1e3
+        row["python_us"] = row["median_us"] - row["cpp_us"]  # median call minus mean C++ part
+        for k in CPP_KEYS[1:8]:
+            row[k.replace("host_ns_", "cpp_") + "_us"] = cpp.get(k, float("nan")) / 1e3
+        for k in CPP_KEYS[8:]:
+            row[k + "_per_call"] = cpp.get(k, float("nan"))
+        rows.append({**row, **meta})
+        med[path] = row["median_us"]
+        split = ", ".join(f"{k[4:-3]} {row[k]:.0f}" for k in row if k.startswith("cpp_") and k.endswith("_us")
+                          and k != "cpp_us" and row[k] == row[k] and row[k] >= 0.5)
+        print(f"{path:34s} median {row['median_us']:8.1f} us (p10 {row['p10_us']:.1f}, p90 {row['p90_us']:.1f})"
+              + (f"  C++ {row['cpp_us']:.0f} [{split}]  graph launches {row['graph_launches_per_call']:.0f}, node "
+                 f"updates {row['graph_node_updates_per_call']:.0f}, memops {row['memop_calls_per_call']:.0f}, copy "
+                 f"calls {row['copy_api_calls_per_call']:.0f}" if cpp else ""), flush=True)
+
+    for mode in args.modes.split(","):
+        try:
+            res = run_ranks(tide_rank, args.world_size, args.iters, mode, backend="gloo", device_type="cuda",
+                            env={**ENV, "TIDE_CE_MODE": mode}, timeout=240)[0]
+        except Exception as e:  # one mode failing must not hide the others
+            print(f"mode {mode} FAILED: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
+            continue
+        print(f"mode {mode}: arena {res.get('arena')}", flush=True)
+        for variant in VARIANTS:
+            add(f"tide_{mode}_{variant}", mode, variant, res[variant]["times"], res[variant]["cpp"])
+    stock_res = run_ranks(stock_rank, 1, args.iters, args.world_size, backend="nccl", device_type="cuda", env=ENV,
+                          timeout=240)[0]
+    add("stock_ag", "stock", "ag", stock_res["stock_ag"])
+    add("stock_rs", "stock", "rs", stock_res["stock_rs"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(out / "host_time.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
     try:
@@ -164,19 +214,28 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.barh([r["path"] for r in rows], [r["median_us"] for r in rows], xerr=None, color="tab:blue")
-        ax.set_xlabel("host time per call, median (us)")
-        ax.set_title(f"Issue cost, 60-param group, W={args.world_size}, {meta['gpu']}")
+        fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.2))
+        colors = {"graph": "tab:green", "batch": "tab:blue", "loop": "tab:orange", "stock": "tab:gray"}
+        ax.barh([r["path"] for r in rows], [r["median_us"] for r in rows], color=[colors[r["ce_mode"]] for r in rows])
+        for ref in ("stock_ag", "stock_rs"):
+            ax.axvline(med[ref], color="k", lw=0.8, ls=":")
+        ax.invert_yaxis()
+        ax.set_xlabel("host time per call, median (us); dotted: stock AG / RS")
+        ax.set_title(f"Issue cost, 60-param group, W={args.world_size}, {meta['gpu']}", fontsize=9)
         fig.tight_layout()
         fig.savefig(out / "host_time.png", dpi=120)
     except ImportError:
         pass
-    med = {r["path"]: r["median_us"] for r in rows}
-    print(f"SUMMARY host_time us (median): AG tide batch {med['tide_ag']:.0f} / loop {med['tide_loop_ag']:.0f} vs "
-          f"stock {med['stock_ag']:.0f}; RS tide in_place batch {med['tide_rs_in_place']:.0f} / loop "
-          f"{med['tide_loop_rs_in_place']:.0f}, slot_reuse batch {med['tide_rs_slot_reuse']:.0f} / loop "
-          f"{med['tide_loop_rs_slot_reuse']:.0f} vs stock {med['stock_rs']:.0f}")
+
+    def get(mode, variant):
+        v = med.get(f"tide_{mode}_{variant}")
+        return "n/a" if v is None else f"{v:.0f}"
+
+    modes = args.modes.split(",")
+    line = "SUMMARY host_time us (median), " + " / ".join(modes) + ":"
+    for variant in VARIANTS:
+        line += f" {variant} " + " / ".join(get(m, variant) for m in modes) + ";"
+    print(line + f" stock AG {med['stock_ag']:.0f}, stock RS {med['stock_rs']:.0f}")
 
 
 if __name__ == "__main__":

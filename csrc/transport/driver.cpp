@@ -8,6 +8,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include <c10/util/Exception.h>
@@ -63,20 +64,42 @@ void write_value(cudaStream_t stream, uint64_t addr, uint32_t value) {
 }
 
 void wait_geq(cudaStream_t stream, const std::vector<uint64_t>& addrs, uint32_t value) {
+  std::vector<MemOp> waits;
+  waits.reserve(addrs.size());
+  for (auto a : addrs) waits.push_back(MemOp{a, value});
+  batch(stream, {}, waits);
+}
+
+int batch(cudaStream_t stream, const std::vector<MemOp>& writes, const std::vector<MemOp>& waits, bool nothrow) {
   const Api& a = api();
   TORCH_CHECK(a.batch, "tide.transport: cuStreamBatchMemOp is not available from the CUDA driver");
-  std::vector<CUstreamBatchMemOpParams> ops;
-  for (size_t start = 0; start < addrs.size(); start += kMaxBatch) {
-    const size_t n = std::min<size_t>(kMaxBatch, addrs.size() - start);
-    ops.assign(n, CUstreamBatchMemOpParams{});
-    for (size_t i = 0; i < n; ++i) {
-      ops[i].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-      ops[i].waitValue.address = static_cast<CUdeviceptr>(addrs[start + i]);
-      ops[i].waitValue.value = value;
-      ops[i].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-    }
-    check(a.batch(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(n), ops.data(), 0), "cuStreamBatchMemOp");
+  thread_local std::vector<CUstreamBatchMemOpParams> ops;
+  ops.clear();
+  for (const MemOp& w : writes) {
+    CUstreamBatchMemOpParams p{};
+    p.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+    p.writeValue.address = static_cast<CUdeviceptr>(w.addr);
+    p.writeValue.value = w.value;
+    p.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    ops.push_back(p);
   }
+  for (const MemOp& w : waits) {
+    CUstreamBatchMemOpParams p{};
+    p.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+    p.waitValue.address = static_cast<CUdeviceptr>(w.addr);
+    p.waitValue.value = w.value;
+    p.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    ops.push_back(p);
+  }
+  for (size_t start = 0; start < ops.size(); start += kMaxBatch) {
+    const unsigned n = static_cast<unsigned>(std::min<size_t>(kMaxBatch, ops.size() - start));
+    const CUresult r = a.batch(reinterpret_cast<CUstream>(stream), n, ops.data() + start, 0);
+    if (r != CUDA_SUCCESS) {
+      if (nothrow) return static_cast<int>(r);
+      check(r, "cuStreamBatchMemOp");
+    }
+  }
+  return 0;
 }
 
 }  // namespace tide::driver

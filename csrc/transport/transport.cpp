@@ -33,7 +33,11 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <map>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "tide.h"
@@ -67,11 +71,12 @@ struct FlagLayout {
   int64_t ag_ready(int64_t slot, int64_t p) const { return K * W + slot * W + p; }
   int64_t rs_ready(int64_t s, int64_t q) const { return 2 * K * W + s * W + q; }
   int64_t rs_free(int64_t d, int64_t s) const { return 2 * K * W + R * W + d * R + s; }
-  // Source words of the 4-B flag copies, one per stream (written by that stream only).
-  int64_t src_word(int64_t stream_id) const { return 2 * K * W + 2 * R * W + stream_id; }
-  int64_t words() const { return 2 * K * W + 2 * R * W + 4; }
+  // Source words of the 4-B flag copies (local; written by stream memops, read by the copies):
+  // the push stream's, one per destination d (AG uses d = own rank), and the reduce stream's.
+  int64_t src_push(int64_t d) const { return 2 * K * W + 2 * R * W + d; }
+  int64_t src_reduce() const { return 2 * K * W + 2 * R * W + W; }
+  int64_t words() const { return 2 * K * W + 2 * R * W + W + 4; }
 };
-enum StreamId : int64_t { kS = 0, kP = 1, kRd = 2 };
 
 // Launches a cast/copy over any number of segments, kMaxSegments per launch.
 class CastBatch {
@@ -158,22 +163,70 @@ struct RsPlan {
   }
 };
 
+// How the copy lists of a call are issued (TIDE_CE_MODE): replay of a cached CUDA graph of memcpy
+// nodes (default), one cudaMemcpyBatchAsync per run of data copies, or one cudaMemcpyAsync per copy.
+enum CeMode : int64_t { kCeGraph = 0, kCeBatch = 1, kCeLoop = 2 };
+
+// Host-time categories of Arena::counters(): nanoseconds spent inside the ops' C++ part, by call kind.
+enum HostCat : int { kHTotal = 0, kHKernel, kHMemop, kHGraphLaunch, kHGraphUpdate, kHGraphBuild, kHCopyApi, kHEvent, kHCats };
+
+class HostTimer {
+ public:
+  explicit HostTimer(int64_t& ns) : ns_(ns), t0_(std::chrono::steady_clock::now()) {}
+  ~HostTimer() {
+    ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_).count();
+  }
+
+ private:
+  int64_t& ns_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+// One copy of a copy list: data (a piece of a slot or of a gradient) or a 4-B flag (a source word
+// into a peer's flag word, ordered after the data before it in the list).
+struct Copy {
+  uint64_t dst, src;
+  size_t bytes;
+  bool flag;
+};
+
+// A copy list instantiated as a chain of memcpy nodes (list order = execution order).
+struct CopyGraph {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::vector<cudaGraphNode_t> nodes;
+  std::vector<Copy> copies;  // as the nodes currently read/write them
+  int64_t data_copies = 0, flag_copies = 0, data_bytes = 0;
+};
+
+void destroy_graph(CopyGraph& g) {
+  if (g.exec) cudaGraphExecDestroy(g.exec);  // an in-flight launch completes first (freed asynchronously)
+  if (g.graph) cudaGraphDestroy(g.graph);
+  g.exec = nullptr;
+  g.graph = nullptr;
+  g.nodes.clear();
+}
+
 class Arena {
  public:
   Arena(int64_t rank, int64_t world, std::vector<int64_t> bases, int64_t device, int64_t flags_off,
         int64_t slots_off, int64_t slot_bytes, int64_t num_slots, int64_t ring_off, int64_t entry_bytes,
-        int64_t ring_depth, int64_t ctas, bool batch_copies)
+        int64_t ring_depth, int64_t ctas, int64_t ce_mode)
       : rank_(rank), world_(world), device_(device), flags_off_(flags_off), slots_off_(slots_off),
-        slot_bytes_(slot_bytes), ring_off_(ring_off), entry_bytes_(entry_bytes), ctas_(ctas),
-        batch_copies_(batch_copies), flags_{num_slots, ring_depth, world} {
+        slot_bytes_(slot_bytes), ring_off_(ring_off), entry_bytes_(entry_bytes), ctas_(ctas), mode_(ce_mode),
+        flags_{num_slots, ring_depth, world} {
     TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tide.Arena: rank ", rank, " not in [0, ", world, ")");
     TORCH_CHECK(static_cast<int64_t>(bases.size()) == world, "tide.Arena: need one base pointer per rank");
     TORCH_CHECK(num_slots >= 1 && ring_depth >= 1, "tide.Arena: num_slots and ring_depth must be >= 1");
     TORCH_CHECK(entry_bytes % 16 == 0 && slot_bytes % 16 == 0, "tide.Arena: entry_bytes and slot_bytes must be multiples of 16");
+    TORCH_CHECK(ce_mode == kCeGraph || ce_mode == kCeBatch || ce_mode == kCeLoop,
+                "tide.Arena: ce_mode must be 0 (graph), 1 (batch) or 2 (loop), got ", ce_mode);
     TORCH_CHECK(driver::available(), "tide.Arena: the CUDA driver lacks stream memory operations (cuStreamBatchMemOp)");
     for (auto b : bases) bases_.push_back(static_cast<uint64_t>(b));
     ag_uses_.assign(num_slots, 0);
     rs_rounds_.assign(world, 0);
+    ag_free_graphs_.resize(num_slots);
+    rs_free_graphs_.resize(ring_depth);
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     int lo = 0, hi = 0;
     TIDE_CUDA("Arena", cudaDeviceGetStreamPriorityRange(&lo, &hi));
@@ -181,13 +234,22 @@ class Arena {
     // The summing CTAs get the highest priority, so they are scheduled ahead of the model's kernels.
     TIDE_CUDA("Arena", cudaStreamCreateWithPriority(&reduce_, cudaStreamNonBlocking, hi));
     for (auto* e : {&ev_s_, &ev_p_, &ev_r_}) TIDE_CUDA("Arena", cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    // Writes and waits in one cuStreamBatchMemOp, if this driver takes them (a write and a wait on a
+    // source word no copy reads yet); otherwise one cuStreamWriteValue32 per write.
+    const uint64_t probe = local_flag(flags_.src_reduce());
+    batched_writes_ = driver::batch(push_, {driver::MemOp{probe, 0u}}, {driver::MemOp{probe, 0u}}, true) == 0;
+    (void)cudaGetLastError();
+    TIDE_CUDA("Arena", cudaStreamSynchronize(push_));
   }
 
   ~Arena() {
-    // Streams and events are left to process teardown when the context is already gone.
+    // Streams, events and graphs are left to process teardown when the context is already gone.
     if (cudaSetDevice(static_cast<int>(device_)) != cudaSuccess) return;
     cudaStreamSynchronize(push_);
     cudaStreamSynchronize(reduce_);
+    clear_plan_graphs();
+    for (auto& g : ag_free_graphs_) destroy_graph(g);
+    for (auto& g : rs_free_graphs_) destroy_graph(g);
     cudaEventDestroy(ev_s_);
     cudaEventDestroy(ev_p_);
     cudaEventDestroy(ev_r_);
@@ -198,6 +260,9 @@ class Arena {
   int64_t next_slot() const { return ring_pos_; }
   int64_t num_slots() const { return flags_.K; }
   int64_t flag_words() const { return flags_.words(); }
+  int64_t ce_mode() const { return mode_; }
+  std::string graph_error() const { return graph_error_; }
+  bool batched_writes() const { return batched_writes_; }
   uint64_t slot_base(int64_t rank, int64_t slot) const { return bases_[rank] + slots_off_ + slot * slot_bytes_; }
 
   // The slot in which outs are bound at plan's param-major addresses, or -1.
@@ -214,14 +279,20 @@ class Arena {
   }
 
   // TIDE-AG. Returns the slot used; copies out into `outs` unless they are bound in that slot.
-  int64_t all_gather(const AgPlan& plan, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
+  int64_t all_gather(const std::shared_ptr<AgPlan>& plan_ptr, const std::vector<at::Tensor>& shards,
+                     const std::vector<at::Tensor>& outs) {
     static constexpr const char* op = "all_gather_into_params_";
+    TORCH_CHECK(plan_ptr != nullptr, "tide.", op, ": no plan");
+    const AgPlan& plan = *plan_ptr;
+    HostTimer total(host_ns_[kHTotal]);
+    ++calls_;
     TORCH_CHECK(shards.size() == plan.size(), "tide.", op, ": ", shards.size(), " shards for a plan of ", plan.size());
     TORCH_CHECK(outs.empty() || outs.size() == plan.size(), "tide.", op, ": ", outs.size(), " outs for a plan of ", plan.size());
     TORCH_CHECK(plan.slot_bytes <= slot_bytes_, "tide.", op, ": the group needs ", plan.slot_bytes,
                 " slot bytes but the arena's slots hold ", slot_bytes_, " (enable TIDE with a larger slot)");
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     cudaStream_t S = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+    check_not_capturing(op, S);
     const int64_t bound = bound_slot(plan, outs);
     const int64_t slot = bound >= 0 ? bound : ring_pos_;
     ring_pos_ = (slot + 1) % flags_.K;
@@ -229,45 +300,47 @@ class Arena {
     const uint64_t mine = slot_base(rank_, slot);
 
     // 1. The own shard, cast straight into its final place in my slot: the op's only kernel.
-    CastBatch cast(static_cast<int>(ctas_), S);
-    for (size_t j = 0; j < plan.size(); ++j) {
-      const at::Tensor& s = shards[j];
-      TORCH_CHECK(s.numel() * dtype_size(plan.out_dtype[j]) == plan.own_bytes[j], "tide.", op, ": shards[", j,
-                  "] has ", s.numel(), " elements; the plan expects ", plan.own_bytes[j] / dtype_size(plan.out_dtype[j]));
-      cast.add(s.data_ptr(), reinterpret_cast<void*>(mine + plan.own_off[j]), s.numel(), dtype_code(op, s.scalar_type()),
-               plan.out_dtype[j]);
-    }
-    cast.flush();
-    kernels_ += cast.launches();
-    if (world_ > 1) {
-      // 2. My slot may now be written by every peer.
-      post(S, kS, [&](int64_t) { return flags_.ag_free(slot, rank_); }, v);
-      // 3. Push stream: wait for every peer's slot, copy my pieces to their final addresses, flag.
-      TIDE_CUDA("all_gather_into_params_", cudaEventRecord(ev_s_, S));
-      TIDE_CUDA("all_gather_into_params_", cudaStreamWaitEvent(push_, ev_s_, 0));
-      std::vector<uint64_t> words;
-      for (int64_t p = 0; p < world_; ++p)
-        if (p != rank_) words.push_back(local_flag(flags_.ag_free(slot, p)));
-      driver::wait_geq(push_, words, v);
-      copies_.clear();
-      for (int64_t k = 1; k < world_; ++k) {
-        const int64_t p = (rank_ + k) % world_;
-        const uint64_t theirs = slot_base(p, slot);
-        for (size_t j = 0; j < plan.size(); ++j)
-          if (plan.own_bytes[j] > 0) copies_.push_back({theirs + plan.own_off[j], mine + plan.own_off[j], static_cast<size_t>(plan.own_bytes[j])});
+    {
+      HostTimer t(host_ns_[kHKernel]);  // the segment list and its launches
+      CastBatch cast(static_cast<int>(ctas_), S);
+      for (size_t j = 0; j < plan.size(); ++j) {
+        const at::Tensor& s = shards[j];
+        TORCH_CHECK(s.numel() * dtype_size(plan.out_dtype[j]) == plan.own_bytes[j], "tide.", op, ": shards[", j,
+                    "] has ", s.numel(), " elements; the plan expects ", plan.own_bytes[j] / dtype_size(plan.out_dtype[j]));
+        cast.add(s.data_ptr(), reinterpret_cast<void*>(mine + plan.own_off[j]), s.numel(), dtype_code(op, s.scalar_type()),
+                 plan.out_dtype[j]);
       }
-      issue_copies(push_);
-      post(push_, kP, [&](int64_t) { return flags_.ag_ready(slot, rank_); }, v);
-      // 4. The caller's stream: wait for every peer's pieces in my slot, and for my own pushes.
-      words.clear();
-      for (int64_t p = 0; p < world_; ++p)
-        if (p != rank_) words.push_back(local_flag(flags_.ag_ready(slot, p)));
-      driver::wait_geq(S, words, v);
-      TIDE_CUDA("all_gather_into_params_", cudaEventRecord(ev_p_, push_));
-      TIDE_CUDA("all_gather_into_params_", cudaStreamWaitEvent(S, ev_p_, 0));
+      cast.flush();
+      kernels_ += cast.launches();
     }
-    // 5. Outputs not bound in the slot: one more copy (the op-level API's general case).
+    if (world_ > 1) {
+      // 2. Push stream, after the cast: post "my slot is free" (v) into every peer, wait for every
+      //    peer's, copy my pieces to the same offsets of their slots, each peer's pieces followed by
+      //    its "ready" flag (v, from the same source word).
+      join(push_, S, ev_s_);
+      const uint64_t src = local_flag(flags_.src_push(rank_));
+      memops(push_, {driver::MemOp{src, v}}, {});
+      if (!try_graph([&] {
+            CopyGraph& fg = ag_free_graphs_[slot];
+            if (!fg.exec) build_graph(fg, ag_free_copies(slot));
+            launch(fg, push_);
+          }))
+        issue(ag_free_copies(slot), push_);
+      std::vector<driver::MemOp> waits;
+      for (int64_t p = 0; p < world_; ++p)
+        if (p != rank_) waits.push_back(driver::MemOp{local_flag(flags_.ag_free(slot, p)), v});
+      memops(push_, {}, waits);
+      if (!try_graph([&] { launch(ag_graph(plan_ptr, slot), push_); })) issue(ag_data_copies(plan, slot), push_);
+      // 3. The caller's stream: wait for every peer's pieces in my slot, and for my own pushes.
+      waits.clear();
+      for (int64_t p = 0; p < world_; ++p)
+        if (p != rank_) waits.push_back(driver::MemOp{local_flag(flags_.ag_ready(slot, p)), v});
+      memops(S, {}, waits);
+      join(S, push_, ev_p_);
+    }
+    // 4. Outputs not bound in the slot: one more copy (the op-level API's general case).
     if (bound < 0 && !outs.empty()) {
+      HostTimer t(host_ns_[kHKernel]);
       CastBatch out(static_cast<int>(ctas_), S);
       for (size_t j = 0; j < plan.size(); ++j) {
         const at::Tensor& o = outs[j];
@@ -283,9 +356,13 @@ class Arena {
   }
 
   // TIDE-RS. reuse_slot >= 0 selects Slot-Reuse: pack the gradients into that slot of this arena first.
-  void reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
-                      double scale, bool accumulate, int64_t reuse_slot) {
+  void reduce_scatter(const std::shared_ptr<RsPlan>& plan_ptr, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t reuse_slot) {
     static constexpr const char* op = "reduce_scatter_params_";
+    TORCH_CHECK(plan_ptr != nullptr, "tide.", op, ": no plan");
+    const RsPlan& plan = *plan_ptr;
+    HostTimer total(host_ns_[kHTotal]);
+    ++calls_;
     TORCH_CHECK(grads.size() == plan.grad_dtype.size() && shard_grads.size() == grads.size(), "tide.", op,
                 ": ", grads.size(), " grads and ", shard_grads.size(), " shard_grads for a plan of ", plan.grad_dtype.size());
     TORCH_CHECK(static_cast<int64_t>(plan.rounds.size()) == world_, "tide.", op, ": plan built for another world size");
@@ -299,10 +376,13 @@ class Arena {
     }
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     cudaStream_t S = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+    check_not_capturing(op, S);
     const int64_t R = flags_.R;
-    const uint64_t packed = reuse_slot >= 0 ? slot_base(rank_, reuse_slot) : 0;
-    if (reuse_slot >= 0) {
+    const bool slot_reuse = reuse_slot >= 0;
+    const uint64_t packed = slot_reuse ? slot_base(rank_, reuse_slot) : 0;
+    if (slot_reuse) {
       // Slot-Reuse: every destination's rounds laid out back to back, so each push is one copy.
+      HostTimer t(host_ns_[kHKernel]);
       CastBatch pack(static_cast<int>(ctas_), S);
       for (int64_t d = 0; d < world_; ++d)
         for (size_t j = 0; j < plan.rounds[d].size(); ++j)
@@ -314,9 +394,12 @@ class Arena {
       pack.flush();
       kernels_ += pack.launches();
     }
-    TIDE_CUDA("reduce_scatter_params_", cudaEventRecord(ev_s_, S));
-    TIDE_CUDA("reduce_scatter_params_", cudaStreamWaitEvent(push_, ev_s_, 0));
-    TIDE_CUDA("reduce_scatter_params_", cudaStreamWaitEvent(reduce_, ev_s_, 0));
+    {
+      HostTimer t(host_ns_[kHEvent]);
+      TIDE_CUDA("reduce_scatter_params_", cudaEventRecord(ev_s_, S));
+      TIDE_CUDA("reduce_scatter_params_", cudaStreamWaitEvent(push_, ev_s_, 0));
+      TIDE_CUDA("reduce_scatter_params_", cudaStreamWaitEvent(reduce_, ev_s_, 0));
+    }
     const float fscale = static_cast<float>(scale);
     if (!accumulate && !plan.pads.empty()) {
       SumArgs a{};
@@ -329,38 +412,42 @@ class Arena {
       }
       launch_sum(a);
     }
+    // Graph mode: the push graphs of this (plan, mode, slot, ring phase), In-Place nodes re-pointed at
+    // gradients that moved since the last call.
+    RsGraphs* graphs = nullptr;
+    if (world_ > 1) try_graph([&] { graphs = &rs_graphs(plan_ptr, reuse_slot, grads, packed); });
     const uint64_t my_ring = bases_[rank_] + ring_off_;
+    std::vector<driver::MemOp> writes, waits;
     for (int64_t j = 0; j < plan.max_rounds; ++j) {
-      // Pushes of round j, destinations rotated so that the W producers start on different peers.
+      // Pushes of round j, destinations rotated so that the W producers start on different peers. All
+      // flow-control waits of the round come first (each depends only on reductions of earlier
+      // rounds), with the round's "ready" values written into one source word per destination.
+      writes.clear();
+      waits.clear();
       for (int64_t k = 1; k < world_; ++k) {
         const int64_t d = (rank_ + k) % world_;
         if (j >= static_cast<int64_t>(plan.rounds[d].size())) continue;
         const uint32_t g = static_cast<uint32_t>(rs_rounds_[d] + j + 1);
         const int64_t s = (g - 1) % R;
-        if (g > R) driver::wait_geq(push_, {local_flag(flags_.rs_free(d, s))}, g - static_cast<uint32_t>(R));
-        const uint64_t entry = bases_[d] + ring_off_ + (s * world_ + rank_) * entry_bytes_;
-        copies_.clear();
-        if (reuse_slot >= 0) {
-          if (plan.round_bytes[d][j] > 0)
-            copies_.push_back({entry, packed + plan.pack_off[d][j], static_cast<size_t>(plan.round_bytes[d][j])});
-        } else {
-          for (const RsChunk& c : plan.rounds[d][j]) {
-            const int sz = dtype_size(plan.grad_dtype[c.param]);
-            copies_.push_back({entry + c.entry_off, ptr_of(grads[c.param]) + c.grad_off * sz, static_cast<size_t>(c.n * sz)});
-          }
-        }
-        issue_copies(push_);
-        post_one(push_, kP, d, flags_.rs_ready(s, rank_), g);
+        if (g > R) waits.push_back(driver::MemOp{local_flag(flags_.rs_free(d, s)), g - static_cast<uint32_t>(R)});
+        writes.push_back(driver::MemOp{local_flag(flags_.src_push(d)), g});
+      }
+      if (!writes.empty()) {
+        memops(push_, writes, waits);
+        if (graphs == nullptr || !try_graph([&] { launch(graphs->rounds[j], push_); }))
+          issue(rs_round_copies(plan, j, grads, packed, slot_reuse, nullptr), push_);
       }
       // My own round j: wait for every contributor's entry, sum in rank order, hand the entries back.
       if (j < static_cast<int64_t>(plan.rounds[rank_].size())) {
         const uint32_t g = static_cast<uint32_t>(rs_rounds_[rank_] + j + 1);
         const int64_t s = (g - 1) % R;
         if (world_ > 1) {
-          std::vector<uint64_t> words;
+          waits.clear();
           for (int64_t q = 0; q < world_; ++q)
-            if (q != rank_) words.push_back(local_flag(flags_.rs_ready(s, q)));
-          driver::wait_geq(reduce_, words, g);
+            if (q != rank_) waits.push_back(driver::MemOp{local_flag(flags_.rs_ready(s, q)), g});
+          // The "entry free" value goes into the reduce stream's source word now: the copies that read
+          // its previous value are ordered before this, the ones that read this value after the sum.
+          memops(reduce_, {driver::MemOp{local_flag(flags_.src_reduce()), g}}, waits);
         }
         SumArgs a{};
         a.staging = reinterpret_cast<const char*>(my_ring + s * world_ * entry_bytes_);
@@ -374,92 +461,341 @@ class Arena {
           const int32_t dt = plan.grad_dtype[c.param];
           if ((dtype >= 0 && dt != dtype) || a.nseg == kMaxSegments) launch_sum(a);
           dtype = dt;
-          const void* own = reuse_slot >= 0
+          const void* own = slot_reuse
               ? reinterpret_cast<const void*>(packed + plan.pack_off[rank_][j] + c.entry_off)
               : static_cast<const void*>(static_cast<const char*>(grads[c.param].data_ptr()) + c.grad_off * dtype_size(dt));
           a.seg[a.nseg++] = SumSegment{shard_grads[c.param].data_ptr<float>() + c.shard_off, own, c.entry_off, c.n, dt, 0};
         }
         launch_sum(a);
-        if (world_ > 1) post(reduce_, kRd, [&](int64_t) { return flags_.rs_free(rank_, s); }, g);
+        if (world_ > 1 && !try_graph([&] {
+              CopyGraph& fg = rs_free_graphs_[s];
+              if (!fg.exec) build_graph(fg, rs_free_copies(s));
+              launch(fg, reduce_);
+            }))
+          issue(rs_free_copies(s), reduce_);
       }
     }
     for (int64_t d = 0; d < world_; ++d) rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
+    HostTimer t(host_ns_[kHEvent]);
     TIDE_CUDA("reduce_scatter_params_", cudaEventRecord(ev_p_, push_));
     TIDE_CUDA("reduce_scatter_params_", cudaEventRecord(ev_r_, reduce_));
     TIDE_CUDA("reduce_scatter_params_", cudaStreamWaitEvent(S, ev_p_, 0));
     TIDE_CUDA("reduce_scatter_params_", cudaStreamWaitEvent(S, ev_r_, 0));
   }
 
-  std::vector<int64_t> counters() const { return {copies_issued_, bytes_pushed_, kernels_, flags_posted_}; }
+  // copies, bytes, kernels, flags, graph launches, graphs built, graph node updates, memop calls,
+  // copy-API calls, op calls, then host ns by HostCat.
+  std::vector<int64_t> counters() const {
+    std::vector<int64_t> c{copies_issued_, bytes_pushed_, kernels_, flags_posted_, graph_launches_, graphs_built_,
+                           node_updates_, memop_calls_, copy_api_calls_, calls_};
+    c.insert(c.end(), host_ns_.begin(), host_ns_.end());
+    return c;
+  }
 
  private:
-  struct Copy {
-    uint64_t dst, src;
-    size_t bytes;
+  struct AgGraphs {
+    std::shared_ptr<AgPlan> plan;  // keeps the key's address from being reused
+    CopyGraph data;
   };
+  struct RsGraphs {
+    std::shared_ptr<RsPlan> plan;
+    std::vector<CopyGraph> rounds;  // push graph of round j (no exec when the round pushes nothing)
+    // In-Place: per gradient, the nodes that read it: (round, node, byte offset in the gradient).
+    std::vector<std::vector<std::array<int64_t, 3>>> uses;
+    std::vector<uint64_t> grad_base;  // the gradient addresses the nodes read now
+  };
+  static constexpr size_t kMaxGraphSets = 256;  // cached (plan, slot[, phase]) entries before a flush
 
   uint64_t local_flag(int64_t word) const { return bases_[rank_] + flags_off_ + 4 * word; }
   uint64_t peer_flag(int64_t p, int64_t word) const { return bases_[p] + flags_off_ + 4 * word; }
 
-  // Writes `value` into flag word word_of(p) of every peer p: a front-end write of the value into
-  // this stream's source word, then one 4-byte copy per peer (NCCL's unicast CE sync).
+  // Graph mode: runs f (build / update / launch of a copy graph) and returns true. If the CUDA runtime
+  // refuses (an error before anything was enqueued), the arena switches to batch mode for good, with a
+  // warning and the reason in graph_error(), and the caller issues the same copies through the batch
+  // API. Other modes: false at once.
   template <typename F>
-  void post(cudaStream_t stream, int64_t sid, F word_of, uint32_t value) {
-    const uint64_t src = local_flag(flags_.src_word(sid));
-    driver::write_value(stream, src, value);
-    for (int64_t k = 1; k < world_; ++k) {
-      const int64_t p = (rank_ + k) % world_;
-      TIDE_CUDA("transport", cudaMemcpyAsync(reinterpret_cast<void*>(peer_flag(p, word_of(p))),
-                                             reinterpret_cast<const void*>(src), 4, cudaMemcpyDefault, stream));
-      ++flags_posted_;
+  bool try_graph(F&& f) {
+    if (mode_ != kCeGraph) return false;
+    try {
+      f();
+      return true;
+    } catch (const std::exception& e) {
+      (void)cudaGetLastError();  // the refused call's error is not sticky: clear it for later launch checks
+      graph_error_ = e.what();
+      mode_ = kCeBatch;
+      TORCH_WARN("tide.transport: copy graphs failed, this arena issues its copies with cudaMemcpyBatchAsync from now on: ",
+                 graph_error_);
+      return false;
     }
   }
-  void post_one(cudaStream_t stream, int64_t sid, int64_t p, int64_t word, uint32_t value) {
-    const uint64_t src = local_flag(flags_.src_word(sid));
-    driver::write_value(stream, src, value);
-    TIDE_CUDA("transport", cudaMemcpyAsync(reinterpret_cast<void*>(peer_flag(p, word)),
-                                           reinterpret_cast<const void*>(src), 4, cudaMemcpyDefault, stream));
-    ++flags_posted_;
+
+  void check_not_capturing(const char* op, cudaStream_t S) const {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    TIDE_CUDA("transport", cudaStreamIsCapturing(S, &status));
+    TORCH_CHECK(status == cudaStreamCaptureStatusNone, "tide.", op, ": the CUDA transport cannot run while the "
+                "current stream is capturing a CUDA graph (the tide ops take the stock path under capture)");
+  }
+
+  // `waiter` continues after the work issued so far on `signaller`.
+  void join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t ev) {
+    HostTimer t(host_ns_[kHEvent]);
+    TIDE_CUDA("transport", cudaEventRecord(ev, signaller));
+    TIDE_CUDA("transport", cudaStreamWaitEvent(waiter, ev, 0));
+  }
+
+  // Stream memory operations: the writes, then the waits, in one driver call where the driver allows.
+  void memops(cudaStream_t stream, const std::vector<driver::MemOp>& writes, const std::vector<driver::MemOp>& waits) {
+    if (writes.empty() && waits.empty()) return;
+    HostTimer t(host_ns_[kHMemop]);
+    if (batched_writes_) {
+      driver::batch(stream, writes, waits);
+      ++memop_calls_;
+      return;
+    }
+    for (const auto& w : writes) {
+      driver::write_value(stream, w.addr, w.value);
+      ++memop_calls_;
+    }
+    if (!waits.empty()) {
+      driver::batch(stream, {}, waits);
+      ++memop_calls_;
+    }
+  }
+
+  // --------------------------------------------------------------------------------- copy lists
+  std::vector<Copy> ag_free_copies(int64_t slot) const {
+    std::vector<Copy> list;
+    const uint64_t src = local_flag(flags_.src_push(rank_));
+    for (int64_t k = 1; k < world_; ++k) {
+      const int64_t p = (rank_ + k) % world_;
+      list.push_back(Copy{peer_flag(p, flags_.ag_free(slot, rank_)), src, 4, true});
+    }
+    return list;
+  }
+
+  std::vector<Copy> ag_data_copies(const AgPlan& plan, int64_t slot) const {
+    std::vector<Copy> list;
+    const uint64_t mine = slot_base(rank_, slot);
+    const uint64_t src = local_flag(flags_.src_push(rank_));
+    for (int64_t k = 1; k < world_; ++k) {
+      const int64_t p = (rank_ + k) % world_;
+      const uint64_t theirs = slot_base(p, slot);
+      for (size_t j = 0; j < plan.size(); ++j)
+        if (plan.own_bytes[j] > 0)
+          list.push_back(Copy{theirs + plan.own_off[j], mine + plan.own_off[j], static_cast<size_t>(plan.own_bytes[j]), false});
+      list.push_back(Copy{peer_flag(p, flags_.ag_ready(slot, rank_)), src, 4, true});
+    }
+    return list;
+  }
+
+  // My round-j pushes, destinations rotated, each destination's pieces followed by its "ready" flag
+  // (from that destination's source word). `uses` (In-Place only) receives (param, node, grad offset).
+  std::vector<Copy> rs_round_copies(const RsPlan& plan, int64_t j, const std::vector<at::Tensor>& grads, uint64_t packed,
+                                    bool slot_reuse, std::vector<std::array<int64_t, 3>>* uses) const {
+    std::vector<Copy> list;
+    const int64_t R = flags_.R;
+    for (int64_t k = 1; k < world_; ++k) {
+      const int64_t d = (rank_ + k) % world_;
+      if (j >= static_cast<int64_t>(plan.rounds[d].size())) continue;
+      const int64_t s = (rs_rounds_[d] + j) % R;
+      const uint64_t entry = bases_[d] + ring_off_ + (s * world_ + rank_) * entry_bytes_;
+      if (slot_reuse) {
+        if (plan.round_bytes[d][j] > 0)
+          list.push_back(Copy{entry, packed + plan.pack_off[d][j], static_cast<size_t>(plan.round_bytes[d][j]), false});
+      } else {
+        for (const RsChunk& c : plan.rounds[d][j]) {
+          const int sz = dtype_size(plan.grad_dtype[c.param]);
+          const int64_t bytes = c.n * sz;
+          if (bytes <= 0) continue;
+          const int64_t off = c.grad_off * sz;
+          if (uses != nullptr) uses->push_back({c.param, static_cast<int64_t>(list.size()), off});
+          list.push_back(Copy{entry + c.entry_off, ptr_of(grads[c.param]) + off, static_cast<size_t>(bytes), false});
+        }
+      }
+      list.push_back(Copy{peer_flag(d, flags_.rs_ready(s, rank_)), local_flag(flags_.src_push(d)), 4, true});
+    }
+    return list;
+  }
+
+  std::vector<Copy> rs_free_copies(int64_t s) const {
+    std::vector<Copy> list;
+    const uint64_t src = local_flag(flags_.src_reduce());
+    for (int64_t k = 1; k < world_; ++k) {
+      const int64_t q = (rank_ + k) % world_;
+      list.push_back(Copy{peer_flag(q, flags_.rs_free(rank_, s)), src, 4, true});
+    }
+    return list;
+  }
+
+  // --------------------------------------------------------------------------------- graphs
+  // Instantiates `list` as one chain of memcpy nodes into g (left empty, no exec, for an empty list).
+  void build_graph(CopyGraph& g, std::vector<Copy> list) {
+    HostTimer t(host_ns_[kHGraphBuild]);
+    destroy_graph(g);
+    g.copies = std::move(list);
+    g.data_copies = g.flag_copies = g.data_bytes = 0;
+    for (const Copy& c : g.copies) {
+      if (c.flag) {
+        ++g.flag_copies;
+      } else {
+        ++g.data_copies;
+        g.data_bytes += static_cast<int64_t>(c.bytes);
+      }
+    }
+    if (g.copies.empty()) return;
+    try {
+      TIDE_CUDA("transport", cudaGraphCreate(&g.graph, 0));
+      g.nodes.resize(g.copies.size());
+      for (size_t i = 0; i < g.copies.size(); ++i) {
+        const Copy& c = g.copies[i];
+        TIDE_CUDA("transport", cudaGraphAddMemcpyNode1D(&g.nodes[i], g.graph, i > 0 ? &g.nodes[i - 1] : nullptr, i > 0 ? 1 : 0,
+                                                        reinterpret_cast<void*>(c.dst), reinterpret_cast<const void*>(c.src),
+                                                        c.bytes, cudaMemcpyDefault));
+      }
+      TIDE_CUDA("transport", cudaGraphInstantiate(&g.exec, g.graph, 0));
+    } catch (...) {
+      destroy_graph(g);
+      throw;
+    }
+    ++graphs_built_;
+  }
+
+  void launch(const CopyGraph& g, cudaStream_t stream) {
+    if (g.exec == nullptr) return;
+    HostTimer t(host_ns_[kHGraphLaunch]);
+    TIDE_CUDA("transport", cudaGraphLaunch(g.exec, stream));
+    ++graph_launches_;
+    copies_issued_ += g.data_copies;
+    bytes_pushed_ += g.data_bytes;
+    flags_posted_ += g.flag_copies;
+  }
+
+  void clear_plan_graphs() {
+    for (auto& kv : ag_graphs_) destroy_graph(kv.second.data);
+    for (auto& kv : rs_graphs_)
+      for (auto& g : kv.second.rounds) destroy_graph(g);
+    ag_graphs_.clear();
+    rs_graphs_.clear();
+  }
+
+  const CopyGraph& ag_graph(const std::shared_ptr<AgPlan>& plan, int64_t slot) {
+    const auto key = std::make_pair(static_cast<const AgPlan*>(plan.get()), slot);
+    auto it = ag_graphs_.find(key);
+    if (it != ag_graphs_.end()) return it->second.data;
+    if (ag_graphs_.size() + rs_graphs_.size() >= kMaxGraphSets) clear_plan_graphs();
+    AgGraphs entry;
+    entry.plan = plan;
+    build_graph(entry.data, ag_data_copies(*plan, slot));
+    return ag_graphs_.emplace(key, std::move(entry)).first->second.data;
+  }
+
+  RsGraphs& rs_graphs(const std::shared_ptr<RsPlan>& plan, int64_t reuse_slot, const std::vector<at::Tensor>& grads,
+                      uint64_t packed) {
+    const int64_t R = flags_.R;
+    std::vector<int64_t> phase;
+    phase.reserve(world_ + 1);
+    phase.push_back(reuse_slot);
+    for (int64_t d = 0; d < world_; ++d) phase.push_back(rs_rounds_[d] % R);
+    auto key = std::make_pair(static_cast<const RsPlan*>(plan.get()), std::move(phase));
+    auto it = rs_graphs_.find(key);
+    if (it == rs_graphs_.end()) {
+      if (ag_graphs_.size() + rs_graphs_.size() >= kMaxGraphSets) clear_plan_graphs();
+      RsGraphs gs;
+      gs.plan = plan;
+      gs.rounds.resize(plan->max_rounds);
+      gs.uses.resize(grads.size());
+      try {
+        for (int64_t j = 0; j < plan->max_rounds; ++j) {
+          std::vector<std::array<int64_t, 3>> uses;
+          build_graph(gs.rounds[j], rs_round_copies(*plan, j, grads, packed, reuse_slot >= 0, reuse_slot < 0 ? &uses : nullptr));
+          for (const auto& u : uses) gs.uses[u[0]].push_back({j, u[1], u[2]});
+        }
+      } catch (...) {
+        for (auto& g : gs.rounds) destroy_graph(g);
+        throw;
+      }
+      for (const auto& g : grads) gs.grad_base.push_back(ptr_of(g));
+      return rs_graphs_.emplace(std::move(key), std::move(gs)).first->second;
+    }
+    RsGraphs& gs = it->second;
+    if (reuse_slot < 0) {
+      for (size_t p = 0; p < grads.size(); ++p) {
+        const uint64_t base = ptr_of(grads[p]);
+        if (base == gs.grad_base[p]) continue;
+        HostTimer t(host_ns_[kHGraphUpdate]);
+        for (const auto& u : gs.uses[p]) {
+          CopyGraph& g = gs.rounds[u[0]];
+          Copy& c = g.copies[u[1]];
+          c.src = base + u[2];
+          TIDE_CUDA("transport", cudaGraphExecMemcpyNodeSetParams1D(g.exec, g.nodes[u[1]], reinterpret_cast<void*>(c.dst),
+                                                                    reinterpret_cast<const void*>(c.src), c.bytes,
+                                                                    cudaMemcpyDefault));
+          ++node_updates_;
+        }
+        gs.grad_base[p] = base;
+      }
+    }
+    return gs;
   }
 
   void launch_sum(SumArgs& a) {
     if (a.nseg == 0) return;
+    HostTimer t(host_ns_[kHKernel]);
     launch_sum_contributions(a, static_cast<int>(ctas_), reduce_);
     ++kernels_;
     a.nseg = 0;
   }
 
-  // Copy-engine copies of copies_ on `stream`: one cudaMemcpyBatchAsync, or one cudaMemcpyAsync each.
-  void issue_copies(cudaStream_t stream) {
-    if (copies_.empty()) return;
-    for (const Copy& c : copies_) bytes_pushed_ += static_cast<int64_t>(c.bytes);
-    copies_issued_ += static_cast<int64_t>(copies_.size());
+  // Batch / loop modes: the copies of `list` in order; in batch mode each run of data copies is one
+  // cudaMemcpyBatchAsync (a flag copy ends a run, so it follows its data), flags one cudaMemcpyAsync each.
+  void issue(const std::vector<Copy>& list, cudaStream_t stream) {
+    if (list.empty()) return;
+    HostTimer t(host_ns_[kHCopyApi]);
+    size_t i = 0;
+    while (i < list.size()) {
+      size_t e = i + 1;
+      if (!list[i].flag && mode_ == kCeBatch)
+        while (e < list.size() && !list[e].flag) ++e;
 #if CUDART_VERSION >= 13000
-    if (batch_copies_ && copies_.size() > 1) {
-      dsts_.clear();
-      srcs_.clear();
-      sizes_.clear();
-      for (const Copy& c : copies_) {
-        dsts_.push_back(reinterpret_cast<void*>(c.dst));
-        srcs_.push_back(reinterpret_cast<const void*>(c.src));
-        sizes_.push_back(c.bytes);
-      }
-      cudaMemcpyAttributes attr{};
-      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-      size_t attr_idx = 0;
-      TIDE_CUDA("transport", cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), copies_.size(), &attr,
-                                                  &attr_idx, 1, stream));
-      return;
-    }
+      if (e - i > 1) {
+        dsts_.clear();
+        srcs_.clear();
+        sizes_.clear();
+        for (size_t k = i; k < e; ++k) {
+          dsts_.push_back(reinterpret_cast<void*>(list[k].dst));
+          srcs_.push_back(reinterpret_cast<const void*>(list[k].src));
+          sizes_.push_back(list[k].bytes);
+        }
+        cudaMemcpyAttributes attr{};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+        size_t attr_idx = 0;
+        TIDE_CUDA("transport", cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), e - i, &attr, &attr_idx, 1, stream));
+        ++copy_api_calls_;
+      } else
 #endif
-    for (const Copy& c : copies_)
-      TIDE_CUDA("transport", cudaMemcpyAsync(reinterpret_cast<void*>(c.dst), reinterpret_cast<const void*>(c.src), c.bytes,
-                                             cudaMemcpyDefault, stream));
+      {
+        for (size_t k = i; k < e; ++k) {
+          TIDE_CUDA("transport", cudaMemcpyAsync(reinterpret_cast<void*>(list[k].dst), reinterpret_cast<const void*>(list[k].src),
+                                                 list[k].bytes, cudaMemcpyDefault, stream));
+          ++copy_api_calls_;
+        }
+      }
+      for (size_t k = i; k < e; ++k) {
+        if (list[k].flag) {
+          ++flags_posted_;
+        } else {
+          ++copies_issued_;
+          bytes_pushed_ += static_cast<int64_t>(list[k].bytes);
+        }
+      }
+      i = e;
+    }
   }
 
-  int64_t rank_, world_, device_, flags_off_, slots_off_, slot_bytes_, ring_off_, entry_bytes_, ctas_;
-  bool batch_copies_;
+  int64_t rank_, world_, device_, flags_off_, slots_off_, slot_bytes_, ring_off_, entry_bytes_, ctas_, mode_;
+  bool batched_writes_ = false;
+  std::string graph_error_;
   FlagLayout flags_;
   std::vector<uint64_t> bases_;
   std::vector<uint32_t> ag_uses_;
@@ -467,11 +803,16 @@ class Arena {
   int64_t ring_pos_ = 0;
   cudaStream_t push_ = nullptr, reduce_ = nullptr;
   cudaEvent_t ev_s_ = nullptr, ev_p_ = nullptr, ev_r_ = nullptr;
-  std::vector<Copy> copies_;
+  std::map<std::pair<const AgPlan*, int64_t>, AgGraphs> ag_graphs_;
+  std::map<std::pair<const RsPlan*, std::vector<int64_t>>, RsGraphs> rs_graphs_;
+  std::vector<CopyGraph> ag_free_graphs_;  // per all-gather slot: "slot free" flags to every peer
+  std::vector<CopyGraph> rs_free_graphs_;  // per staging slot: "entry free" flags to every producer
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<size_t> sizes_;
   int64_t copies_issued_ = 0, bytes_pushed_ = 0, kernels_ = 0, flags_posted_ = 0;
+  int64_t graph_launches_ = 0, graphs_built_ = 0, node_updates_ = 0, memop_calls_ = 0, copy_api_calls_ = 0, calls_ = 0;
+  std::array<int64_t, kHCats> host_ns_{};
 };
 
 // Standalone summing kernel over K equally strided local buffers (the benchmark and the kernel tests):
@@ -522,13 +863,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("pack_bytes", &RsPlan::pack_bytes);
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                    int64_t, int64_t, bool>())
+                    int64_t, int64_t, int64_t>())
       .def("all_gather", &Arena::all_gather)
       .def("reduce_scatter", &Arena::reduce_scatter)
       .def("bound_slot", &Arena::bound_slot)
       .def("next_slot", &Arena::next_slot)
       .def("num_slots", &Arena::num_slots)
       .def("flag_words", &Arena::flag_words)
+      .def("ce_mode", &Arena::ce_mode)
+      .def("graph_error", &Arena::graph_error)
+      .def("batched_writes", &Arena::batched_writes)
       .def("counters", &Arena::counters);
   m.def("sum_strided", &sum_strided);
   m.def("bind_storage", &bind_storage);

@@ -205,6 +205,77 @@ def stress(rank: int, world_size: int, seed: int, steps: int) -> dict:
     return {"checked": len(pending), "stats": transport.stats()["calls"]}
 
 
+def ce_modes(rank: int, world_size: int, seed: int, repeats: int) -> dict:
+    """Each copy mode (graph, batch, loop) on its own arena (a duplicate of the world group), with the
+    same plans called again and again: all-gathers alternating over both slots (bound outputs) and
+    into unbound outputs, In-Place reduce-scatters with the same gradient tensors (graph replay
+    as built) and with fresh ones (nodes re-pointed), Slot-Reuse from either slot; a small ring, so the
+    pushes wrap it and every ring phase is met. Every result is checked bit for bit."""
+    import tide  # noqa: F401
+    from tide import transport
+    from tide.transport import plans
+
+    transport.reset_stats()
+    out = {}
+    for mode in ("graph", "batch", "loop"):
+        group = dist.new_group(backend="gloo")
+        name = group.group_name
+        arena = transport.enable(group, slot_bytes=1 << 20, rs_ring_bytes=(8 << 10) * world_size, ce_mode=mode)
+        dev = arena.device
+        rng = random.Random(seed)  # the same cases for every mode and rank
+        shards, out_dtypes = ag_case(rng, world_size, rank, seed, 9)
+        layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, world_size)
+        grads_cpu, init, scale, _ = rs_case(rng, world_size, rank, seed + 1, 11)
+        shards_d = [s.to(dev) for s in shards]
+        grads_d = [g.to(dev) for g in grads_cpu]
+        checked, slots = 0, set()
+        gen = torch.Generator().manual_seed(seed * 31 + rank)
+        for t in range(repeats):
+            # All-gather: new data in the same shard tensors, outputs bound in the next slot (2 of 3
+            # calls) or unbound.
+            new = [torch.randn(s.shape, generator=gen).to(s.dtype) for s in shards]
+            for d, n in zip(shards_d, new):
+                d.copy_(n)
+            bound = t % 3 != 2
+            slot = arena.next_slot()
+            if bound:
+                outs = arena.slot_views(layout, out_dtypes, slot)
+            else:
+                outs = [torch.empty((world_size * s.numel(),), dtype=dt, device=dev) for s, dt in zip(new, out_dtypes)]
+            for o in outs:
+                o.fill_(float("nan"))
+            torch.ops.tide.all_gather_into_params_(shards_d, outs, world_size, name)
+            got = [o.clone() for o in outs]
+            slots.add(slot)
+            want = ref_all_gather(new, out_dtypes, world_size, name)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert_bits(f"rank {rank} {mode} repeat {t} all_gather param {i} (slot {slot}, bound={bound})", g, w)
+            # Reduce-scatter: the same tensors refilled (t even) or fresh tensors (t odd), both modes,
+            # accumulate or not; Slot-Reuse alternates its slot.
+            new = [torch.randn(g.shape, generator=gen).to(g.dtype) for g in grads_cpu]
+            if t % 2 == 0:
+                for d, n in zip(grads_d, new):
+                    d.copy_(n)
+            else:
+                grads_d = [n.to(dev) for n in new]
+            rs_mode = ("in_place", "in_place", "slot_reuse")[t % 3]
+            acc = t % 4 == 1
+            outs = [s.to(dev) if acc else torch.full(s.shape, float("nan"), device=dev) for s in init]
+            if rs_mode == "slot_reuse":
+                arena.reduce_scatter_params(grads_d, outs, scale, acc, rs_mode="slot_reuse", reuse_slot=t % 2)
+            else:
+                arena.rs_mode = rs_mode
+                torch.ops.tide.reduce_scatter_params_(grads_d, outs, scale, acc, world_size, name)
+            want = ref_reduce_scatter(new, init, scale, acc, world_size, name)
+            for i, (g, w) in enumerate(zip(outs, want)):
+                assert_bits(f"rank {rank} {mode} repeat {t} reduce_scatter param {i} ({rs_mode}, acc={acc})", g, w)
+            checked += 2
+        torch.cuda.synchronize()
+        out[mode] = {"checked": checked, "slots": sorted(slots), "counters": arena.counters()}
+    out["stats"] = transport.stats()["calls"]
+    return out
+
+
 def _chrome_kernels(prof, path: str) -> list[dict]:
     prof.export_chrome_trace(path)
     with open(path) as f:

@@ -35,6 +35,25 @@ def test_randomized_stress(ext, world_size):
         assert r["checked"] > 0, r
 
 
+def test_ce_modes_repeated_calls_bitexact(ext):
+    """Graph replay (default), batch and loop copies: repeated calls of the same plans, both slots,
+    moved gradients, ring wrap-around, all bit-exact; graph mode really replays graphs."""
+    results = _run(ranks.ce_modes, 3, 4321, 8)
+    for rank, r in enumerate(results):
+        for mode in ("graph", "batch", "loop"):
+            m = r[mode]
+            c = m["counters"]
+            assert m["checked"] == 16 and m["slots"] == [0, 1], (rank, mode, m)
+            assert c["ce_mode_now"] == mode and c["graph_error"] == "", (rank, mode, c)
+            if mode == "graph":
+                assert c["graph_launches"] > 0 and c["graphs_built"] > 0 and c["copy_api_calls"] == 0, (rank, c)
+                assert c["graph_node_updates"] > 0, (rank, c)  # fresh gradients re-point In-Place nodes
+                assert c["graphs_built"] < c["graph_launches"], (rank, c)  # replayed, not rebuilt every call
+            else:
+                assert c["graph_launches"] == 0 and c["copy_api_calls"] > 0, (rank, mode, c)
+        assert not any(":stock" in k for k in r["stats"]), r["stats"]
+
+
 def test_tide_ag_launches_no_kernel_but_the_cast(ext, tmp_path):
     world_size = 2
     results = _run(ranks.profile_zero_sm, world_size, str(tmp_path))

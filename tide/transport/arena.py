@@ -32,6 +32,10 @@ DEFAULT_RS_RING_BYTES = 32 << 20
 DEFAULT_RING_DEPTH = 2
 DEFAULT_CTAS = 16
 RS_MODES = ("in_place", "slot_reuse")
+CE_MODES = ("graph", "batch", "loop")  # TIDE_CE_MODE; the index is the extension's code
+_COUNTERS = ("ce_copies", "ce_bytes", "kernels", "flags", "graph_launches", "graphs_built", "graph_node_updates",
+             "memop_calls", "copy_api_calls", "op_calls", "host_ns_total", "host_ns_kernel", "host_ns_memop",
+             "host_ns_graph_launch", "host_ns_graph_update", "host_ns_graph_build", "host_ns_copy_api", "host_ns_event")
 
 _ARENAS: dict[str, "Arena"] = {}
 
@@ -45,6 +49,19 @@ def _env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
+def ce_mode_from_env(batch_copies: bool | None = None) -> str:
+    """``TIDE_CE_MODE`` (graph, batch or loop; default graph). Without it, the older ``TIDE_CE_BATCH=0``
+    (or ``batch_copies=False``) selects loop and ``batch_copies=True`` selects batch."""
+    mode = os.environ.get("TIDE_CE_MODE", "")
+    if mode:
+        if mode not in CE_MODES:
+            raise ValueError(f"tide.transport: TIDE_CE_MODE must be one of {CE_MODES}, got {mode!r}")
+        return mode
+    if batch_copies is not None:
+        return "batch" if batch_copies else "loop"
+    return "loop" if os.environ.get("TIDE_CE_BATCH", "1") == "0" else "graph"
+
+
 class Arena:
     """Symmetric memory, flags and CUDA streams of one TIDE group.
 
@@ -56,13 +73,16 @@ class Arena:
         ring_depth: R, staging slots per destination (each holds W entries).
         ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
         rs_mode: ``"in_place"`` or ``"slot_reuse"`` for op-level calls (``TIDE_RS_MODE``).
-        batch_copies: one ``cudaMemcpyBatchAsync`` per push (default) or one ``cudaMemcpyAsync`` per piece
-            (``TIDE_CE_BATCH=0``).
+        ce_mode: how the copy-engine copies are issued (``TIDE_CE_MODE``): ``"graph"`` (default) replays a
+            CUDA graph of memcpy nodes cached per (plan, slot[, ring phase]); ``"batch"`` issues one
+            ``cudaMemcpyBatchAsync`` per run of pieces; ``"loop"`` one ``cudaMemcpyAsync`` per piece.
+        batch_copies: older switch, used only when neither ``ce_mode`` nor ``TIDE_CE_MODE`` is given:
+            True = ``"batch"``, False = ``"loop"`` (``TIDE_CE_BATCH=0`` = ``"loop"``).
     """
 
     def __init__(self, group: dist.ProcessGroup, slot_bytes: int, *, num_slots: int = 2,
                  rs_ring_bytes: int | None = None, ring_depth: int = DEFAULT_RING_DEPTH, ctas: int | None = None,
-                 rs_mode: str | None = None, batch_copies: bool | None = None) -> None:
+                 rs_mode: str | None = None, ce_mode: str | None = None, batch_copies: bool | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
@@ -85,13 +105,14 @@ class Arena:
         ring = rs_ring_bytes or _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
         self.entry_bytes = max(4096, (ring // (ring_depth * W)) // 4096 * 4096)
         self.slot_bytes = _align(max(int(slot_bytes), 16), 4096)
-        flag_words = 2 * num_slots * W + 2 * ring_depth * W + 4
+        flag_words = 2 * num_slots * W + 2 * ring_depth * W + W + 4
         self.flags_bytes = _align(4 * flag_words, 4096)
         self.slots_off = self.flags_bytes
         self.ring_off = self.slots_off + num_slots * self.slot_bytes
         self.total_bytes = self.ring_off + ring_depth * W * self.entry_bytes
-        if batch_copies is None:
-            batch_copies = os.environ.get("TIDE_CE_BATCH", "1") != "0"
+        self.ce_mode = ce_mode or ce_mode_from_env(batch_copies)
+        if self.ce_mode not in CE_MODES:
+            raise ValueError(f"tide.transport.Arena: ce_mode must be one of {CE_MODES}, got {self.ce_mode!r}")
 
         self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self.buffer, group)
@@ -102,7 +123,8 @@ class Arena:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
         self._c = self.ext.Arena(self.rank, W, bases, self.device.index, 0, self.slots_off, self.slot_bytes,
-                                 num_slots, self.ring_off, self.entry_bytes, ring_depth, self.ctas, batch_copies)
+                                 num_slots, self.ring_off, self.entry_bytes, ring_depth, self.ctas,
+                                 CE_MODES.index(self.ce_mode))
         assert self._c.flag_words() == flag_words
         self._ag_plans: dict = {}
         self._rs_plans: dict = {}
@@ -110,7 +132,8 @@ class Arena:
 
     def __repr__(self) -> str:
         return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"
-                f"{self.slot_bytes}, ring={self.ring_depth}x{self.world_size}x{self.entry_bytes}, ctas={self.ctas})")
+                f"{self.slot_bytes}, ring={self.ring_depth}x{self.world_size}x{self.entry_bytes}, ctas={self.ctas}, "
+                f"ce_mode={self.ce_mode!r})")
 
     # ------------------------------------------------------------------------------------ plans
     def _log_once(self) -> None:
@@ -118,19 +141,20 @@ class Arena:
             self._logged = True
             log.info("tide.transport: %r, %d bytes of symmetric memory", self, self.total_bytes)
 
+    # Plan keys: torch.Size is a hashable tuple, so the shapes go in as they are (no per-tensor copy).
     def ag_plan(self, shards: Sequence[torch.Tensor], out_dtypes: Sequence[torch.dtype]):
-        key = (tuple(tuple(s.shape) for s in shards), tuple(out_dtypes))
+        key = (tuple([s.shape for s in shards]), tuple(out_dtypes))
         entry = self._ag_plans.get(key)
         if entry is None:
             layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, self.world_size)
             info = plans.ag_plan_info(layout, out_dtypes, self.rank)
             c = self.ext.AgPlan(info.own_off, info.own_bytes, info.out_off, info.out_numel,
                                 [plans.DTYPE_CODES[d] for d in out_dtypes], layout.slot_bytes)
-            entry = self._ag_plans[key] = (info, c)
+            entry = self._ag_plans[key] = (info, c, layout.slot_bytes <= self.slot_bytes)
         return entry
 
     def rs_plan(self, grads: Sequence[torch.Tensor]):
-        key = tuple((tuple(g.shape), g.dtype) for g in grads)
+        key = (tuple([g.shape for g in grads]), tuple([g.dtype for g in grads]))
         entry = self._rs_plans.get(key)
         if entry is None:
             info = plans.rs_plan_info([g.shape for g in grads], [g.dtype for g in grads], self.world_size, self.rank,
@@ -138,18 +162,19 @@ class Arena:
             flat = [[[x for chunk in rnd for x in chunk] for rnd in per_dest] for per_dest in info.rounds]
             c = self.ext.RsPlan(flat, [list(p) for p in info.pads], [plans.DTYPE_CODES[g.dtype] for g in grads],
                                 info.pack_off, info.round_bytes, info.pack_bytes)
-            entry = self._rs_plans[key] = (info, c)
+            entry = self._rs_plans[key] = (info, c, info.pack_bytes <= self.slot_bytes)
         return entry
 
     # ------------------------------------------------------------------------------------ ops
     def all_gather_into_params(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> int | None:
         """TIDE-AG of ``shards`` into ``outs`` (zero-copy when ``outs`` are bound in a slot, else gathered in
         the next slot and copied out). Returns the slot, or None when the group does not fit a slot."""
-        info, c = self.ag_plan(shards, [o.dtype for o in outs])
-        if info.layout.slot_bytes > self.slot_bytes:
+        _, c, fits = self.ag_plan(shards, [o.dtype for o in outs])
+        if not fits:
             return None
-        self._log_once()
-        return self._c.all_gather(c, list(shards), list(outs))
+        if not self._logged:
+            self._log_once()
+        return self._c.all_gather(c, shards, outs)
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
                               accumulate: bool, rs_mode: str | None = None, reuse_slot: int | None = None) -> str:
@@ -157,17 +182,18 @@ class Arena:
         into ``reuse_slot`` (default: the slot the next all-gather takes, i.e. the one just vacated) and
         pushes from there; it degrades to In-Place when the packed gradients do not fit a slot.
         Returns the mode that ran."""
-        info, c = self.rs_plan(grads)
+        _, c, packed_fits = self.rs_plan(grads)
         mode = rs_mode or self.rs_mode
         slot = -1
         if mode == "slot_reuse":
-            if info.pack_bytes <= self.slot_bytes:
+            if packed_fits:
                 slot = self._c.next_slot() if reuse_slot is None else int(reuse_slot)
             else:
                 mode = "in_place"
                 records.record("reduce_scatter_params_", "tide", "slot_reuse_too_large_in_place")
-        self._log_once()
-        self._c.reduce_scatter(c, list(grads), list(shard_grads), float(scale), bool(accumulate), slot)
+        if not self._logged:
+            self._log_once()
+        self._c.reduce_scatter(c, grads, shard_grads, float(scale), bool(accumulate), slot)
         return mode
 
     # ------------------------------------------------------------------------------------ zero-copy binding
@@ -204,9 +230,14 @@ class Arena:
         return slot
 
     def counters(self) -> dict[str, int]:
-        copies, nbytes, kernels, flags = self._c.counters()
-        return {"ce_copies": copies, "ce_bytes": nbytes, "kernels": kernels, "flags": flags, "ctas": self.ctas,
-                "arena_bytes": self.total_bytes}
+        """Cumulative counts of this arena's ops: copies, bytes, kernels, flag copies, graph launches /
+        builds / node updates, stream-memop and copy-API calls, op calls, and the host nanoseconds spent
+        in the ops' C++ part (``host_ns_total``) split by kind of call."""
+        out = dict(zip(_COUNTERS, self._c.counters()))
+        out.update(ctas=self.ctas, arena_bytes=self.total_bytes, ce_mode=self.ce_mode,
+                   ce_mode_now=CE_MODES[self._c.ce_mode()], graph_error=self._c.graph_error(),
+                   batched_memop_writes=self._c.batched_writes())
+        return out
 
 
 # ---------------------------------------------------------------------------------------- registry
