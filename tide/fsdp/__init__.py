@@ -1,6 +1,8 @@
 """TIDE for FSDP2: ``enable(module)`` routes every opted-in param group's unshard and gradient
 reduce through ``tide::all_gather_into_params_`` / ``tide::reduce_scatter_params_`` (no flat
 rank-major buffers); unsupported cases take the original FSDP2 path per call (see docs/fsdp.md).
+On CUDA the groups run on the CUDA transport: one symmetric arena per shard process group, all-gather
+outputs bound in its slots (docs/fsdp.md, "CUDA transport wiring").
 """
 from __future__ import annotations
 
@@ -8,51 +10,79 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from tide.fsdp import compat, seam
-from tide.fsdp.seam import RS_MODES, reset_stats, stats
+from tide.fsdp.seam import RS_MODES, TRANSPORTS, arena_stats, reset_stats, stats
 
-__all__ = ["enable", "disable", "stats", "reset_stats", "param_groups", "RS_MODES"]
+__all__ = ["enable", "disable", "stats", "arena_stats", "reset_stats", "param_groups", "RS_MODES", "TRANSPORTS"]
 
 
 def param_groups(module: nn.Module) -> list:
     """Every FSDP2 param group in ``module``'s tree (each ``fully_shard`` call contributes its groups)."""
-    groups = []
+    return [g for g, _ in _groups_and_leaf(module)]
+
+
+def _groups_and_leaf(module: nn.Module) -> list:
+    """(param group, whether its FSDP module has no FSDP module below it) for every group in the tree."""
+    out = []
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            groups.extend(compat.param_groups(m._get_fsdp_state()))
-    return groups
+            leaf = not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)
+            out.extend((g, leaf) for g in compat.param_groups(m._get_fsdp_state()))
+    return out
 
 
-def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False) -> nn.Module:
+def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
+           transport: str | None = None) -> nn.Module:
     """Opt every FSDP2 module in ``module``'s tree (all its param groups) into TIDE; returns ``module``.
 
     ``rs_mode``: ``"in_place"`` or ``"slot_reuse"`` (how the CUDA transport stages the reduce-scatter; the
     reference backend treats both alike). ``force``: allow a torch version outside the tested set.
-    Calling it again updates ``rs_mode``; other custom comms set before stay the stock path's comms.
+    ``transport``: ``"auto"`` (default, or ``TIDE_FSDP_TRANSPORT``): on CUDA the CUDA transport's arena of
+    each shard process group is created (collectively) at that group's first TIDE collective, after FSDP's
+    lazy init, and all-gather outputs are bound in its slots; ``"reference"``: no arena, the ops' reference
+    backend (stock collectives, still layout-aware). On CPU both are the reference backend.
+    Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
+    path's comms.
     """
     if rs_mode not in RS_MODES:
         raise ValueError(f"tide.fsdp.enable: rs_mode must be one of {RS_MODES}, got {rs_mode!r}")
+    transport = transport or seam.default_transport()
+    if transport not in TRANSPORTS:
+        raise ValueError(f"tide.fsdp.enable: transport must be one of {TRANSPORTS}, got {transport!r}")
     compat.check_torch_version("tide.fsdp.enable", force)
-    groups = param_groups(module)
+    groups = _groups_and_leaf(module)
     if not groups:
         raise ValueError(
             f"tide.fsdp.enable: module ({type(module).__name__}) contains no FSDP2 module with parameters; "
             "call torch.distributed.fsdp.fully_shard on it (or its submodules) first"
         )
     seam.install()
-    for g in groups:
+    for g, leaf in groups:
         if isinstance(g._all_gather_comm, seam.TideAllGather):
             g._reduce_scatter_comm.rs_mode = rs_mode
+            g._reduce_scatter_comm.transport = g._all_gather_comm.transport = transport
             continue
-        g._all_gather_comm = seam.TideAllGather(g._all_gather_comm)
-        g._reduce_scatter_comm = seam.TideReduceScatter(g._reduce_scatter_comm, rs_mode)
+        g._all_gather_comm = seam.TideAllGather(g._all_gather_comm, g, transport, leaf)
+        g._reduce_scatter_comm = seam.TideReduceScatter(g._reduce_scatter_comm, rs_mode, transport)
+        seam.register_group(g)
     return module
 
 
 def disable(module: nn.Module) -> nn.Module:
-    """Return every param group in ``module``'s tree to the comms it had before :func:`enable`."""
-    for g in param_groups(module):
-        if isinstance(g._all_gather_comm, seam.TideAllGather):
+    """Return every param group in ``module``'s tree to the comms it had before :func:`enable`, and drop
+    the transport arenas :func:`enable` created once no enabled group uses them (call it between steps:
+    it refuses while unsharded parameters still live in an arena slot)."""
+    groups = [g for g in param_groups(module) if isinstance(g._all_gather_comm, seam.TideAllGather)]
+    emptied = []
+    for g in groups:
+        name = seam.unregister_group(g)
+        if name is not None:
+            emptied.append(name)
+    try:
+        for name in emptied:
+            seam.drop_arena(name)
+    finally:
+        for g in groups:
             g._all_gather_comm = g._all_gather_comm.fallback
-        if isinstance(g._reduce_scatter_comm, seam.TideReduceScatter):
-            g._reduce_scatter_comm = g._reduce_scatter_comm.fallback
+            if isinstance(g._reduce_scatter_comm, seam.TideReduceScatter):
+                g._reduce_scatter_comm = g._reduce_scatter_comm.fallback
     return module

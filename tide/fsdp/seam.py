@@ -13,10 +13,17 @@ Three functions here are the transport's hooks (module globals looked up at call
 may rebind them): :func:`bind_all_gather_outputs` (where each param's all-gather output lives),
 :func:`all_gather_into_outputs` and :func:`reduce_scatter_into_shards` (the collective calls; the
 latter gets the group's ``rs_mode``).
+
+On CUDA (``enable(..., transport="auto")``) the seam wires in the CUDA transport (section "CUDA transport
+wiring" below): it creates the symmetric arena of each shard process group at the group's first TIDE
+collective, binds the all-gather outputs of groups that reshard after forward into the arena's slots
+(zero-copy), and runs the reduce through ``Arena.reduce_scatter_params`` with the group's ``rs_mode``.
 """
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections import Counter
 
 import torch
@@ -41,16 +48,24 @@ REASONS = (
     "not_enabled", "unknown_args", "cuda_graph_capture", "compiling", "functorch", "async_op",
     "world_size_1", "post_forward_mesh", "shard_dim", "cpu_offload", "all_gather_extension",
     "dtensor_param", "mixed_param_dtypes", "mixed_grad_dtypes", "unsupported_dtype", "reduce_dtype",
-    "hsdp", "all_reduce_hook", "noncontiguous_grad",
+    "hsdp", "all_reduce_hook", "noncontiguous_grad", "arena_busy",
 )
+TRANSPORTS = ("auto", "reference")
+TRANSPORT_ENV = "TIDE_FSDP_TRANSPORT"
 
 
 # ---------------------------------------------------------------------------------------------- markers
 class TideAllGather(AllGather):
     """Opt-in marker for a param group's all-gather; the stock path still uses ``fallback``."""
 
-    def __init__(self, fallback: AllGather) -> None:
+    def __init__(self, fallback: AllGather, param_group=None, transport: str = "auto", leaf: bool = False) -> None:
         self.fallback = fallback
+        # The FSDPParamGroup, whether its FSDP module has no FSDP module below it (both decide slot
+        # binding), and the transport choice: "auto" uses the CUDA transport's arena on CUDA, "reference"
+        # never creates one.
+        self.param_group = param_group
+        self.leaf = leaf
+        self.transport = transport
         # (the group's fsdp_params list, its static fallback reason): FSDP passes the same list object on
         # every unshard, and the checked properties are fixed once FSDP's lazy init has set the dtypes.
         self.static_reason: tuple[list, str | None] | None = None
@@ -65,9 +80,10 @@ class TideAllGather(AllGather):
 class TideReduceScatter(ReduceScatter):
     """Opt-in marker for a param group's reduce-scatter; carries the group's ``rs_mode``."""
 
-    def __init__(self, fallback: ReduceScatter, rs_mode: str) -> None:
+    def __init__(self, fallback: ReduceScatter, rs_mode: str, transport: str = "auto") -> None:
         self.fallback = fallback
         self.rs_mode = rs_mode
+        self.transport = transport
         # FSDPParams whose fixed properties (placement, offload, DTensor) passed: each reduce passes a
         # fresh list (the params that have grads), so the check is remembered per param.
         self.checked_params: set[int] = set()
@@ -111,6 +127,18 @@ def stats() -> dict[str, dict[str, int]]:
 def reset_stats() -> None:
     for c in _counts.values():
         c.clear()
+    _arena_counts.clear()
+
+
+_arena_counts: Counter = Counter()
+
+
+def arena_stats() -> dict[str, int]:
+    """What the CUDA-transport wiring did since the last :func:`reset_stats`: ``ag:bound`` (outputs bound in
+    a slot, zero-copy), ``ag:staged`` (gathered through a free slot, copied out), ``ag:larger_than_slot`` (the
+    op's reference backend), ``rs:in_place``, ``rs:slot_reuse``, ``rs:slot_reuse_as_in_place:<why>``,
+    ``arena:created``. Empty without a CUDA arena."""
+    return dict(_arena_counts)
 
 
 # ---------------------------------------------------------------------------------------------- predicates
@@ -205,18 +233,227 @@ def reduce_fallback_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, dev
     return None
 
 
+# ---------------------------------------------------------------------------------------------- CUDA transport wiring
+# Per shard process group (by name): the FSDP param groups enabled on it, and the seam's bookkeeping of
+# the transport arena's all-gather slots. Every decision below depends only on host-side FSDP state that
+# evolves identically on every rank (which groups are unsharded), never on timing, so all ranks of a group
+# choose the same slot for every all-gather (the peers push into that slot index).
+_GROUPS: dict[str, list] = {}
+_SLOTS: dict[str, "SlotState"] = {}
+
+
+def default_transport() -> str:
+    value = os.environ.get(TRANSPORT_ENV, "auto") or "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"tide.fsdp: {TRANSPORT_ENV} must be one of {TRANSPORTS}, got {value!r}")
+    return value
+
+
+def register_group(param_group) -> None:
+    """Remember (weakly) that ``param_group`` is enabled on its shard process group (arena sizing)."""
+    name = param_group._all_gather_process_group.group_name
+    groups = _GROUPS.setdefault(name, [])
+    if not any(r() is param_group for r in groups):
+        groups.append(weakref.ref(param_group))
+
+
+def enabled_groups(group_name: str) -> list:
+    refs = _GROUPS.get(group_name, [])
+    refs[:] = [r for r in refs if r() is not None]
+    return [r() for r in refs]
+
+
+def unregister_group(param_group) -> str | None:
+    """Forget ``param_group``; returns its process group's name when no enabled group is left on it."""
+    name = param_group._all_gather_process_group.group_name
+    refs = _GROUPS.get(name, [])
+    refs[:] = [r for r in refs if r() is not None and r() is not param_group]
+    if refs:
+        return None
+    _GROUPS.pop(name, None)
+    return name
+
+
+def _group_dtype(p) -> torch.dtype:
+    return p.param_dtype or p.orig_dtype
+
+
+def _slot_layout(fsdp_params, world_size: int):
+    """The group's all-gather layout as the transport binds it (1-D padded shards, param-major)."""
+    from tide.transport import plans
+
+    return plans.all_gather_layout([(p._sharded_param_data.numel(),) for p in fsdp_params],
+                                   [_group_dtype(p) for p in fsdp_params], world_size)
+
+
+def bindable(param_group) -> bool:
+    """Groups whose unsharded params live only while their own module runs: FSDP modules with no FSDP
+    module below them (blocks) that reshard after forward (``reshard_after_forward=True``/int). A parent
+    (the root: embedding, final norm, head) holds its params across all its children's forward and
+    backward, and a ``reshard_after_forward=False`` group from forward to the end of backward: bound,
+    they would pin a slot for the whole step and leave the blocks one slot for current + prefetched."""
+    comm = getattr(param_group, "_all_gather_comm", None)
+    return (isinstance(comm, TideAllGather) and comm.leaf
+            and param_group.post_forward_mesh_info is not None)
+
+
+class SlotState:
+    """The seam's view of one arena's K all-gather slots.
+
+    ``owner[i]``: the (storage, address) pairs of the outputs bound in slot i, or None. A slot is free when
+    no bound storage still points at it (FSDP's reshard ``resize_(0)`` drops the slot pointer: the storage
+    was bound with a no-op deleter, so nothing is freed) - the unsharded params of that group are gone.
+    ``event[i]``: recorded after the last use of slot i on a stream other than the compute stream (the
+    all-gather that filled it, a Slot-Reuse pack): the next user of the slot waits for it, and for the
+    compute stream (the last reader of the previous occupant's params).
+    """
+
+    def __init__(self, arena, created: bool) -> None:
+        self.arena = arena
+        self.created = created
+        self.num_slots = arena.num_slots
+        self.owner: list = [None] * self.num_slots
+        self.event: list = [None] * self.num_slots
+        self.param_slot: dict[int, int] = {}  # id(FSDPParam) -> slot its outputs were last bound in
+        self.fits: dict[int, bool] = {}  # id(fsdp_params list) -> group fits a slot
+
+    def is_free(self, slot: int) -> bool:
+        owner = self.owner[slot]
+        return owner is None or all(st.data_ptr() != addr or st.nbytes() == 0 for st, addr in owner)
+
+    def free_slot(self, prefer: int | None = None) -> int | None:
+        start = self.arena.next_slot() if prefer is None else prefer
+        for k in range(self.num_slots):
+            slot = (start + k) % self.num_slots
+            if self.is_free(slot):
+                return slot
+        return None
+
+    def group_fits(self, fsdp_params, world_size: int) -> bool:
+        key = id(fsdp_params)
+        fits = self.fits.get(key)
+        if fits is None:
+            fits = self.fits[key] = _slot_layout(fsdp_params, world_size).slot_bytes <= self.arena.slot_bytes
+        return fits
+
+    def live_bound_groups(self) -> int:
+        return sum(1 for i in range(self.num_slots) if not self.is_free(i))
+
+
+def _create_arena(group: dist.ProcessGroup) -> SlotState:
+    """Rendezvous the arena of ``group`` (collective: every rank reaches its group's first TIDE collective
+    at the same point of the step; never under graph capture: that call took the stock path before).
+    Slots fit the largest :func:`bindable` group enabled on ``group`` (the ones bound in slots), or the
+    largest enabled group if none is (then slots only stage all-gathers)."""
+    from tide import transport
+
+    arena = transport.get(group.group_name)
+    if arena is not None:  # created by someone else (e.g. an op-level user): use it as it is
+        return SlotState(arena, created=False)
+    W = group.size()
+    bound, others = [], []
+    for g in enabled_groups(group.group_name):
+        ps = g.fsdp_params
+        if not ps or _static_all_gather_reason(ps) is not None:
+            continue
+        (bound if bindable(g) else others).append(_slot_layout(ps, W))
+    layouts = bound or others
+    if not layouts:
+        raise RuntimeError(f"tide.fsdp: no enabled param group to size the arena of group {group.group_name!r}")
+    arena = transport.enable(group, layouts=layouts)
+    _arena_counts["arena:created"] += 1
+    log.info("tide.fsdp: created %r for %d enabled param groups", arena, len(enabled_groups(group.group_name)))
+    return SlotState(arena, created=True)
+
+
+def slot_state(group: dist.ProcessGroup, device: torch.device, transport: str) -> SlotState | None:
+    """The arena bookkeeping of ``group`` (creating the arena on first use), or None: not CUDA, the
+    reference transport, or an arena that went away."""
+    if device.type != "cuda" or transport != "auto":
+        return None
+    name = group.group_name
+    state = _SLOTS.get(name)
+    if state is not None:
+        from tide import transport as _transport
+
+        if _transport.get(name) is state.arena:
+            return state
+        _SLOTS.pop(name)  # dropped behind our back (tide.transport.disable): start over
+    state = _SLOTS[name] = _create_arena(group)
+    return state
+
+
+def drop_arena(group_name: str) -> None:
+    """Forget the slot bookkeeping of ``group_name``; drop the arena if the seam created it. Refuses while
+    a group's unsharded params still live in a slot (call it between steps)."""
+    from tide import transport
+
+    state = _SLOTS.get(group_name)
+    if state is None:
+        return
+    if state.live_bound_groups():
+        raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of group "
+                           f"{group_name!r}; call disable between steps (after backward / reshard)")
+    _SLOTS.pop(group_name)
+    if state.created and transport.get(group_name) is state.arena:
+        transport.disable(group_name)
+
+
+def _plan_all_gather(state: SlotState | None, comm, fsdp_params, world_size: int) -> tuple[str, int | None]:
+    """(how this all-gather uses the arena, its slot): ``bound`` / ``staged`` (slot), ``large`` (the op
+    runs its reference backend; no slot touched), ``busy`` (no usable slot: stock), ``none`` (no arena)."""
+    if state is None:
+        return "none", None
+    if not state.group_fits(fsdp_params, world_size):
+        return "large", None
+    if bindable(comm.param_group):
+        slot = state.free_slot()
+        if slot is not None:
+            return "bound", slot
+    # Unbound outputs: the op gathers into the slot it takes next, then copies out.
+    slot = state.arena.next_slot()
+    if state.is_free(slot):
+        return "staged", slot
+    return "busy", None
+
+
+def _bind_into_slot(state: SlotState, fsdp_params, world_size: int, device: torch.device, slot: int) -> list:
+    """FSDP's all-gather output tensors, their storages pointed into ``slot`` at param-major addresses.
+
+    ``init_all_gather_outputs`` creates the tensors once (the first call allocates them, and binding frees
+    that memory); later unshards find them resharded (storage ``resize_(0)``: the slot pointer is dropped,
+    nothing freed) and re-bind them instead of ``alloc_all_gather_outputs`` (which would allocate)."""
+    outs = []
+    for p in fsdp_params:
+        p.init_all_gather_outputs([p._sharded_param_data.numel()], [_group_dtype(p)], world_size, device)
+        outs.append(p.all_gather_outputs[0])
+    state.arena.bind_outputs(outs, slot)
+    owner = []
+    for p, o in zip(fsdp_params, outs):
+        storage = o.untyped_storage()
+        owner.append((storage, storage.data_ptr()))
+        state.param_slot[id(p)] = slot
+    state.owner[slot] = owner
+    return outs
+
 # ---------------------------------------------------------------------------------------------- transport hooks
 def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
-                            compute_stream: torch.Stream) -> list[torch.Tensor]:
-    """Each param's 1-D all-gather output, allocated exactly as FSDP's copy-out would (its own
-    ``init_all_gather_outputs`` / ``alloc_all_gather_outputs``), on the caller's current stream (the
-    all-gather copy-in stream).
+                            compute_stream: torch.Stream, slot: int | None = None,
+                            state: SlotState | None = None) -> list[torch.Tensor]:
+    """Each param's 1-D all-gather output (called on the all-gather copy-in stream).
 
-    Stream ownership: stock allocates these on the compute stream after the all-gather; TIDE writes
-    them from the all-gather stream first, so on CUDA each is ``record_stream``-ed on the compute stream:
-    its block is not reused before the compute stream's work on it (after reshard) has finished.
-    The CUDA transport replaces this function to bind the outputs into its symmetric arena slot.
+    With an arena slot (``state``, ``slot``): FSDP's own output tensors, their storages pointed into the
+    slot at their param-major addresses (:func:`_bind_into_slot`; the caller has made the copy-in stream
+    wait for the slot's previous users). Otherwise allocated exactly as FSDP's copy-out would (its own
+    ``init_all_gather_outputs`` / ``alloc_all_gather_outputs``).
+
+    Stream ownership of allocated outputs: stock allocates these on the compute stream after the
+    all-gather; TIDE writes them from the all-gather stream first, so on CUDA each is ``record_stream``-ed
+    on the compute stream: its block is not reused before the compute stream's work on it (after reshard)
+    has finished.
     """
+    if state is not None and slot is not None:
+        return _bind_into_slot(state, fsdp_params, world_size, device, slot)
     outs = []
     for p in fsdp_params:
         p.init_all_gather_outputs([p._sharded_param_data.numel()], [p.param_dtype or p.orig_dtype], world_size,
@@ -235,22 +472,66 @@ def all_gather_into_outputs(shards, outs, world_size: int, group: dist.ProcessGr
 
 
 def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: bool, world_size: int,
-                               group: dist.ProcessGroup, rs_mode: str) -> None:
-    """Reduce the unsharded ``grads`` into this rank's padded fp32 ``shard_grads``.
+                               group: dist.ProcessGroup, rs_mode: str, fsdp_params=None,
+                               state: SlotState | None = None) -> None:
+    """Reduce the unsharded ``grads`` into this rank's padded fp32 ``shard_grads`` (on the reduce-scatter
+    stream, which has waited for the compute stream).
 
-    ``rs_mode`` is the group's ``tide.fsdp.enable(rs_mode=...)``; the reference backend implements both
-    modes the same way (the CUDA transport rebinds this function to honour ``"slot_reuse"``).
+    ``rs_mode`` is the group's ``tide.fsdp.enable(rs_mode=...)``. Without an arena (CPU, the reference
+    transport) the ``tide`` op runs (its reference backend treats both modes alike). With one,
+    ``Arena.reduce_scatter_params`` runs with that mode; Slot-Reuse packs into a slot whose params are no
+    longer needed: the slot this group was bound in (FSDP reshards before it reduces, and the prefetched
+    group sits in the other slot), else any free slot; none free means In-Place for this call (counted in
+    :func:`arena_stats`). The next all-gather into that slot waits for this reduce.
     """
-    torch.ops.tide.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group.group_name)
+    if state is None:
+        torch.ops.tide.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group.group_name)
+        return
+    from tide.meta import checks
+    from tide.transport import records
+
+    op = "reduce_scatter_params_"
+    checks.check_reduce_scatter_params(op, grads, shard_grads, world_size)
+    stream = _get_device_handle(grads[0].device.type).current_stream()
+    mode, slot = rs_mode, None
+    if rs_mode == "slot_reuse":
+        own = state.param_slot.get(id(fsdp_params[0])) if fsdp_params else None
+        slot = state.free_slot(prefer=own)
+        if slot is None:
+            mode = "in_place"
+            _arena_counts["rs:slot_reuse_as_in_place:no_free_slot"] += 1
+        elif state.event[slot] is not None:
+            stream.wait_event(state.event[slot])
+    ran = state.arena.reduce_scatter_params(grads, shard_grads, scale, accumulate, rs_mode=mode, reuse_slot=slot)
+    records.record(op, "tide", ran)
+    _arena_counts[f"rs:{ran}"] += 1
+    if ran == "slot_reuse":
+        state.owner[slot] = None
+        state.event[slot] = stream.record_event()
+    elif slot is not None:
+        _arena_counts["rs:slot_reuse_as_in_place:too_large"] += 1
 
 
 # ---------------------------------------------------------------------------------------------- TIDE paths
-def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, device) -> TideAllGatherResult:
+def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, device, state=None,
+                     plan=("none", None)) -> TideAllGatherResult:
     handle = _get_device_handle(device.type)
     world_size = group.size()
     compute_stream = handle.current_stream()
+    mode, slot = plan
     with handle.stream(copy_in_stream):
-        outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
+        if slot is not None:
+            # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the
+            # host, its kernels may still run); a Slot-Reuse pack or a staging gather may still use it.
+            copy_in_stream.wait_stream(compute_stream)
+            if state.event[slot] is not None:
+                copy_in_stream.wait_event(state.event[slot])
+        if mode == "bound":
+            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, state)
+        else:
+            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
+            if mode == "staged":
+                state.owner[slot] = None
     all_gather_stream.wait_stream(copy_in_stream)
     shards = [p._sharded_param_data for p in fsdp_params]
     # The unsharded params alias these outputs and autograd may have saved them (re-gather in
@@ -263,6 +544,16 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
         else:
             all_gather_into_outputs(shards, outs, world_size, group)
         event = all_gather_stream.record_event()
+    if slot is not None:
+        state.event[slot] = event
+        # The op takes the slot the outputs are bound in (or, unbound, its next slot) and moves its ring
+        # position just past it: anything else means the seam and the transport disagree on the slot.
+        if state.arena.next_slot() != (slot + 1) % state.num_slots:
+            raise RuntimeError(f"tide.fsdp: the transport did not gather into slot {slot} ({mode}); "
+                               f"its next slot is {state.arena.next_slot()}")
+        _arena_counts[f"ag:{mode}"] += 1
+    elif mode == "large":
+        _arena_counts["ag:larger_than_slot"] += 1
     return TideAllGatherResult(outs[0].new_empty(0), event, None, [], [], [])
 
 
@@ -286,7 +577,8 @@ def _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size: int) -> li
     return locals_
 
 
-def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_dtype, device, divide_factor):
+def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_dtype, device, divide_factor,
+                 state=None):
     handle = _get_device_handle(device.type)
     world_size = rs_group.size()
     # With an fp32 reduce and no all-reduce group, every branch of FSDP's _get_gradient_divide_factors
@@ -301,7 +593,8 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_d
     with handle.stream(rs_stream):
         in_place = _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size)
         if in_place is not None:
-            reduce_scatter_into_shards(grads, in_place, scale, True, world_size, rs_group, comm.rs_mode)
+            reduce_scatter_into_shards(grads, in_place, scale, True, world_size, rs_group, comm.rs_mode,
+                                       fsdp_params, state)
             rs_event = rs_stream.record_event()
         else:
             # Stock's reduce-output layout: padded shards back to back, each (c, *rest) (dim-0 sharding,
@@ -314,7 +607,8 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_d
             as_strided = flat.as_strided
             shards = [as_strided(p.padded_sharded_param_size, p.contiguous_sharded_stride, o)
                       for p, o in zip(fsdp_params, offsets)]
-            reduce_scatter_into_shards(grads, shards, scale, False, world_size, rs_group, comm.rs_mode)
+            reduce_scatter_into_shards(grads, shards, scale, False, world_size, rs_group, comm.rs_mode,
+                                       fsdp_params, state)
             rs_event = rs_stream.record_event()
             # Stock epilogue: cast to the orig dtype, view each unpadded shard, accumulate or assign.
             output = _to_dtype_if_needed(flat, orig_dtype)
@@ -344,11 +638,17 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
                        all_gather_comm, *args, **kwargs):
     reason = all_gather_fallback_reason(fsdp_params, group, async_op, device, all_gather_comm,
                                         bool(args or kwargs))
+    state, plan = None, ("none", None)
+    if reason is None:
+        state = slot_state(group, device, all_gather_comm.transport)
+        plan = _plan_all_gather(state, all_gather_comm, fsdp_params, group.size())
+        if plan[0] == "busy":
+            reason = "arena_busy"
     _count("all_gather", reason)
     if reason is not None:
         return _ORIG["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                            all_gather_stream, device, all_gather_comm, *args, **kwargs)
-    return _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device)
+    return _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, state, plan)
 
 
 @torch.no_grad()
@@ -374,8 +674,9 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
             fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
             orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
             all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms, *args, **kwargs)
+    state = slot_state(reduce_scatter_group, device, getattr(reduce_scatter_comm, "transport", "auto"))
     return _tide_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                        reduce_scatter_comm, orig_dtype, device, gradient_divide_factor)
+                        reduce_scatter_comm, orig_dtype, device, gradient_divide_factor, state)
 
 
 _WRAPPERS = {
