@@ -96,6 +96,8 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
     loss.backward()
     torch.cuda.synchronize(dev)
     del group.post_backward
+    window_end = "last_block_post_backward" if "peak" in window else "backward_end"
+    window.setdefault("peak", torch.cuda.max_memory_allocated(dev))  # only if FSDP bypassed the wrapper
     optim.step()
     optim.zero_grad(set_to_none=True)
     torch.cuda.synchronize(dev)
@@ -123,7 +125,7 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
         "ring_bytes": ring_bytes, "grad_shard_bytes": grad_shard,
         "live_ns": (peak + arena_bytes) / ns, "alloc_ns": peak / ns, "arena_ns": arena_bytes / ns,
         "grad_shard_ns": grad_shard / ns, "live_ns_arena_amortized": (peak + arena_bytes / groups_sharing) / ns,
-        "unsharded_blocks_at_start": unsharded_blocks, "fsdp_stats": str(stats), "arena_stats": str(arena_stats),
+        "unsharded_blocks_at_start": unsharded_blocks, "window_end": window_end, "fsdp_stats": str(stats), "arena_stats": str(arena_stats),
         "target_ns": TARGETS[name],
     }
 
