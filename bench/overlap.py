@@ -29,6 +29,7 @@ import torch
 from common import RESULTS, cuda_ms, pyplot, run_meta, write_csv
 
 RS_BYTES = 32 << 20
+GATE_CYCLES = 20_000_000  # ~10 ms at H200 clocks: longer than enqueueing the side stream's launches
 CONTRIBUTORS = 8
 
 
@@ -95,8 +96,14 @@ def main(argv=None):
                 fg_times, rs_times = [], []
                 for _ in range(args.reps):
                     torch.cuda.synchronize()
+                    # Gate: both streams start after one short sleep kernel, so the side stream's
+                    # launches are all queued (host enqueue is slower than a chunk's reduction) before
+                    # the foreground starts beside them.
+                    torch.cuda._sleep(GATE_CYCLES)
+                    gate = main_stream.record_event()
                     s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     with torch.cuda.stream(side):
+                        side.wait_event(gate)
                         s0.record(side)
                         for _ in range(launches):
                             reduce(g, elems)
