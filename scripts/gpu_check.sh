@@ -46,16 +46,19 @@ PY
   nvcc --version | tail -1
 } >"$OUT/env.txt" 2>&1
 
-stage build 300 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
-stage tests 420 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=400
+# Stages in priority order, each capped; what the run budget cannot fit is skipped and reported.
+stage build 240 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
+stage tests_transport 150 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=140 \
+  --ignore=tests/cuda/test_fsdp_cuda.py
+stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
 if [ $quick = 0 ]; then
-  stage sum_kernel 120 $PY bench/bench_sum_kernel.py --out "$WORK/results"
-  stage host_time 180 $PY bench/bench_host_time.py --out "$WORK/results"
-  [ -f bench/bench_memory.py ] && stage memory 180 $PY bench/bench_memory.py --out "$WORK/results"
-  stage layout_conversion 180 $PY bench/layout_conversion.py --out "$WORK/results"
-  stage overlap 180 $PY bench/overlap.py --out "$WORK/results"
-  stage collectives 300 $PY bench/collectives.py --out "$WORK/results"
-  stage train_step 300 $PY bench/train_step.py --out "$WORK/results"
+  stage sum_kernel 30 $PY bench/bench_sum_kernel.py --out "$WORK/results"
+  stage host_time 60 $PY bench/bench_host_time.py --iters 40 --out "$WORK/results"
+  stage memory 60 $PY bench/bench_memory.py --dims 1024,2048 --out "$WORK/results"
+  stage overlap 50 $PY bench/overlap.py --reps 10 --out "$WORK/results"
+  stage layout_conversion 50 $PY bench/layout_conversion.py --reps 10 --out "$WORK/results"
+  stage collectives 70 $PY bench/collectives.py --sizes 1,16,256 --reps 5 --out "$WORK/results"
+  stage train_step 70 $PY bench/train_step.py --model small --out "$WORK/results"
 fi
 
 tar -czf "$OUT/results.tgz" -C "$WORK/results" .
@@ -64,7 +67,7 @@ tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
   echo "==================== environment"
   cat "$OUT/env.txt"
   echo "==================== tests (last lines)"
-  tail -n 25 "$WORK/logs/tests.log"
+  tail -n 12 "$WORK/logs/tests_transport.log" "$WORK/logs/tests_fsdp_cuda.log"
   echo "==================== benchmark summaries"
   grep -h '^SUMMARY' "$WORK"/logs/*.log 2>/dev/null
   echo "==================== gpu_check summary"
