@@ -66,12 +66,15 @@ def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool
     tokens, targets = batch(cfg, steps, rank, device=dev)
     loss_fn(model(tokens), targets).backward()
     torch.cuda.synchronize()
-    grads = [p.grad.full_tensor().float().cpu().numpy().copy() for p in model.parameters() if p.grad is not None]
+    # This rank's shards (stock and TIDE shard alike, so shards compare like full tensors): DTensor's
+    # full_tensor() all-gathers through functional collectives, which segfault on gloo with CUDA tensors
+    # in torch 2.11.
+    grads = [p.grad.to_local().float().cpu().numpy().copy() for p in model.parameters() if p.grad is not None]
     optim.zero_grad(set_to_none=True)
-    params = [p.detach().full_tensor().float().cpu().numpy().copy() for p in model.parameters()]
+    params = [p.detach().to_local().float().cpu().numpy().copy() for p in model.parameters()]
     out = {"losses": losses, "params": params, "grads": grads, "stats": tide.fsdp.stats(),
            "arena": tide.fsdp.arena_stats(), "transport": transport.stats()["calls"],
-           "arenas": len(transport.arenas())}
+           "arenas": len({id(a) for a in transport.arenas().values()})}  # one arena, maybe under several names
     if use_tide:
         tide.fsdp.disable(model)
         out["arenas_after_disable"] = len(transport.arenas())

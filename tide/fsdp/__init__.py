@@ -74,12 +74,12 @@ def disable(module: nn.Module) -> nn.Module:
     groups = [g for g in param_groups(module) if isinstance(g._all_gather_comm, seam.TideAllGather)]
     emptied = []
     for g in groups:
-        name = seam.unregister_group(g)
-        if name is not None:
-            emptied.append(name)
+        key = seam.unregister_group(g)
+        if key is not None:
+            emptied.append(key)
     try:
-        for name in emptied:
-            seam.drop_arena(name)
+        for key in emptied:
+            seam.drop_arena(key)
     finally:
         for g in groups:
             g._all_gather_comm = g._all_gather_comm.fallback

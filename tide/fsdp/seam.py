@@ -234,12 +234,20 @@ def reduce_fallback_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, dev
 
 
 # ---------------------------------------------------------------------------------------------- CUDA transport wiring
-# Per shard process group (by name): the FSDP param groups enabled on it, and the seam's bookkeeping of
-# the transport arena's all-gather slots. Every decision below depends only on host-side FSDP state that
-# evolves identically on every rank (which groups are unsharded), never on timing, so all ranks of a group
-# choose the same slot for every all-gather (the peers push into that slot index).
-_GROUPS: dict[str, list] = {}
-_SLOTS: dict[str, "SlotState"] = {}
+# Per set of ranks: the FSDP param groups enabled on it, and the seam's bookkeeping of the one transport
+# arena they share. Keyed by ranks, not by process-group name: FSDP2 may give every fully_shard call its
+# own process group over the same ranks (torch 2.11 does when the default group is gloo on a CUDA
+# machine), and FSDP issues all their collectives in one program order on every rank, so one arena
+# serves them all (registered under each group's name for the ops). Every decision below depends only
+# on host-side FSDP state that evolves identically on every rank (which groups are unsharded), never on
+# timing, so all ranks choose the same slot for every all-gather (the peers push into that slot index).
+_GROUPS: dict[tuple, list] = {}
+_SLOTS: dict[tuple, "SlotState"] = {}
+
+
+def group_key(group: dist.ProcessGroup) -> tuple:
+    """The global ranks of ``group``, in group-rank order: the key of its arena."""
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def default_transport() -> str:
@@ -251,27 +259,26 @@ def default_transport() -> str:
 
 def register_group(param_group) -> None:
     """Remember (weakly) that ``param_group`` is enabled on its shard process group (arena sizing)."""
-    name = param_group._all_gather_process_group.group_name
-    groups = _GROUPS.setdefault(name, [])
+    groups = _GROUPS.setdefault(group_key(param_group._all_gather_process_group), [])
     if not any(r() is param_group for r in groups):
         groups.append(weakref.ref(param_group))
 
 
-def enabled_groups(group_name: str) -> list:
-    refs = _GROUPS.get(group_name, [])
+def enabled_groups(key: tuple) -> list:
+    refs = _GROUPS.get(key, [])
     refs[:] = [r for r in refs if r() is not None]
     return [r() for r in refs]
 
 
-def unregister_group(param_group) -> str | None:
-    """Forget ``param_group``; returns its process group's name when no enabled group is left on it."""
-    name = param_group._all_gather_process_group.group_name
-    refs = _GROUPS.get(name, [])
+def unregister_group(param_group) -> tuple | None:
+    """Forget ``param_group``; returns its ranks' key when no enabled group is left on them."""
+    key = group_key(param_group._all_gather_process_group)
+    refs = _GROUPS.get(key, [])
     refs[:] = [r for r in refs if r() is not None and r() is not param_group]
     if refs:
         return None
-    _GROUPS.pop(name, None)
-    return name
+    _GROUPS.pop(key, None)
+    return key
 
 
 def _group_dtype(p) -> torch.dtype:
@@ -352,7 +359,7 @@ def _create_arena(group: dist.ProcessGroup) -> SlotState:
         return SlotState(arena, created=False)
     W = group.size()
     bound, others = [], []
-    for g in enabled_groups(group.group_name):
+    for g in enabled_groups(group_key(group)):
         ps = g.fsdp_params
         if not ps or _static_all_gather_reason(ps) is not None:
             continue
@@ -362,7 +369,7 @@ def _create_arena(group: dist.ProcessGroup) -> SlotState:
         raise RuntimeError(f"tide.fsdp: no enabled param group to size the arena of group {group.group_name!r}")
     arena = transport.enable(group, layouts=layouts)
     _arena_counts["arena:created"] += 1
-    log.info("tide.fsdp: created %r for %d enabled param groups", arena, len(enabled_groups(group.group_name)))
+    log.info("tide.fsdp: created %r for %d enabled param groups", arena, len(enabled_groups(group_key(group))))
     return SlotState(arena, created=True)
 
 
@@ -371,32 +378,34 @@ def slot_state(group: dist.ProcessGroup, device: torch.device, transport: str) -
     reference transport, or an arena that went away."""
     if device.type != "cuda" or transport != "auto":
         return None
-    name = group.group_name
-    state = _SLOTS.get(name)
-    if state is not None:
-        from tide import transport as _transport
+    from tide import transport as _transport
 
-        if _transport.get(name) is state.arena:
+    key = group_key(group)
+    state = _SLOTS.get(key)
+    if state is not None:
+        if _transport.get(state.arena.group_name) is state.arena:
+            if _transport.get(group.group_name) is not state.arena:
+                _transport.register(group.group_name, state.arena)  # another group over the same ranks
             return state
-        _SLOTS.pop(name)  # dropped behind our back (tide.transport.disable): start over
-    state = _SLOTS[name] = _create_arena(group)
+        _SLOTS.pop(key)  # dropped behind our back (tide.transport.disable): start over
+    state = _SLOTS[key] = _create_arena(group)
     return state
 
 
-def drop_arena(group_name: str) -> None:
-    """Forget the slot bookkeeping of ``group_name``; drop the arena if the seam created it. Refuses while
-    a group's unsharded params still live in a slot (call it between steps)."""
+def drop_arena(key: tuple) -> None:
+    """Forget the slot bookkeeping of the ranks ``key``; drop the arena if the seam created it. Refuses
+    while a group's unsharded params still live in a slot (call it between steps)."""
     from tide import transport
 
-    state = _SLOTS.get(group_name)
+    state = _SLOTS.get(key)
     if state is None:
         return
     if state.live_bound_groups():
-        raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of group "
-                           f"{group_name!r}; call disable between steps (after backward / reshard)")
-    _SLOTS.pop(group_name)
-    if state.created and transport.get(group_name) is state.arena:
-        transport.disable(group_name)
+        raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of ranks "
+                           f"{list(key)}; call disable between steps (after backward / reshard)")
+    _SLOTS.pop(key)
+    if state.created and transport.get(state.arena.group_name) is state.arena:
+        transport.disable(state.arena.group_name)
 
 
 def _plan_all_gather(state: SlotState | None, comm, fsdp_params, world_size: int) -> tuple[str, int | None]:

@@ -12,8 +12,8 @@ Functions for the FSDP2 seam:
     Arena.next_slot()                                         (the slot the next all-gather takes)
     Arena.reduce_scatter_params(..., rs_mode="slot_reuse")    (packs into the just-vacated slot first)
 """
-from tide.transport.arena import Arena, arenas, disable, enable, get  # noqa: F401
+from tide.transport.arena import Arena, arenas, disable, enable, get, register  # noqa: F401
 from tide.transport.records import reset as reset_stats  # noqa: F401
 from tide.transport.records import stats  # noqa: F401
 
-__all__ = ["Arena", "enable", "disable", "get", "arenas", "stats", "reset_stats"]
+__all__ = ["Arena", "enable", "disable", "get", "register", "arenas", "stats", "reset_stats"]

@@ -253,10 +253,22 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int | None = None, layouts: 
     return arena
 
 
+def register(group_name: str, arena: Arena) -> None:
+    """Serve another process group over the same ranks (in the same order) with ``arena``: its ops then
+    use the arena too. Safe when every rank issues the collectives of all those groups in one order, as
+    FSDP2 does for the groups of one model."""
+    if arena.world_size != dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name)):
+        raise ValueError(f"tide.transport.register: group {group_name!r} does not have the arena's {arena.world_size} ranks")
+    _ARENAS[group_name] = arena
+
+
 def disable(group_name: str) -> None:
-    """Unregister (and drop) the arena of ``group_name``; its ops take the stock path afterwards."""
+    """Unregister (and drop) the arena of ``group_name`` under every group name it serves; their ops take
+    the stock path afterwards."""
     arena = _ARENAS.pop(group_name, None)
     if arena is not None:
+        for name in [n for n, a in _ARENAS.items() if a is arena]:
+            del _ARENAS[name]
         torch.cuda.synchronize(arena.device)
 
 
