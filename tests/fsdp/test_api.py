@@ -51,3 +51,12 @@ def test_enable_twice_then_disable():
         assert r["restored"]
         assert set(r["after_disable"]["all_gather"]) == {"stock:not_enabled"}
         assert set(r["after_disable"]["reduce_scatter"]) == {"stock:not_enabled"}
+
+
+@pytest.mark.parametrize("world_size,local,reason", [
+    (2, None, None), (8, 8, None), (8, None, None), (9, None, "nvlink_domain"), (4, 2, "nvlink_domain"),
+])
+def test_nvlink_domain_contract(world_size, local, reason):
+    from tide.fsdp import seam
+
+    assert seam.nvlink_domain_reason(world_size, local) == reason

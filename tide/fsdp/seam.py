@@ -21,6 +21,7 @@ collective, binds the all-gather outputs of groups that reshard after forward in
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -46,7 +47,7 @@ TIDE = "tide"
 # Every reason a call takes the stock path; docs/fsdp.md has the table.
 REASONS = (
     "not_enabled", "unknown_args", "cuda_graph_capture", "compiling", "functorch", "async_op",
-    "world_size_1", "post_forward_mesh", "shard_dim", "cpu_offload", "all_gather_extension",
+    "world_size_1", "compute_capability", "nvlink_domain", "post_forward_mesh", "shard_dim", "cpu_offload", "all_gather_extension",
     "dtensor_param", "mixed_param_dtypes", "mixed_grad_dtypes", "unsupported_dtype", "reduce_dtype",
     "hsdp", "all_reduce_hook", "noncontiguous_grad", "arena_busy",
 )
@@ -152,6 +153,32 @@ def _common_reason(device: torch.device) -> str | None:
     return None
 
 
+# The CUDA contract: Hopper (compute capability 9.0) or newer, and one NVLink domain: at most 8 GPUs,
+# all on this host (torchrun and tide.launch set LOCAL_WORLD_SIZE).
+MIN_COMPUTE_CAPABILITY = 9
+MAX_NVLINK_DOMAIN = 8
+
+
+def nvlink_domain_reason(world_size: int, local_world_size: int | None) -> str | None:
+    if world_size > MAX_NVLINK_DOMAIN or (local_world_size is not None and world_size > local_world_size):
+        return "nvlink_domain"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_reason(device_index: int, world_size: int) -> str | None:
+    if torch.cuda.get_device_capability(device_index)[0] < MIN_COMPUTE_CAPABILITY:
+        return "compute_capability"
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return nvlink_domain_reason(world_size, int(local) if local else None)
+
+
+def _device_reason(device: torch.device, group) -> str | None:
+    if device.type != "cuda":
+        return None
+    return _cuda_reason(device.index if device.index is not None else torch.cuda.current_device(), group.size())
+
+
 def _param_reason(p) -> str | None:
     if p.fsdp_placement.dim != 0:
         return "shard_dim"
@@ -174,6 +201,8 @@ def all_gather_fallback_reason(fsdp_params, group, async_op, device, comm, extra
         return "async_op"
     if group.size() == 1:
         return "world_size_1"
+    if (reason := _device_reason(device, group)) is not None:
+        return reason
     for p in fsdp_params:
         if p.sharded_state != ShardedState.SHARDED:
             return "post_forward_mesh"
@@ -209,6 +238,8 @@ def reduce_fallback_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, dev
         return reason
     if rs_group is None or rs_group.size() == 1:
         return "world_size_1"
+    if (reason := _device_reason(device, rs_group)) is not None:
+        return reason
     if all_reduce_group is not None:
         return "hsdp"
     if all_reduce_hook is not None:
