@@ -9,8 +9,9 @@ the message size S. Variants, per message size:
 - with one GPU per rank (NCCL): ``nccl_ag`` / ``nccl_rs_bf16`` (``torch.distributed`` on flat buffers),
   ``fsdp2_ag`` (FSDP2's copy-in + NCCL all-gather + copy-out with its own ops) and ``fsdp2_rs_fp32``
   (``chunk_cat`` into fp32 + NCCL fp32 reduce-scatter), and ``symm_mem_ag`` / ``symm_mem_rs_fp32`` (the same
-  with the flat buffers rendezvoused in torch symmetric memory, as ``set_symm_mem_for_comm`` does) where
-  the torch version has symmetric memory.
+  with the flat buffers allocated in torch symmetric memory and rendezvoused; whether NCCL then takes its
+  symmetric or copy-engine kernels depends on its version and CTA policy, as with FSDP2's
+  ``set_symm_mem_for_comm``) where the torch version has symmetric memory.
 - ranks sharing one GPU (gloo group + symmetric memory): only the TIDE variants and ``reference_*`` (the
   ops' gloo reference, CPU-staged). **These are not NVLink numbers**: every "peer" copy is a same-GPU
   SM copy, and all ranks share one GPU's HBM.
