@@ -5,7 +5,6 @@ TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1) when there are fewer GPUs than ranks
 rank has its own and the same tests run unchanged.
 """
 import pytest
-import torch
 
 from tests.cuda import ranks
 from tide.launch import run_ranks

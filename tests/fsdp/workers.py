@@ -17,7 +17,6 @@ relative size (a wrong divide factor, to which AdamW's update is blind).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 
