@@ -46,7 +46,7 @@ def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, resu
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
         if device_type == "cuda":
-            # One GPU per rank when there are enough; otherwise ranks share GPUs (gloo only).
+            # One GPU per rank when there are enough; otherwise ranks share GPUs (gloo; run_ranks refuses NCCL).
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
@@ -71,9 +71,21 @@ def run_ranks(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return the per-rank results.
 
     ``fn`` must be importable by module path (spawn pickles it by name) and return something
-    picklable. Raises :class:`RankError` if any rank raised, :class:`TimeoutError` after ``timeout``
+    picklable. CUDA ranks get :data:`CUDA_RANK_ENV` (multicast off; ``env`` may add to it). Raises :class:`RankError` if any rank raised, :class:`TimeoutError` after ``timeout``
     seconds (all ranks are killed either way).
     """
+    if world_size < 1:
+        raise ValueError(f"run_ranks: world_size must be >= 1, got {world_size}")
+    if device_type == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise RuntimeError("run_ranks: device_type='cuda' but no CUDA device is visible")
+        if backend == "nccl" and world_size > gpus:
+            raise ValueError(f"run_ranks: NCCL needs one GPU per rank: {world_size} ranks, {gpus} GPUs "
+                             "(ranks can share a GPU over gloo)")
+        env = {**CUDA_RANK_ENV, **(env or {})}
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

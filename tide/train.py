@@ -83,7 +83,7 @@ def removed_bytes_per_step(model: Llama) -> int:
                              grad_itemsizes=[(p.param_dtype or p.orig_dtype).itemsize for p in ps])
         conv = layout.layout_conversion_bytes([p.orig_dtype.itemsize for p in ps])
         unshards = 2 if g.post_forward_mesh_info is not None else 1
-        total += unshards * conv["split_with_sizes_copy"] + conv["chunk_cat"]
+        total += unshards * (conv["all_gather_copy_in"] + conv["split_with_sizes_copy"]) + conv["chunk_cat"]
     return total
 
 
@@ -115,6 +115,12 @@ def _run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device:
         if rank == 0:
             print(f"[{label:5s}] step {step + 1}/{args.steps}  loss {loss:.6f}  {times[-1] * 1e3:8.1f} ms", flush=True)
     peak, peak_kind = _peak_memory(device)
+    if use_tide and device.type == "cuda":
+        # TIDE's symmetric arena is not in the caching allocator's counters: add it.
+        from tide import transport
+
+        peak += sum({id(a): a.total_bytes for a in transport.arenas().values()}.values())
+        peak_kind += " + TIDE's symmetric arena"
     return {"losses": losses, "median_step_s": statistics.median(times[1:] or times), "peak": peak,
             "peak_kind": peak_kind, "stats": tide.fsdp.stats(),
             "removed": removed_bytes_per_step(model) if use_tide else 0}
@@ -133,7 +139,7 @@ def _table(stock: dict, tide_: dict, args, world_size: int, device: torch.device
         f"max |loss diff|            {max(diffs):.3e}",
         f"median step time           stock {stock['median_step_s'] * 1e3:.1f} ms   tide {tide_['median_step_s'] * 1e3:.1f} ms",
         f"peak memory, rank 0        stock {stock['peak'] / mib:.1f} MiB   tide {tide_['peak'] / mib:.1f} MiB"
-        f"   ({stock['peak_kind']})",
+        f"   ({tide_['peak_kind']})",
         f"layout conversion removed  {tide_['removed'] / mib:.3f} MiB per step per rank (GroupLayout plan)",
         f"tide path counts           {tide_['stats']}",
     ]
@@ -192,6 +198,10 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if args.device == "cuda":
+            from tide.launch import CUDA_RANK_ENV
+
+            for key, value in CUDA_RANK_ENV.items():  # multicast off before NCCL reads its environment
+                os.environ.setdefault(key, value)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
         try:

@@ -53,10 +53,46 @@ def test_enable_twice_then_disable():
         assert set(r["after_disable"]["reduce_scatter"]) == {"stock:not_enabled"}
 
 
-@pytest.mark.parametrize("world_size,local,reason", [
-    (2, None, None), (8, 8, None), (8, None, None), (9, None, "nvlink_domain"), (4, 2, "nvlink_domain"),
+@pytest.mark.parametrize("hosts,reason", [
+    (["a", "a"], None), (["a"] * 8, None), (["a"] * 9, "nvlink_domain"), (["a", "a", "b", "b"], "nvlink_domain"),
 ])
-def test_nvlink_domain_contract(world_size, local, reason):
+def test_nvlink_domain_contract(hosts, reason):
     from tide.fsdp import seam
 
-    assert seam.nvlink_domain_reason(world_size, local) == reason
+    assert seam.nvlink_domain_reason(hosts) == reason
+
+
+def test_install_twice_keeps_a_later_patcher_chained_without_a_cycle():
+    """A patcher installed after TIDE wraps TIDE's wrapper; installing again must not take that patcher
+    as TIDE's stock path (the two would call each other forever)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+    from tide.fsdp import seam
+
+    seam.install()
+    tide_wrapper, stock = pg.foreach_all_gather, seam._ORIG["foreach_all_gather"]
+
+    def later_patcher(*args, **kwargs):
+        return tide_wrapper(*args, **kwargs)
+
+    pg.foreach_all_gather = later_patcher
+    try:
+        seam.install()
+        assert pg.foreach_all_gather is later_patcher
+        assert seam._ORIG["foreach_all_gather"] is stock
+    finally:
+        pg.foreach_all_gather = tide_wrapper
+
+
+def test_fallback_table_lists_every_reason():
+    """docs/fsdp.md's fallback table and the seam's reasons are the same set."""
+    import pathlib
+    import re
+
+    from tide.fsdp import seam
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "fsdp.md").read_text()
+    table = doc[doc.index("## Fallbacks"):]
+    table = table[:table.index("\n\n", table.index("| reason"))]
+    documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M))
+    assert documented == set(seam.REASONS)

@@ -1,7 +1,7 @@
 """TIDE for FSDP2: ``enable(module)`` routes every opted-in param group's unshard and gradient
 reduce through ``tide::all_gather_into_params_`` / ``tide::reduce_scatter_params_`` (no flat
 rank-major buffers); unsupported cases take the original FSDP2 path per call (see docs/fsdp.md).
-On CUDA the groups run on the CUDA transport: one symmetric arena per shard process group, all-gather
+On CUDA the groups run on the CUDA transport: one symmetric arena per set of ranks, all-gather
 outputs bound in its slots (docs/fsdp.md, "CUDA transport wiring").
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
     ``rs_mode``: ``"in_place"`` or ``"slot_reuse"`` (how the CUDA transport stages the reduce-scatter; the
     reference backend treats both alike). ``force``: allow a torch version outside the tested set.
     ``transport``: ``"auto"`` (default, or ``TIDE_FSDP_TRANSPORT``): on CUDA the CUDA transport's arena of
-    each shard process group is created (collectively) at that group's first TIDE collective, after FSDP's
+    each set of ranks is created (collectively) at their first TIDE collective, after FSDP's
     lazy init, and all-gather outputs are bound in its slots; ``"reference"``: no arena, the ops' reference
     backend (stock collectives, still layout-aware). On CPU both are the reference backend.
     Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
@@ -72,17 +72,12 @@ def disable(module: nn.Module) -> nn.Module:
     the transport arenas :func:`enable` created once no enabled group uses them (call it between steps:
     it refuses while unsharded parameters still live in an arena slot)."""
     groups = [g for g in param_groups(module) if isinstance(g._all_gather_comm, seam.TideAllGather)]
-    emptied = []
+    seam.check_arenas_idle(groups)  # refuse before changing anything
+    emptied = [key for key in map(seam.unregister_group, groups) if key is not None]
+    for key in emptied:
+        seam.drop_arena(key)
     for g in groups:
-        key = seam.unregister_group(g)
-        if key is not None:
-            emptied.append(key)
-    try:
-        for key in emptied:
-            seam.drop_arena(key)
-    finally:
-        for g in groups:
-            g._all_gather_comm = g._all_gather_comm.fallback
-            if isinstance(g._reduce_scatter_comm, seam.TideReduceScatter):
-                g._reduce_scatter_comm = g._reduce_scatter_comm.fallback
+        g._all_gather_comm = g._all_gather_comm.fallback
+        if isinstance(g._reduce_scatter_comm, seam.TideReduceScatter):
+            g._reduce_scatter_comm = g._reduce_scatter_comm.fallback
     return module

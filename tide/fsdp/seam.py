@@ -15,17 +15,18 @@ may rebind them): :func:`bind_all_gather_outputs` (where each param's all-gather
 latter gets the group's ``rs_mode``).
 
 On CUDA (``enable(..., transport="auto")``) the seam wires in the CUDA transport (section "CUDA transport
-wiring" below): it creates the symmetric arena of each shard process group at the group's first TIDE
+wiring" below): it creates the symmetric arena of each set of ranks at their first TIDE
 collective, binds the all-gather outputs of groups that reshard after forward into the arena's slots
 (zero-copy), and runs the reduce through ``Arena.reduce_scatter_params`` with the group's ``rs_mode``.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
+import socket
 import weakref
 from collections import Counter
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide.fsdp import compat
 from tide.meta.checks import FLOAT_DTYPES
+from tide.ops import reference
 
 log = logging.getLogger("tide.fsdp")
 
@@ -154,29 +156,33 @@ def _common_reason(device: torch.device) -> str | None:
 
 
 # The CUDA contract: Hopper (compute capability 9.0) or newer, and one NVLink domain: at most 8 GPUs,
-# all on this host (torchrun and tide.launch set LOCAL_WORLD_SIZE).
+# all on one host.
 MIN_COMPUTE_CAPABILITY = 9
 MAX_NVLINK_DOMAIN = 8
+_CUDA_REASONS: dict[str, str | None] = {}  # group name -> reason, decided once per group
 
 
-def nvlink_domain_reason(world_size: int, local_world_size: int | None) -> str | None:
-    if world_size > MAX_NVLINK_DOMAIN or (local_world_size is not None and world_size > local_world_size):
+def nvlink_domain_reason(hosts: Sequence[str]) -> str | None:
+    """``"nvlink_domain"`` when the ranks (their host names, in rank order) leave one NVLink domain."""
+    if len(hosts) > MAX_NVLINK_DOMAIN or len(set(hosts)) > 1:
         return "nvlink_domain"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_reason(device_index: int, world_size: int) -> str | None:
-    if torch.cuda.get_device_capability(device_index)[0] < MIN_COMPUTE_CAPABILITY:
-        return "compute_capability"
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return nvlink_domain_reason(world_size, int(local) if local else None)
 
 
 def _device_reason(device: torch.device, group) -> str | None:
     if device.type != "cuda":
         return None
-    return _cuda_reason(device.index if device.index is not None else torch.cuda.current_device(), group.size())
+    name = group.group_name
+    if name not in _CUDA_REASONS:
+        # One host-name exchange per group, at its first TIDE collective: every rank reaches it at the
+        # same point of FSDP's schedule (capture and compiling were ruled out before), and every rank
+        # then decides alike.
+        hosts = [None] * group.size()
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major = torch.cuda.get_device_capability(index)[0]
+        _CUDA_REASONS[name] = "compute_capability" if major < MIN_COMPUTE_CAPABILITY else nvlink_domain_reason(hosts)
+    return _CUDA_REASONS[name]
 
 
 def _param_reason(p) -> str | None:
@@ -423,19 +429,22 @@ def slot_state(group: dist.ProcessGroup, device: torch.device, transport: str) -
     return state
 
 
+def check_arenas_idle(param_groups) -> None:
+    """Raise (changing nothing) if an arena serving ``param_groups`` still holds unsharded params."""
+    for key in {group_key(g._all_gather_process_group) for g in param_groups}:
+        state = _SLOTS.get(key)
+        if state is not None and state.live_bound_groups():
+            raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of "
+                               f"ranks {list(key)}; call disable between steps (after backward / reshard)")
+
+
 def drop_arena(key: tuple) -> None:
-    """Forget the slot bookkeeping of the ranks ``key``; drop the arena if the seam created it. Refuses
-    while a group's unsharded params still live in a slot (call it between steps)."""
+    """Forget the slot bookkeeping of the ranks ``key`` and drop the arena if the seam created it (after
+    :func:`check_arenas_idle`)."""
     from tide import transport
 
-    state = _SLOTS.get(key)
-    if state is None:
-        return
-    if state.live_bound_groups():
-        raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of ranks "
-                           f"{list(key)}; call disable between steps (after backward / reshard)")
-    _SLOTS.pop(key)
-    if state.created and transport.get(state.arena.group_name) is state.arena:
+    state = _SLOTS.pop(key, None)
+    if state is not None and state.created and transport.get(state.arena.group_name) is state.arena:
         transport.disable(state.arena.group_name)
 
 
@@ -506,8 +515,13 @@ def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
     return outs
 
 
-def all_gather_into_outputs(shards, outs, world_size: int, group: dist.ProcessGroup) -> None:
-    """Gather every rank's padded shard into each param's output (called on the all-gather stream)."""
+def all_gather_into_outputs(shards, outs, world_size: int, group: dist.ProcessGroup, via_arena: bool = True) -> None:
+    """Gather every rank's padded shard into each param's output (called on the all-gather stream).
+    ``via_arena=False`` on CUDA (the reference transport) runs the reference backend directly: the op's
+    CUDA kernel would take any arena registered for the group, outside this seam's slot bookkeeping."""
+    if not via_arena and outs and outs[0].is_cuda:
+        reference.all_gather_into_params_(shards, outs, world_size, group.group_name)
+        return
     torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group.group_name)
 
 
@@ -525,7 +539,9 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
     :func:`arena_stats`). The next all-gather into that slot waits for this reduce.
     """
     if state is None:
-        torch.ops.tide.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group.group_name)
+        # On CUDA this is the reference transport: never the group's arena (see all_gather_into_outputs).
+        run = reference.reduce_scatter_params_ if grads and grads[0].is_cuda else torch.ops.tide.reduce_scatter_params_
+        run(grads, shard_grads, scale, accumulate, world_size, group.group_name)
         return
     from tide.meta import checks
     from tide.transport import records
@@ -580,9 +596,9 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     with handle.stream(all_gather_stream):
         if preserved:
             with torch.autograd._unsafe_preserve_version_counter(preserved):
-                all_gather_into_outputs(shards, outs, world_size, group)
+                all_gather_into_outputs(shards, outs, world_size, group, state is not None)
         else:
-            all_gather_into_outputs(shards, outs, world_size, group)
+            all_gather_into_outputs(shards, outs, world_size, group, state is not None)
         event = all_gather_stream.record_event()
     if slot is not None:
         state.event[slot] = event
@@ -727,10 +743,11 @@ _WRAPPERS = {
 
 
 def install() -> None:
-    """Rebind the three functions in ``_fsdp_param_group`` once; keep whatever was bound before."""
+    """Rebind the three functions in ``_fsdp_param_group`` once, keeping whatever was bound before as the
+    stock path. Later calls change nothing: a patcher installed after TIDE chains to TIDE's wrapper, and
+    re-capturing it as "stock" would make the two call each other forever."""
+    if _ORIG:
+        return
     for name, wrapper in _WRAPPERS.items():
-        current = getattr(_pg, name)
-        if current is wrapper:
-            continue
-        _ORIG[name] = current
+        _ORIG[name] = getattr(_pg, name)
         setattr(_pg, name, wrapper)

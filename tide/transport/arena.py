@@ -182,12 +182,14 @@ class Arena:
         into ``reuse_slot`` (default: the slot the next all-gather takes, i.e. the one just vacated) and
         pushes from there; it degrades to In-Place when the packed gradients do not fit a slot.
         Returns the mode that ran."""
-        _, c, packed_fits = self.rs_plan(grads)
         mode = rs_mode or self.rs_mode
+        if mode not in RS_MODES:
+            raise ValueError(f"tide.transport.reduce_scatter_params: rs_mode must be one of {RS_MODES}, got {mode!r}")
+        _, c, packed_fits = self.rs_plan(grads)
         slot = -1
         if mode == "slot_reuse":
             if packed_fits:
-                slot = self._c.next_slot() if reuse_slot is None else int(reuse_slot)
+                slot = self._c.next_slot() if reuse_slot is None else self._check_slot("reduce_scatter_params", reuse_slot)
             else:
                 mode = "in_place"
                 records.record("reduce_scatter_params_", "tide", "slot_reuse_too_large_in_place")
@@ -201,8 +203,15 @@ class Arena:
         """The slot the next unbound all-gather takes."""
         return self._c.next_slot()
 
+    def _check_slot(self, op: str, slot: int) -> int:
+        slot = int(slot)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"tide.transport.{op}: slot must be in [0, {self.num_slots}), got {slot}")
+        return slot
+
     def slot_views(self, layout: GroupLayout, dtypes: Sequence[torch.dtype], slot: int) -> list[torch.Tensor]:
         """1-D views of this rank's slot ``slot`` at every param's all-gather output (param-major)."""
+        slot = self._check_slot("slot_views", slot)
         if layout.slot_bytes > self.slot_bytes:
             raise ValueError(f"tide.transport: group needs {layout.slot_bytes} slot bytes, the arena has {self.slot_bytes}")
         base = self.slots_off + slot * self.slot_bytes
@@ -216,8 +225,12 @@ class Arena:
         """Point the storages of the 1-D all-gather outputs ``outs`` (their views see it too) into slot
         ``slot`` (default: the next slot) at their param-major addresses; returns the slot. Each output
         must own its whole storage (storage offset 0, ``W*shard_numel`` elements)."""
-        slot = self.next_slot() if slot is None else int(slot)
+        slot = self.next_slot() if slot is None else self._check_slot("bind_outputs", slot)
         W = self.world_size
+        for o in outs:
+            if o.dim() != 1 or o.device != self.device:
+                raise ValueError(f"tide.transport.bind_outputs: outputs must be 1-D tensors on {self.device}, got "
+                                 f"shape {tuple(o.shape)} on {o.device}")
         layout = plans.all_gather_layout([(o.numel() // W,) for o in outs], [o.dtype for o in outs], W)
         if layout.slot_bytes > self.slot_bytes:
             raise ValueError(f"tide.transport.bind_outputs: group needs {layout.slot_bytes} slot bytes, "
@@ -257,8 +270,10 @@ def register(group_name: str, arena: Arena) -> None:
     """Serve another process group over the same ranks (in the same order) with ``arena``: its ops then
     use the arena too. Safe when every rank issues the collectives of all those groups in one order, as
     FSDP2 does for the groups of one model."""
-    if arena.world_size != dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name)):
-        raise ValueError(f"tide.transport.register: group {group_name!r} does not have the arena's {arena.world_size} ranks")
+    ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))
+    if ranks != dist.get_process_group_ranks(arena.group):
+        raise ValueError(f"tide.transport.register: group {group_name!r} has ranks {ranks}, the arena serves "
+                         f"{dist.get_process_group_ranks(arena.group)}")
     _ARENAS[group_name] = arena
 
 
