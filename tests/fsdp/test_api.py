@@ -96,3 +96,17 @@ def test_fallback_table_lists_every_reason():
     table = table[:table.index("\n\n", table.index("| reason"))]
     documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M))
     assert documented == set(seam.REASONS)
+
+
+def _hosts(rank, world_size):
+    import torch.distributed as dist
+
+    from tide.fsdp import seam
+
+    return seam.group_hosts(dist.group.WORLD)
+
+
+def test_group_hosts_come_from_every_rank():
+    import socket
+
+    assert run_ranks(_hosts, 3) == [[socket.gethostname()] * 3] * 3

@@ -174,15 +174,21 @@ def _device_reason(device: torch.device, group) -> str | None:
         return None
     name = group.group_name
     if name not in _CUDA_REASONS:
-        # One host-name exchange per group, at its first TIDE collective: every rank reaches it at the
-        # same point of FSDP's schedule (capture and compiling were ruled out before), and every rank
-        # then decides alike.
-        hosts = [None] * group.size()
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
         index = device.index if device.index is not None else torch.cuda.current_device()
         major = torch.cuda.get_device_capability(index)[0]
-        _CUDA_REASONS[name] = "compute_capability" if major < MIN_COMPUTE_CAPABILITY else nvlink_domain_reason(hosts)
+        _CUDA_REASONS[name] = ("compute_capability" if major < MIN_COMPUTE_CAPABILITY
+                               else nvlink_domain_reason(group_hosts(group)))
     return _CUDA_REASONS[name]
+
+
+def group_hosts(group) -> list[str]:
+    """Host names of ``group``'s ranks, in group-rank order, exchanged once through the default store
+    (no device collective: a CUDA collective on ranks that share a GPU may not be possible). Every rank
+    asks at its group's first TIDE collective, the same point of FSDP's schedule on all of them."""
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"tide/hosts/{group.group_name}/"
+    store.set(prefix + str(dist.get_rank()), socket.gethostname())
+    return [store.get(prefix + str(r)).decode() for r in dist.get_process_group_ranks(group)]
 
 
 def _param_reason(p) -> str | None:
