@@ -40,10 +40,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 from tide.fsdp import compat
 from tide.meta.checks import FLOAT_DTYPES
 from tide.ops import reference
+from tide.transport.arena import RS_MODES  # noqa: F401  (one definition of the modes)
 
 log = logging.getLogger("tide.fsdp")
 
-RS_MODES = ("in_place", "slot_reuse")
 TIDE = "tide"
 
 # Every reason a call takes the stock path; docs/fsdp.md has the table.
@@ -230,7 +230,7 @@ def _static_all_gather_reason(fsdp_params) -> str | None:
             return reason
         if hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"):
             return "all_gather_extension"
-        d = p.param_dtype or p.orig_dtype
+        d = _group_dtype(p)
         if dtype is not None and d != dtype:
             return "mixed_param_dtypes"
         if d not in FLOAT_DTYPES:
@@ -511,7 +511,7 @@ def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
         return _bind_into_slot(state, fsdp_params, world_size, device, slot)
     outs = []
     for p in fsdp_params:
-        p.init_all_gather_outputs([p._sharded_param_data.numel()], [p.param_dtype or p.orig_dtype], world_size,
+        p.init_all_gather_outputs([p._sharded_param_data.numel()], [_group_dtype(p)], world_size,
                                   device)
         p.alloc_all_gather_outputs()
         out = p.all_gather_outputs[0]
