@@ -3,9 +3,13 @@
 TIDE: W ranks (default 8, sharing the GPU when there are fewer GPUs; symmetric memory over gloo), one
 ``torch.ops.tide.all_gather_into_params_`` into arena-bound outputs (FSDP's zero-copy case; ``ag`` makes
 the slot views in the timed region, ``ag_op_only`` beforehand) and one
-``torch.ops.tide.reduce_scatter_params_`` (In-Place with the same gradient tensors every call, In-Place
-"moved" alternating between two gradient sets so every address changes each call, and Slot-Reuse) per
-iteration, timed on rank 0 from the Python call to its return (the GPU is synchronised between
+``torch.ops.tide.reduce_scatter_params_`` per iteration: In-Place with the same gradient tensors every
+call; In-Place "recurring", cycling over 4 gradient sets (like 4 FSDP blocks whose gradients come back
+at the same addresses each step: each set replays its own cached push graphs); In-Place "fresh", at new
+addresses every call (views into one buffer shifted by 256 B per call over 64 positions, more than the
+graph cache holds: every call re-points the copy nodes, the worst case); and Slot-Reuse with the
+gradients already in the slot (where FSDP's Slot-Reuse hooks leave them). Timed on rank 0 from the
+Python call to its return (the GPU is synchronised between
 iterations, outside the timed region). Each copy mode (``TIDE_CE_MODE`` = graph, batch, loop) runs in its
 own set of ranks; the arena's counters split the C++ part of a call by kind of call (kernel launches,
 stream memops, graph launches, graph node updates, copy-API calls, events); the rest is Python and
@@ -53,7 +57,9 @@ def _time(fn, iters: int) -> list[float]:
     return out
 
 
-VARIANTS = ("ag", "ag_op_only", "rs_in_place", "rs_in_place_moved", "rs_slot_reuse")
+VARIANTS = ("ag", "ag_op_only", "rs_in_place", "rs_in_place_recurring", "rs_in_place_fresh", "rs_slot_reuse")
+RECURRING_SETS = 4
+FRESH_POSITIONS, FRESH_SHIFT = 64, 256
 CPP_KEYS = ("host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_graph_launch", "host_ns_graph_update",
             "host_ns_graph_build", "host_ns_copy_api", "host_ns_event", "graph_launches", "graphs_built",
             "graph_node_updates", "memop_calls", "copy_api_calls", "kernels", "op_calls")
@@ -77,10 +83,22 @@ def tide_rank(rank: int, world_size: int, iters: int, mode: str) -> dict:
     layout = plans.all_gather_layout([s.shape for s in shards], dtypes, world_size)
     arena = transport.enable(group, slot_bytes=layout.slot_bytes, ce_mode=mode)
     grads = [torch.randn(s, device=dev).to(torch.bfloat16) for s in shapes]
-    grads_b = [g.clone() for g in grads]  # a second set: "moved" alternates, so every address changes each call
+    recurring = [grads] + [[g.clone() for g in grads] for _ in range(RECURRING_SETS - 1)]
+    # Fresh addresses: the gradients as views into one buffer, shifted by FRESH_SHIFT bytes per call.
+    offsets, total = [], 0
+    for g in grads:
+        offsets.append(total)
+        total += -(-g.numel() * 2 // FRESH_SHIFT) * FRESH_SHIFT
+    buf = torch.randn((total + FRESH_POSITIONS * FRESH_SHIFT) // 2, device=dev).to(torch.bfloat16)
+    fresh = [[buf[(o + k * FRESH_SHIFT) // 2:(o + k * FRESH_SHIFT) // 2 + g.numel()].view(g.shape)
+              for o, g in zip(offsets, grads)] for k in range(FRESH_POSITIONS)]
     shard_grads = [torch.zeros((-(-s[0] // world_size), *s[1:]), device=dev) for s in shapes]
     views = [arena.slot_views(layout, dtypes, i) for i in range(arena.num_slots)]
-    flip = [0]
+    # Slot-Reuse reads the slot the next all-gather would take (no all-gather runs in between).
+    in_slot = arena.grad_views(shapes, [torch.bfloat16] * len(shapes), arena.next_slot())
+    for v, g in zip(in_slot, grads):
+        v.copy_(g)
+    calls = [0]
 
     def ag():
         outs = arena.slot_views(layout, dtypes, arena.next_slot())
@@ -92,15 +110,19 @@ def tide_rank(rank: int, world_size: int, iters: int, mode: str) -> dict:
     def rs(g=None):
         torch.ops.tide.reduce_scatter_params_(g or grads, shard_grads, 1.0 / world_size, True, world_size, name)
 
-    def rs_moved():
-        flip[0] ^= 1
-        rs(grads_b if flip[0] else grads)
+    def rs_cycle(sets):
+        def call():
+            calls[0] += 1
+            rs(sets[calls[0] % len(sets)])
+        return call
 
-    fns = {"ag": ag, "ag_op_only": ag_op_only, "rs_in_place": rs, "rs_in_place_moved": rs_moved, "rs_slot_reuse": rs}
+    fns = {"ag": ag, "ag_op_only": ag_op_only, "rs_in_place": rs, "rs_in_place_recurring": rs_cycle(recurring),
+           "rs_in_place_fresh": rs_cycle(fresh), "rs_slot_reuse": lambda: rs(in_slot)}
     res = {}
     for variant in VARIANTS:
         arena.rs_mode = "slot_reuse" if variant == "rs_slot_reuse" else "in_place"
-        _time(fns[variant], 4)  # warm-up: plans, graphs of both slots / ring phases
+        # Warm-up: plans, graphs of every set, slot and ring phase; for "fresh", a full cache.
+        _time(fns[variant], FRESH_POSITIONS if variant == "rs_in_place_fresh" else 2 * RECURRING_SETS)
         dist.barrier()
         before = arena.counters()
         times = _time(fns[variant], iters)

@@ -25,6 +25,11 @@ one backward reaches, while the previous block is prefetched):
   because symmetric memory is not in ``max_memory_allocated``. The CSV also gives
   ``live_ns_arena_amortized`` (arena divided by the groups sharing it), an accounting view only.
 * NS: the layer's bf16 unsharded bytes (2 x the block's parameter count).
+* Slot-Reuse moves each gradient into its own parameter's slot region as autograd finishes it (the
+  seam's post-accumulate-grad hooks), so the block's gradients occupy no allocator memory; the CSV's
+  ``grads_into_slot`` counts the gradients moved in the measured step.
+* G, the fp32 sharded gradients the reduce writes (``grad_shard_bytes``), is 2/W NS: the rank count
+  matters (``--ranks``; 8 = one NVLink domain of 8 GPUs, the design's target).
 
 Nothing is estimated: every number comes from the allocator's counters and ``Arena.total_bytes``.
 Writes ``memory.csv`` and ``memory.png`` under ``--out`` and prints one ``SUMMARY memory`` line.
@@ -126,6 +131,7 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
         "live_ns": (peak + arena_bytes) / ns, "alloc_ns": peak / ns, "arena_ns": arena_bytes / ns,
         "grad_shard_ns": grad_shard / ns, "live_ns_arena_amortized": (peak + arena_bytes / groups_sharing) / ns,
         "unsharded_blocks_at_start": unsharded_blocks, "window_end": window_end, "fsdp_stats": str(stats), "arena_stats": str(arena_stats),
+        "grads_into_slot": arena_stats.get("rs:grad_into_slot", 0),
         "target_ns": TARGETS[name],
     }
 
@@ -146,7 +152,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", default="1024,2048,4096", help="comma-separated model dims (one block size each)")
     p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=8, help="ranks (8: one NVLink domain of 8 GPUs)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     from tide.launch import CUDA_RANK_ENV, run_ranks

@@ -4,7 +4,10 @@ Median step time over ``--steps`` steps after ``--warmup`` warm-up steps, and pe
 ``max_memory_allocated`` of rank 0). With one GPU per rank the group is NCCL; with fewer GPUs than ranks
 the ranks share the GPU over gloo (a smoke run: stock collectives then go through gloo's CPU staging,
 so the step times say nothing about NVLink). ``tide.fsdp.stats()`` of each run is recorded so the CSV
-shows which path really ran. Writes bench/results/train_step.csv and .png.
+shows which path really ran, and, over the timed steps, how many push graphs TIDE built and how many
+copy nodes it re-pointed per step (zero once every block's gradients come back at the addresses of
+the step before: the reduce-scatters then replay cached graphs). Writes bench/results/train_step.csv
+and .png.
 """
 from __future__ import annotations
 
@@ -40,7 +43,10 @@ def _rank(rank, world_size, model_name, steps, warmup):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         times, losses = [], []
+        graph_counts = {}
         for step in range(warmup + steps):
+            if step == warmup:
+                graph_counts = _graph_counters()
             torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
@@ -52,15 +58,30 @@ def _rank(rank, world_size, model_name, steps, warmup):
         rows.append({"variant": name, "median_step_ms": statistics.median(times) * 1e3,
                      "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                      "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20, "final_loss": losses[-1],
-                     "stats": str(tide.fsdp.stats())})
+                     "stats": str(tide.fsdp.stats()), "arena_stats": str(tide.fsdp.arena_stats()),
+                     **{f"{k}_per_step": (v - graph_counts.get(k, 0)) / steps for k, v in _graph_counters().items()}})
         if rank == 0:
             print(f"{name:16s} median {rows[-1]['median_step_ms']:8.2f} ms  peak {rows[-1]['peak_mib']:8.1f} MiB  "
-                  f"{rows[-1]['stats']}", flush=True)
+                  f"graphs built/step {rows[-1].get('graphs_built_per_step', 0):.1f}, node updates/step "
+                  f"{rows[-1].get('graph_node_updates_per_step', 0):.1f}  {rows[-1]['stats']} {rows[-1]['arena_stats']}",
+                  flush=True)
         if rs_mode is not None:
             tide.fsdp.disable(model)
         del model, optim
         torch.cuda.empty_cache()
     return rows
+
+
+def _graph_counters() -> dict:
+    """Push graphs built and copy nodes re-pointed so far, summed over this rank's arenas."""
+    from tide import transport
+
+    out = {"graphs_built": 0, "graph_node_updates": 0}
+    for arena in {id(a): a for a in transport.arenas().values()}.values():
+        c = arena.counters()
+        for k in out:
+            out[k] += c[k]
+    return out
 
 
 def main(argv=None):
@@ -99,7 +120,9 @@ def main(argv=None):
     fig.tight_layout()
     fig.savefig(out / "train_step.png", dpi=120)
     print("SUMMARY train_step (" + mode + "): " +
-          ", ".join(f"{r['variant']} {r['median_step_ms']:.1f} ms {r['peak_mib']:.0f} MiB" for r in rows))
+          ", ".join(f"{r['variant']} {r['median_step_ms']:.1f} ms {r['peak_mib']:.0f} MiB"
+                    + (f" ({r['graphs_built_per_step']:.1f} graphs built, {r['graph_node_updates_per_step']:.1f} nodes "
+                       "re-pointed per step)" if r["variant"] != "stock" else "") for r in rows))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@
 //                         copy-engine copies of my pieces to every peer's slot i, same offsets;
 //                         post ag_ready[i][r] = v into every peer;
 //   S:                    wait ag_ready[i][p] >= v for all peers; wait P.
-// TIDE-RS, rank r (In-Place: pieces read from autograd's gradients; Slot-Reuse: from a slot into which
-// they were packed first), for every round j, destinations in a rotation, g = rounds done for d + 1:
+// TIDE-RS, rank r (In-Place: pieces read from autograd's gradients; Slot-Reuse: from their param-major
+// places in a vacated slot, grad j at slot_offset(j), copied there first unless already there), for
+// every round j, destinations in a rotation, g = rounds done for d + 1:
 //   P:  wait rs_free[d][s] >= g - R (d has reduced what used staging slot s before);
 //       copy my round-j pieces for d into d's staging entry (s, r); post rs_ready[s][r] = g into d;
 //   Rd (reduce stream), my own round j: wait rs_ready[s][q] >= g for all q != r; summing kernel over
@@ -34,9 +35,13 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <iterator>
+#include <list>
 #include <map>
+#include <sstream>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -133,16 +138,15 @@ struct RsPlan {
   std::vector<std::vector<std::vector<RsChunk>>> rounds;
   std::vector<std::array<int64_t, 3>> pads;  // (param, shard_off, n) of this rank's padding
   std::vector<int32_t> grad_dtype;
-  std::vector<std::vector<int64_t>> pack_off;  // Slot-Reuse: bytes in the slot of round (d, j)
-  std::vector<std::vector<int64_t>> round_bytes;  // bytes used in the staging entry by round (d, j)
-  int64_t pack_bytes;
+  // Slot-Reuse: bytes from a slot's start to param j's gradient, the all-gather output addresses of the
+  // same params (param-major GroupLayout), and the bytes the group needs in a slot.
+  std::vector<int64_t> slot_off;
+  int64_t slot_bytes;
   int64_t max_rounds = 0;
 
-  RsPlan(const std::vector<std::vector<std::vector<int64_t>>>& rounds_flat,
-         std::vector<std::vector<int64_t>> pads_, std::vector<int64_t> grad_dtype_,
-         std::vector<std::vector<int64_t>> pack_off_, std::vector<std::vector<int64_t>> round_bytes_,
-         int64_t pack_bytes_)
-      : pack_off(std::move(pack_off_)), round_bytes(std::move(round_bytes_)), pack_bytes(pack_bytes_) {
+  RsPlan(const std::vector<std::vector<std::vector<int64_t>>>& rounds_flat, std::vector<std::vector<int64_t>> pads_,
+         std::vector<int64_t> grad_dtype_, std::vector<int64_t> slot_off_, int64_t slot_bytes_)
+      : slot_off(std::move(slot_off_)), slot_bytes(slot_bytes_) {
     for (const auto& per_dest : rounds_flat) {
       std::vector<std::vector<RsChunk>> rs;
       for (const auto& flat : per_dest) {
@@ -160,6 +164,18 @@ struct RsPlan {
       pads.push_back({p[0], p[1], p[2]});
     }
     for (auto d : grad_dtype_) grad_dtype.push_back(static_cast<int32_t>(d));
+    TORCH_CHECK(slot_off.size() == grad_dtype.size(), "tide.RsPlan: one slot offset per gradient");
+  }
+};
+
+// Plan registries are keyed by what a plan depends on, encoded as integers (dtype codes, ranks and
+// sizes), so that a call finds its plan without building any Python object.
+using PlanKey = std::vector<int64_t>;
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t x : k) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
+    return static_cast<size_t>(h);
   }
 };
 
@@ -211,13 +227,14 @@ class Arena {
  public:
   Arena(int64_t rank, int64_t world, std::vector<int64_t> bases, int64_t device, int64_t flags_off,
         int64_t slots_off, int64_t slot_bytes, int64_t num_slots, int64_t ring_off, int64_t entry_bytes,
-        int64_t ring_depth, int64_t ctas, int64_t ce_mode)
+        int64_t ring_depth, int64_t ctas, int64_t ce_mode, int64_t max_graph_sets)
       : rank_(rank), world_(world), device_(device), flags_off_(flags_off), slots_off_(slots_off),
         slot_bytes_(slot_bytes), ring_off_(ring_off), entry_bytes_(entry_bytes), ctas_(ctas), mode_(ce_mode),
-        flags_{num_slots, ring_depth, world} {
+        max_graph_sets_(max_graph_sets), flags_{num_slots, ring_depth, world} {
     TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tide.Arena: rank ", rank, " not in [0, ", world, ")");
     TORCH_CHECK(static_cast<int64_t>(bases.size()) == world, "tide.Arena: need one base pointer per rank");
     TORCH_CHECK(num_slots >= 1 && ring_depth >= 1, "tide.Arena: num_slots and ring_depth must be >= 1");
+    TORCH_CHECK(max_graph_sets >= 1, "tide.Arena: max_graph_sets must be >= 1, got ", max_graph_sets);
     TORCH_CHECK(entry_bytes % 16 == 0 && slot_bytes % 16 == 0, "tide.Arena: entry_bytes and slot_bytes must be multiples of 16");
     TORCH_CHECK(ce_mode == kCeGraph || ce_mode == kCeBatch || ce_mode == kCeLoop,
                 "tide.Arena: ce_mode must be 0 (graph), 1 (batch) or 2 (loop), got ", ce_mode);
@@ -355,44 +372,39 @@ class Arena {
     return slot;
   }
 
-  // TIDE-RS. reuse_slot >= 0 selects Slot-Reuse: pack the gradients into that slot of this arena first.
+  // TIDE-RS. reuse_slot >= 0 selects Slot-Reuse: every gradient not already at its param-major place in
+  // that slot of this arena is copied there first (FSDP's Slot-Reuse hooks put them there as autograd
+  // produces them), and the pushes read the slot; otherwise (In-Place) they read the gradients.
   void reduce_scatter(const std::shared_ptr<RsPlan>& plan_ptr, const std::vector<at::Tensor>& grads,
                       const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t reuse_slot) {
     static constexpr const char* op = "reduce_scatter_params_";
-    TORCH_CHECK(plan_ptr != nullptr, "tide.", op, ": no plan");
     const RsPlan& plan = *plan_ptr;
     HostTimer total(host_ns_[kHTotal]);
     ++calls_;
-    TORCH_CHECK(grads.size() == plan.grad_dtype.size() && shard_grads.size() == grads.size(), "tide.", op,
-                ": ", grads.size(), " grads and ", shard_grads.size(), " shard_grads for a plan of ", plan.grad_dtype.size());
     TORCH_CHECK(static_cast<int64_t>(plan.rounds.size()) == world_, "tide.", op, ": plan built for another world size");
     TORCH_CHECK(reuse_slot < flags_.K, "tide.", op, ": reuse_slot ", reuse_slot, " >= ", flags_.K, " slots");
-    TORCH_CHECK(reuse_slot < 0 || plan.pack_bytes <= slot_bytes_, "tide.", op, ": Slot-Reuse needs ", plan.pack_bytes,
+    TORCH_CHECK(reuse_slot < 0 || plan.slot_bytes <= slot_bytes_, "tide.", op, ": Slot-Reuse needs ", plan.slot_bytes,
                 " bytes but a slot holds ", slot_bytes_);
-    for (size_t j = 0; j < grads.size(); ++j) {
-      TORCH_CHECK(dtype_code(op, grads[j].scalar_type()) == plan.grad_dtype[j], "tide.", op, ": grads[", j,
-                  "] dtype differs from the plan's");
-      TORCH_CHECK(shard_grads[j].scalar_type() == at::kFloat, "tide.", op, ": shard_grads[", j, "] must be fp32");
-    }
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     cudaStream_t S = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
     check_not_capturing(op, S);
     const int64_t R = flags_.R;
-    const bool slot_reuse = reuse_slot >= 0;
-    const uint64_t packed = slot_reuse ? slot_base(rank_, reuse_slot) : 0;
-    if (slot_reuse) {
-      // Slot-Reuse: every destination's rounds laid out back to back, so each push is one copy.
+    // Where the pushes and the own contribution read each gradient.
+    src_.resize(grads.size());
+    if (reuse_slot >= 0) {
       HostTimer t(host_ns_[kHKernel]);
-      CastBatch pack(static_cast<int>(ctas_), S);
-      for (int64_t d = 0; d < world_; ++d)
-        for (size_t j = 0; j < plan.rounds[d].size(); ++j)
-          for (const RsChunk& c : plan.rounds[d][j]) {
-            const int32_t dt = plan.grad_dtype[c.param];
-            pack.add(static_cast<const char*>(grads[c.param].data_ptr()) + c.grad_off * dtype_size(dt),
-                     reinterpret_cast<void*>(packed + plan.pack_off[d][j] + c.entry_off), c.n, dt, dt);
-          }
-      pack.flush();
-      kernels_ += pack.launches();
+      const uint64_t slot = slot_base(rank_, reuse_slot);
+      CastBatch place(static_cast<int>(ctas_), S);
+      for (size_t j = 0; j < grads.size(); ++j) {
+        src_[j] = slot + static_cast<uint64_t>(plan.slot_off[j]);
+        if (ptr_of(grads[j]) != src_[j])
+          place.add(grads[j].data_ptr(), reinterpret_cast<void*>(src_[j]), grads[j].numel(), plan.grad_dtype[j],
+                    plan.grad_dtype[j]);
+      }
+      place.flush();
+      kernels_ += place.launches();
+    } else {
+      for (size_t j = 0; j < grads.size(); ++j) src_[j] = ptr_of(grads[j]);
     }
     {
       HostTimer t(host_ns_[kHEvent]);
@@ -412,10 +424,9 @@ class Arena {
       }
       launch_sum(a);
     }
-    // Graph mode: the push graphs of this (plan, mode, slot, ring phase), In-Place nodes re-pointed at
-    // gradients that moved since the last call.
+    // Graph mode: the push graphs of this (plan, ring phase, gradient addresses).
     RsGraphs* graphs = nullptr;
-    if (world_ > 1) try_graph([&] { graphs = &rs_graphs(plan_ptr, reuse_slot, grads, packed); });
+    if (world_ > 1) try_graph([&] { graphs = &rs_graphs(plan_ptr, src_); });
     const uint64_t my_ring = bases_[rank_] + ring_off_;
     std::vector<driver::MemOp> writes, waits;
     for (int64_t j = 0; j < plan.max_rounds; ++j) {
@@ -435,7 +446,7 @@ class Arena {
       if (!writes.empty()) {
         memops(push_, writes, waits);
         if (graphs == nullptr || !try_graph([&] { launch(graphs->rounds[j], push_); }))
-          issue(rs_round_copies(plan, j, grads, packed, slot_reuse, nullptr), push_);
+          issue(rs_round_copies(plan, j, src_, nullptr), push_);
       }
       // My own round j: wait for every contributor's entry, sum in rank order, hand the entries back.
       if (j < static_cast<int64_t>(plan.rounds[rank_].size())) {
@@ -461,9 +472,7 @@ class Arena {
           const int32_t dt = plan.grad_dtype[c.param];
           if ((dtype >= 0 && dt != dtype) || a.nseg == kMaxSegments) launch_sum(a);
           dtype = dt;
-          const void* own = slot_reuse
-              ? reinterpret_cast<const void*>(packed + plan.pack_off[rank_][j] + c.entry_off)
-              : static_cast<const void*>(static_cast<const char*>(grads[c.param].data_ptr()) + c.grad_off * dtype_size(dt));
+          const void* own = reinterpret_cast<const void*>(src_[c.param] + c.grad_off * dtype_size(dt));
           a.seg[a.nseg++] = SumSegment{shard_grads[c.param].data_ptr<float>() + c.shard_off, own, c.entry_off, c.n, dt, 0};
         }
         launch_sum(a);
@@ -483,6 +492,84 @@ class Arena {
     TIDE_CUDA("reduce_scatter_params_", cudaStreamWaitEvent(S, ev_r_, 0));
   }
 
+  // ------------------------------------------------------------------------------ op entry points
+  // One Python -> C++ call per op: argument checks (messages as tide.meta.checks words them), plan
+  // lookup, the collective. A plan not registered yet returns kNoPlan and does nothing; the caller
+  // builds it (tide/transport/plans.py), registers it (add_*_plan) and calls again.
+  static constexpr int64_t kNoPlan = -1;
+  static constexpr int64_t kNoFit = -2;
+
+  // The slot gathered into, kNoPlan, or kNoFit (the group needs more than a slot).
+  int64_t all_gather_op(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
+    static constexpr const char* op = "all_gather_into_params_";
+    check_same_length(op, "shards", shards, "outs", outs);
+    check_float_list(op, "shards", shards, false);
+    check_float_list(op, "outs", outs, false);
+    check_device(op, "shards", shards);
+    check_device(op, "outs", outs);
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const at::Tensor& s = shards[i];
+      const at::Tensor& o = outs[i];
+      TORCH_CHECK_VALUE(s.dim() > 0, "tide.", op, ": shards[", i, "] is 0-d; a padded shard has at least one dim");
+      std::vector<int64_t> full(s.sizes().begin(), s.sizes().end());
+      full[0] *= world_;
+      const bool is_full = o.sizes().vec() == full;
+      const bool is_flat = o.dim() == 1 && o.size(0) == world_ * s.numel();
+      TORCH_CHECK_VALUE(is_full || is_flat, "tide.", op, ": outs[", i, "] has shape ", tuple_str(o.sizes()), "; shards[", i,
+                        "] of shape ", tuple_str(s.sizes()), " on world_size=", world_, " needs ", tuple_str(full), " or (",
+                        world_ * s.numel(), ",)");
+    }
+    auto it = ag_plans_.find(ag_key(shards, outs));
+    if (it == ag_plans_.end()) return kNoPlan;
+    if (it->second->slot_bytes > slot_bytes_) return kNoFit;
+    return all_gather(it->second, shards, outs);
+  }
+
+  void add_ag_plan(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
+                   std::shared_ptr<AgPlan> plan) {
+    TORCH_CHECK(plan != nullptr && plan->size() == shards.size(), "tide.add_ag_plan: the plan does not match the shards");
+    ag_plans_[ag_key(shards, outs)] = std::move(plan);
+  }
+
+  // The mode that ran: 0 In-Place, 1 Slot-Reuse, 2 In-Place because the group does not fit a slot
+  // (Slot-Reuse asked); or kNoPlan.
+  int64_t reduce_scatter_op(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
+                            double scale, bool accumulate, int64_t reuse_slot) {
+    static constexpr const char* op = "reduce_scatter_params_";
+    check_same_length(op, "grads", grads, "shard_grads", shard_grads);
+    check_float_list(op, "grads", grads, false);
+    check_float_list(op, "shard_grads", shard_grads, true);
+    check_device(op, "grads", grads);
+    check_device(op, "shard_grads", shard_grads);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const at::Tensor& g = grads[i];
+      std::vector<int64_t> want(g.sizes().begin(), g.sizes().end());
+      if (want.empty()) want.push_back(1);  // a 0-d gradient is one row of one element
+      want[0] = (want[0] + world_ - 1) / world_;
+      TORCH_CHECK_VALUE(shard_grads[i].sizes().vec() == want, "tide.", op, ": shard_grads[", i, "] has shape ",
+                        tuple_str(shard_grads[i].sizes()), "; grads[", i, "] of shape ", tuple_str(g.sizes()),
+                        " on world_size=", world_, " needs ", tuple_str(want));
+    }
+    auto it = rs_plans_.find(rs_key(grads));
+    if (it == rs_plans_.end()) return kNoPlan;
+    int64_t ran = 0;
+    if (reuse_slot >= 0) {
+      if (it->second->slot_bytes <= slot_bytes_) {
+        ran = 1;
+      } else {
+        ran = 2;
+        reuse_slot = -1;
+      }
+    }
+    reduce_scatter(it->second, grads, shard_grads, scale, accumulate, reuse_slot);
+    return ran;
+  }
+
+  void add_rs_plan(const std::vector<at::Tensor>& grads, std::shared_ptr<RsPlan> plan) {
+    TORCH_CHECK(plan != nullptr && plan->grad_dtype.size() == grads.size(), "tide.add_rs_plan: the plan does not match the grads");
+    rs_plans_[rs_key(grads)] = std::move(plan);
+  }
+
   // copies, bytes, kernels, flags, graph launches, graphs built, graph node updates, memop calls,
   // copy-API calls, op calls, then host ns by HostCat.
   std::vector<int64_t> counters() const {
@@ -500,11 +587,11 @@ class Arena {
   struct RsGraphs {
     std::shared_ptr<RsPlan> plan;
     std::vector<CopyGraph> rounds;  // push graph of round j (no exec when the round pushes nothing)
-    // In-Place: per gradient, the nodes that read it: (round, node, byte offset in the gradient).
+    // Per gradient, the nodes that read it: (round, node, byte offset in the gradient).
     std::vector<std::vector<std::array<int64_t, 3>>> uses;
-    std::vector<uint64_t> grad_base;  // the gradient addresses the nodes read now
+    std::vector<uint64_t> src;  // the gradient addresses the nodes read now
   };
-  static constexpr size_t kMaxGraphSets = 256;  // cached (plan, slot[, phase]) entries before a flush
+  static constexpr size_t kMaxGraphSets = 1024;  // cached graph sets in all before a flush
 
   uint64_t local_flag(int64_t word) const { return bases_[rank_] + flags_off_ + 4 * word; }
   uint64_t peer_flag(int64_t p, int64_t word) const { return bases_[p] + flags_off_ + 4 * word; }
@@ -589,9 +676,10 @@ class Arena {
   }
 
   // My round-j pushes, destinations rotated, each destination's pieces followed by its "ready" flag
-  // (from that destination's source word). `uses` (In-Place only) receives (param, node, grad offset).
-  std::vector<Copy> rs_round_copies(const RsPlan& plan, int64_t j, const std::vector<at::Tensor>& grads, uint64_t packed,
-                                    bool slot_reuse, std::vector<std::array<int64_t, 3>>* uses) const {
+  // (from that destination's source word); gradient p is read at src[p]. `uses` receives
+  // (param, node, byte offset in the gradient) of every data copy.
+  std::vector<Copy> rs_round_copies(const RsPlan& plan, int64_t j, const std::vector<uint64_t>& src,
+                                    std::vector<std::array<int64_t, 3>>* uses) const {
     std::vector<Copy> list;
     const int64_t R = flags_.R;
     for (int64_t k = 1; k < world_; ++k) {
@@ -599,18 +687,13 @@ class Arena {
       if (j >= static_cast<int64_t>(plan.rounds[d].size())) continue;
       const int64_t s = (rs_rounds_[d] + j) % R;
       const uint64_t entry = bases_[d] + ring_off_ + (s * world_ + rank_) * entry_bytes_;
-      if (slot_reuse) {
-        if (plan.round_bytes[d][j] > 0)
-          list.push_back(Copy{entry, packed + plan.pack_off[d][j], static_cast<size_t>(plan.round_bytes[d][j]), false});
-      } else {
-        for (const RsChunk& c : plan.rounds[d][j]) {
-          const int sz = dtype_size(plan.grad_dtype[c.param]);
-          const int64_t bytes = c.n * sz;
-          if (bytes <= 0) continue;
-          const int64_t off = c.grad_off * sz;
-          if (uses != nullptr) uses->push_back({c.param, static_cast<int64_t>(list.size()), off});
-          list.push_back(Copy{entry + c.entry_off, ptr_of(grads[c.param]) + off, static_cast<size_t>(bytes), false});
-        }
+      for (const RsChunk& c : plan.rounds[d][j]) {
+        const int sz = dtype_size(plan.grad_dtype[c.param]);
+        const int64_t bytes = c.n * sz;
+        if (bytes <= 0) continue;
+        const int64_t off = c.grad_off * sz;
+        if (uses != nullptr) uses->push_back({c.param, static_cast<int64_t>(list.size()), off});
+        list.push_back(Copy{entry + c.entry_off, src[c.param] + off, static_cast<size_t>(bytes), false});
       }
       list.push_back(Copy{peer_flag(d, flags_.rs_ready(s, rank_)), local_flag(flags_.src_push(d)), 4, true});
     }
@@ -673,7 +756,8 @@ class Arena {
   void clear_plan_graphs() {
     for (auto& kv : ag_graphs_) destroy_graph(kv.second.data);
     for (auto& kv : rs_graphs_)
-      for (auto& g : kv.second.rounds) destroy_graph(g);
+      for (auto& gs : kv.second)
+        for (auto& g : gs.rounds) destroy_graph(g);
     ag_graphs_.clear();
     rs_graphs_.clear();
   }
@@ -682,60 +766,84 @@ class Arena {
     const auto key = std::make_pair(static_cast<const AgPlan*>(plan.get()), slot);
     auto it = ag_graphs_.find(key);
     if (it != ag_graphs_.end()) return it->second.data;
-    if (ag_graphs_.size() + rs_graphs_.size() >= kMaxGraphSets) clear_plan_graphs();
+    if (graph_sets() >= kMaxGraphSets) clear_plan_graphs();
     AgGraphs entry;
     entry.plan = plan;
     build_graph(entry.data, ag_data_copies(*plan, slot));
     return ag_graphs_.emplace(key, std::move(entry)).first->second.data;
   }
 
-  RsGraphs& rs_graphs(const std::shared_ptr<RsPlan>& plan, int64_t reuse_slot, const std::vector<at::Tensor>& grads,
-                      uint64_t packed) {
+  // The push graphs of `plan` at the current ring phase reading the gradients at `src`. Up to
+  // max_graph_sets_ address sets are kept per (plan, phase), most recently used first: FSDP's blocks
+  // share a plan and each finds its own graphs again at the next step (gradients come back at the same
+  // addresses when every step allocates alike; Slot-Reuse reads fixed slot addresses). An address set
+  // not cached builds a new graph set while there is room, else re-points the least recently used
+  // one's nodes at the gradients that moved.
+  RsGraphs& rs_graphs(const std::shared_ptr<RsPlan>& plan, const std::vector<uint64_t>& src) {
     const int64_t R = flags_.R;
-    std::vector<int64_t> phase;
-    phase.reserve(world_ + 1);
-    phase.push_back(reuse_slot);
-    for (int64_t d = 0; d < world_; ++d) phase.push_back(rs_rounds_[d] % R);
+    std::vector<int64_t> phase(world_);
+    for (int64_t d = 0; d < world_; ++d) phase[d] = rs_rounds_[d] % R;
     auto key = std::make_pair(static_cast<const RsPlan*>(plan.get()), std::move(phase));
-    auto it = rs_graphs_.find(key);
-    if (it == rs_graphs_.end()) {
-      if (ag_graphs_.size() + rs_graphs_.size() >= kMaxGraphSets) clear_plan_graphs();
-      RsGraphs gs;
-      gs.plan = plan;
-      gs.rounds.resize(plan->max_rounds);
-      gs.uses.resize(grads.size());
-      try {
-        for (int64_t j = 0; j < plan->max_rounds; ++j) {
-          std::vector<std::array<int64_t, 3>> uses;
-          build_graph(gs.rounds[j], rs_round_copies(*plan, j, grads, packed, reuse_slot >= 0, reuse_slot < 0 ? &uses : nullptr));
-          for (const auto& u : uses) gs.uses[u[0]].push_back({j, u[1], u[2]});
+    auto found = rs_graphs_.find(key);
+    if (found != rs_graphs_.end()) {
+      std::list<RsGraphs>& sets = found->second;
+      for (auto it = sets.begin(); it != sets.end(); ++it)
+        if (it->src == src) {
+          sets.splice(sets.begin(), sets, it);
+          return sets.front();
         }
-      } catch (...) {
-        for (auto& g : gs.rounds) destroy_graph(g);
-        throw;
+      if (static_cast<int64_t>(sets.size()) >= max_graph_sets_) {
+        sets.splice(sets.begin(), sets, std::prev(sets.end()));
+        repoint(sets.front(), src);
+        return sets.front();
       }
-      for (const auto& g : grads) gs.grad_base.push_back(ptr_of(g));
-      return rs_graphs_.emplace(std::move(key), std::move(gs)).first->second;
+    } else if (graph_sets() >= kMaxGraphSets) {
+      clear_plan_graphs();
     }
-    RsGraphs& gs = it->second;
-    if (reuse_slot < 0) {
-      for (size_t p = 0; p < grads.size(); ++p) {
-        const uint64_t base = ptr_of(grads[p]);
-        if (base == gs.grad_base[p]) continue;
-        HostTimer t(host_ns_[kHGraphUpdate]);
-        for (const auto& u : gs.uses[p]) {
-          CopyGraph& g = gs.rounds[u[0]];
-          Copy& c = g.copies[u[1]];
-          c.src = base + u[2];
-          TIDE_CUDA("transport", cudaGraphExecMemcpyNodeSetParams1D(g.exec, g.nodes[u[1]], reinterpret_cast<void*>(c.dst),
-                                                                    reinterpret_cast<const void*>(c.src), c.bytes,
-                                                                    cudaMemcpyDefault));
-          ++node_updates_;
-        }
-        gs.grad_base[p] = base;
+    std::list<RsGraphs>& sets = rs_graphs_[key];
+    sets.emplace_front();
+    RsGraphs& gs = sets.front();
+    gs.plan = plan;
+    gs.rounds.resize(plan->max_rounds);
+    gs.uses.resize(src.size());
+    try {
+      for (int64_t j = 0; j < plan->max_rounds; ++j) {
+        std::vector<std::array<int64_t, 3>> uses;
+        build_graph(gs.rounds[j], rs_round_copies(*plan, j, src, &uses));
+        for (const auto& u : uses) gs.uses[u[0]].push_back({j, u[1], u[2]});
       }
+    } catch (...) {
+      for (auto& g : gs.rounds) destroy_graph(g);
+      sets.pop_front();
+      if (sets.empty()) rs_graphs_.erase(key);
+      throw;
     }
+    gs.src = src;
     return gs;
+  }
+
+  // Points the nodes of `gs` that read a gradient whose address changed at its new address.
+  void repoint(RsGraphs& gs, const std::vector<uint64_t>& src) {
+    HostTimer t(host_ns_[kHGraphUpdate]);
+    for (size_t p = 0; p < src.size(); ++p) {
+      if (src[p] == gs.src[p]) continue;
+      for (const auto& u : gs.uses[p]) {
+        CopyGraph& g = gs.rounds[u[0]];
+        Copy& c = g.copies[u[1]];
+        c.src = src[p] + u[2];
+        TIDE_CUDA("transport", cudaGraphExecMemcpyNodeSetParams1D(g.exec, g.nodes[u[1]], reinterpret_cast<void*>(c.dst),
+                                                                  reinterpret_cast<const void*>(c.src), c.bytes,
+                                                                  cudaMemcpyDefault));
+        ++node_updates_;
+      }
+      gs.src[p] = src[p];
+    }
+  }
+
+  size_t graph_sets() const {
+    size_t n = ag_graphs_.size();
+    for (const auto& kv : rs_graphs_) n += kv.second.size();
+    return n;
   }
 
   void launch_sum(SumArgs& a) {
@@ -793,7 +901,63 @@ class Arena {
     }
   }
 
+  // ------------------------------------------------------------------------------ argument checks
+  static std::string tuple_str(c10::IntArrayRef sizes) {  // Python's tuple notation, as in the Python checks
+    std::ostringstream out;
+    out << "(";
+    for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
+    out << (sizes.size() == 1 ? ",)" : ")");
+    return out.str();
+  }
+
+  static void check_same_length(const char* op, const char* a_name, const std::vector<at::Tensor>& a, const char* b_name,
+                                const std::vector<at::Tensor>& b) {
+    TORCH_CHECK_VALUE(a.size() == b.size(), "tide.", op, ": ", a_name, " has ", a.size(), " tensors but ", b_name, " has ",
+                      b.size());
+  }
+
+  static void check_float_list(const char* op, const char* name, const std::vector<at::Tensor>& ts, bool fp32_only) {
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const at::ScalarType t = ts[i].scalar_type();
+      const bool ok = fp32_only ? t == at::kFloat : (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+      TORCH_CHECK_TYPE(ok, "tide.", op, ": ", name, "[", i, "] has dtype ", t, "; expected one of ",
+                       fp32_only ? "float32" : "bfloat16, float16, float32");
+      TORCH_CHECK_VALUE(ts[i].is_contiguous(), "tide.", op, ": ", name, "[", i, "] must be contiguous (shape ",
+                        tuple_str(ts[i].sizes()), ", stride ", tuple_str(ts[i].strides()), ")");
+    }
+  }
+
+  void check_device(const char* op, const char* name, const std::vector<at::Tensor>& ts) const {
+    const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
+    for (size_t i = 0; i < ts.size(); ++i)
+      TORCH_CHECK_VALUE(ts[i].device() == dev, "tide.", op, ": ", name, "[", i, "] is on ", ts[i].device(),
+                        " but the group's arena is on ", dev);
+  }
+
+  static PlanKey ag_key(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
+    PlanKey key;
+    key.reserve(4 * shards.size());
+    for (size_t i = 0; i < shards.size(); ++i) {
+      key.push_back(dtype_code("all_gather_into_params_", outs[i].scalar_type()));
+      key.push_back(shards[i].dim());
+      for (int64_t x : shards[i].sizes()) key.push_back(x);
+    }
+    return key;
+  }
+
+  static PlanKey rs_key(const std::vector<at::Tensor>& grads) {
+    PlanKey key;
+    key.reserve(4 * grads.size());
+    for (const auto& g : grads) {
+      key.push_back(dtype_code("reduce_scatter_params_", g.scalar_type()));
+      key.push_back(g.dim());
+      for (int64_t x : g.sizes()) key.push_back(x);
+    }
+    return key;
+  }
+
   int64_t rank_, world_, device_, flags_off_, slots_off_, slot_bytes_, ring_off_, entry_bytes_, ctas_, mode_;
+  int64_t max_graph_sets_;
   bool batched_writes_ = false;
   std::string graph_error_;
   FlagLayout flags_;
@@ -804,12 +968,15 @@ class Arena {
   cudaStream_t push_ = nullptr, reduce_ = nullptr;
   cudaEvent_t ev_s_ = nullptr, ev_p_ = nullptr, ev_r_ = nullptr;
   std::map<std::pair<const AgPlan*, int64_t>, AgGraphs> ag_graphs_;
-  std::map<std::pair<const RsPlan*, std::vector<int64_t>>, RsGraphs> rs_graphs_;
+  std::map<std::pair<const RsPlan*, std::vector<int64_t>>, std::list<RsGraphs>> rs_graphs_;
   std::vector<CopyGraph> ag_free_graphs_;  // per all-gather slot: "slot free" flags to every peer
   std::vector<CopyGraph> rs_free_graphs_;  // per staging slot: "entry free" flags to every producer
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<size_t> sizes_;
+  std::vector<uint64_t> src_;  // where the current reduce-scatter reads each gradient
+  std::unordered_map<PlanKey, std::shared_ptr<AgPlan>, PlanKeyHash> ag_plans_;
+  std::unordered_map<PlanKey, std::shared_ptr<RsPlan>, PlanKeyHash> rs_plans_;
   int64_t copies_issued_ = 0, bytes_pushed_ = 0, kernels_ = 0, flags_posted_ = 0;
   int64_t graph_launches_ = 0, graphs_built_ = 0, node_updates_ = 0, memop_calls_ = 0, copy_api_calls_ = 0, calls_ = 0;
   std::array<int64_t, kHCats> host_ns_{};
@@ -858,22 +1025,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, int64_t>());
   py::class_<RsPlan, std::shared_ptr<RsPlan>>(m, "RsPlan")
       .def(py::init<const std::vector<std::vector<std::vector<int64_t>>>&, std::vector<std::vector<int64_t>>,
-                    std::vector<int64_t>, std::vector<std::vector<int64_t>>, std::vector<std::vector<int64_t>>, int64_t>())
+                    std::vector<int64_t>, std::vector<int64_t>, int64_t>())
       .def_readonly("max_rounds", &RsPlan::max_rounds)
-      .def_readonly("pack_bytes", &RsPlan::pack_bytes);
+      .def_readonly("slot_bytes", &RsPlan::slot_bytes);
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                    int64_t, int64_t, int64_t>())
-      .def("all_gather", &Arena::all_gather)
-      .def("reduce_scatter", &Arena::reduce_scatter)
-      .def("bound_slot", &Arena::bound_slot)
+                    int64_t, int64_t, int64_t, int64_t>())
+      .def("all_gather", &Arena::all_gather_op)
+      .def("add_ag_plan", &Arena::add_ag_plan)
+      .def("reduce_scatter", &Arena::reduce_scatter_op)
+      .def("add_rs_plan", &Arena::add_rs_plan)
       .def("next_slot", &Arena::next_slot)
       .def("num_slots", &Arena::num_slots)
       .def("flag_words", &Arena::flag_words)
       .def("ce_mode", &Arena::ce_mode)
       .def("graph_error", &Arena::graph_error)
       .def("batched_writes", &Arena::batched_writes)
-      .def("counters", &Arena::counters);
+      .def("counters", &Arena::counters)
+      .def_readonly_static("NO_PLAN", &Arena::kNoPlan)
+      .def_readonly_static("NO_FIT", &Arena::kNoFit);
   m.def("sum_strided", &sum_strided);
   m.def("bind_storage", &bind_storage);
   m.def("driver_available", &driver::available);

@@ -208,9 +208,9 @@ def stress(rank: int, world_size: int, seed: int, steps: int) -> dict:
 def ce_modes(rank: int, world_size: int, seed: int, repeats: int) -> dict:
     """Each copy mode (graph, batch, loop) on its own arena (a duplicate of the world group), with the
     same plans called again and again: all-gathers alternating over both slots (bound outputs) and
-    into unbound outputs, In-Place reduce-scatters with the same gradient tensors (graph replay
-    as built) and with fresh ones (nodes re-pointed), Slot-Reuse from either slot; a small ring, so the
-    pushes wrap it and every ring phase is met. Every result is checked bit for bit."""
+    into unbound outputs, In-Place reduce-scatters with the same gradient tensors and with fresh ones,
+    Slot-Reuse from either slot; a small ring, so the pushes wrap it and every ring phase is met. Every
+    result is checked bit for bit."""
     import tide  # noqa: F401
     from tide import transport
     from tide.transport import plans
@@ -274,6 +274,103 @@ def ce_modes(rank: int, world_size: int, seed: int, repeats: int) -> dict:
         out[mode] = {"checked": checked, "slots": sorted(slots), "counters": arena.counters()}
     out["stats"] = transport.stats()["calls"]
     return out
+
+
+def graph_cache(rank: int, world_size: int, seed: int) -> dict:
+    """The push-graph cache of graph mode (two address sets per plan and phase; ring depth 1, so the
+    phase never changes): a set of gradient tensors seen before replays its graphs (nothing built,
+    nothing re-pointed), a third set re-points the least recently used one, and Slot-Reuse from
+    gradients already in the slot launches no placement copy. Every call is checked bit for bit; the
+    counters' deltas per call are returned."""
+    import tide  # noqa: F401
+    from tide import transport
+
+    group = dist.new_group(backend="gloo")
+    name = group.group_name
+    arena = transport.enable(group, slot_bytes=1 << 20, rs_ring_bytes=(8 << 10) * world_size, ring_depth=1,
+                             ce_mode="graph", max_graph_sets=2)
+    dev = arena.device
+    rng = random.Random(seed)
+    grads_cpu, init, scale, _ = rs_case(rng, world_size, rank, seed, 7)
+    grads_cpu = [g.to(torch.bfloat16) for g in grads_cpu]
+    sets = {k: [g.to(dev) for g in grads_cpu] for k in "ABC"}
+    sets["slot"] = arena.grad_views([g.shape for g in grads_cpu], [g.dtype for g in grads_cpu], 0)
+    gen = torch.Generator().manual_seed(seed * 17 + rank)
+    keys = ("graphs_built", "graph_node_updates", "kernels", "graph_launches")
+    deltas = []
+    for step, (which, mode) in enumerate([("A", "in_place"), ("A", "in_place"), ("B", "in_place"), ("A", "in_place"),
+                                          ("B", "in_place"), ("C", "in_place"), ("B", "in_place"),
+                                          ("slot", "in_place"), ("slot", "slot_reuse"), ("A", "slot_reuse")]):
+        new = [torch.randn(g.shape, generator=gen).to(g.dtype) for g in grads_cpu]
+        for d, n in zip(sets[which], new):
+            d.copy_(n)
+        outs = [torch.full(s.shape, float("nan"), device=dev) for s in init]
+        before = arena.counters()
+        ran = arena.reduce_scatter_params(sets[which], outs, scale, False, rs_mode=mode, reuse_slot=0)
+        after = arena.counters()
+        want = ref_reduce_scatter(new, init, scale, False, world_size, name)
+        for i, (g, w) in enumerate(zip(outs, want)):
+            assert_bits(f"rank {rank} step {step} ({which}, {mode}) reduce_scatter param {i}", g, w)
+        deltas.append({"set": which, "mode": mode, "ran": ran, **{k: after[k] - before[k] for k in keys}})
+    torch.cuda.synchronize()
+    return {"deltas": deltas}
+
+
+def bad_input(rank: int, world_size: int) -> dict:
+    """Bad arguments to the CUDA kernels of both ops: each raises at once (TypeError / ValueError whose
+    message names the op and the argument) on every rank alike, and the arena still works after."""
+    import tide  # noqa: F401
+    from tide import transport
+
+    group = dist.group.WORLD
+    name = group.group_name
+    transport.enable(group, slot_bytes=1 << 20)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    W = world_size
+    grads = [torch.randn(2 * W + 1, 3, device=dev).bfloat16(), torch.randn(5, device=dev).bfloat16()]
+    shard_grads = [torch.empty(3, 3, device=dev), torch.empty(-(-5 // W), device=dev)]
+    shards = [torch.randn(2, 3, device=dev), torch.randn(4, device=dev).bfloat16()]
+    outs = [torch.empty(2 * W, 3, device=dev), torch.empty(4 * W, device=dev, dtype=torch.bfloat16)]
+    rs, ag = torch.ops.tide.reduce_scatter_params_, torch.ops.tide.all_gather_into_params_
+    cases = {
+        "rs_int_grad": (lambda: rs([grads[0].int(), grads[1]], shard_grads, 1.0, False, W, name), TypeError, "grads[0]"),
+        "rs_bf16_shard": (lambda: rs(grads, [shard_grads[0].bfloat16(), shard_grads[1]], 1.0, False, W, name),
+                          TypeError, "shard_grads[0]"),
+        "rs_noncontiguous": (lambda: rs([grads[0], grads[1]], [shard_grads[0].t(), shard_grads[1]], 1.0, False, W,
+                                        name), ValueError, "shard_grads[0]"),
+        "rs_shape": (lambda: rs(grads, [shard_grads[0], torch.empty(9, device=dev)], 1.0, False, W, name),
+                     ValueError, "shard_grads[1]"),
+        "rs_length": (lambda: rs(grads, shard_grads[:1], 1.0, False, W, name), ValueError, "shard_grads has 1"),
+        "rs_cpu_tensor": (lambda: rs([grads[0], grads[1].cpu()], shard_grads, 1.0, False, W, name), ValueError,
+                          "grads[1]"),
+        "rs_world_size": (lambda: rs(grads, shard_grads, 1.0, False, W + 1, name), ValueError, "world_size"),
+        "ag_out_shape": (lambda: ag(shards, [outs[0], torch.empty(3, device=dev)], W, name), ValueError, "outs[1]"),
+        "ag_0d_shard": (lambda: ag([shards[0], torch.randn((), device=dev)], outs, W, name), ValueError, "shards[1]"),
+        "ag_int_out": (lambda: ag(shards, [outs[0].int(), outs[1]], W, name), TypeError, "outs[0]"),
+    }
+    messages = {}
+    for case, (fn, exc, arg) in cases.items():
+        try:
+            fn()
+            messages[case] = "no error"
+        except exc as e:
+            msg = str(e).splitlines()[0]
+            op = "reduce_scatter_params_" if case.startswith("rs") else "all_gather_into_params_"
+            messages[case] = "ok" if msg.startswith(f"tide.{op}:") and arg in msg else f"bad message: {msg}"
+        except Exception as e:  # the wrong exception type
+            messages[case] = f"{type(e).__name__}: {e}"
+    # The arena is untouched: a valid call of each op still agrees with the reference.
+    shard_cpu = [s.cpu() for s in shards]
+    want = ref_all_gather(shard_cpu, [o.dtype for o in outs], W, name)
+    flat = [torch.full((W * s.numel(),), float("nan"), device=dev, dtype=o.dtype) for s, o in zip(shards, outs)]
+    ag(shards, flat, W, name)
+    after_ok = all(bits_equal(f, w) for f, w in zip(flat, want))
+    got = [torch.full(s.shape, float("nan"), device=dev) for s in shard_grads]
+    rs(grads, got, 0.5, False, W, name)
+    want = ref_reduce_scatter([g.cpu() for g in grads], [s.cpu() for s in shard_grads], 0.5, False, W, name)
+    after_ok = after_ok and all(bits_equal(g, w) for g, w in zip(got, want))
+    torch.cuda.synchronize()
+    return {"messages": messages, "after_ok": after_ok}
 
 
 def _chrome_kernels(prof, path: str) -> list[dict]:

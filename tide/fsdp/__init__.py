@@ -35,7 +35,10 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
     """Opt every FSDP2 module in ``module``'s tree (all its param groups) into TIDE; returns ``module``.
 
     ``rs_mode``: ``"in_place"`` or ``"slot_reuse"`` (how the CUDA transport stages the reduce-scatter; the
-    reference backend treats both alike). ``force``: allow a torch version outside the tested set.
+    reference backend treats both alike). Slot-Reuse moves each gradient of a slot-bound group into the
+    slot region of its own parameter as soon as autograd has finished it (a post-accumulate-grad hook),
+    so the group's gradients need no allocator memory; it assumes backward reads no parameter after its
+    gradient is complete (autograd's in-place check raises if one does). ``force``: allow a torch version outside the tested set.
     ``transport``: ``"auto"`` (default, or ``TIDE_FSDP_TRANSPORT``): on CUDA the CUDA transport's arena of
     each set of ranks is created (collectively) at their first TIDE collective, after FSDP's
     lazy init, and all-gather outputs are bound in its slots; ``"reference"``: no arena, the ops' reference
@@ -77,6 +80,7 @@ def disable(module: nn.Module) -> nn.Module:
     for key in emptied:
         seam.drop_arena(key)
     for g in groups:
+        seam.remove_slot_reuse_hooks(g)
         g._all_gather_comm = g._all_gather_comm.fallback
         if isinstance(g._reduce_scatter_comm, seam.TideReduceScatter):
             g._reduce_scatter_comm = g._reduce_scatter_comm.fallback

@@ -87,6 +87,8 @@ class TideReduceScatter(ReduceScatter):
         self.fallback = fallback
         self.rs_mode = rs_mode
         self.transport = transport
+        # id(FSDPParam) -> handle of its Slot-Reuse post-accumulate-grad hook (install_slot_reuse_hooks).
+        self.grad_hooks: dict = {}
         # FSDPParams whose fixed properties (placement, offload, DTensor) passed: each reduce passes a
         # fresh list (the params that have grads), so the check is remembered per param.
         self.checked_params: set[int] = set()
@@ -539,9 +541,10 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
 
     ``rs_mode`` is the group's ``tide.fsdp.enable(rs_mode=...)``. Without an arena (CPU, the reference
     transport) the ``tide`` op runs (its reference backend treats both modes alike). With one,
-    ``Arena.reduce_scatter_params`` runs with that mode; Slot-Reuse packs into a slot whose params are no
-    longer needed: the slot this group was bound in (FSDP reshards before it reduces, and the prefetched
-    group sits in the other slot), else any free slot; none free means In-Place for this call (counted in
+    ``Arena.reduce_scatter_params`` runs with that mode. Slot-Reuse pushes from the slot this group was
+    bound in (FSDP reshards before it reduces, and the prefetched group sits in the other slot), where
+    :func:`_grad_into_slot` has already put the gradients (any gradient it did not move is copied in
+    first), else from any free slot; none free means In-Place for this call (counted in
     :func:`arena_stats`). The next all-gather into that slot waits for this reduce.
     """
     if state is None:
@@ -549,13 +552,10 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
         run = reference.reduce_scatter_params_ if grads and grads[0].is_cuda else torch.ops.tide.reduce_scatter_params_
         run(grads, shard_grads, scale, accumulate, world_size, group.group_name)
         return
-    from tide.meta import checks
     from tide.transport import records
 
-    op = "reduce_scatter_params_"
-    checks.check_reduce_scatter_params(op, grads, shard_grads, world_size)
     stream = _get_device_handle(grads[0].device.type).current_stream()
-    mode, slot = rs_mode, None
+    mode, slot, own = rs_mode, None, None
     if rs_mode == "slot_reuse":
         own = state.param_slot.get(id(fsdp_params[0])) if fsdp_params else None
         slot = state.free_slot(prefer=own)
@@ -565,13 +565,76 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
         elif state.event[slot] is not None:
             stream.wait_event(state.event[slot])
     ran = state.arena.reduce_scatter_params(grads, shard_grads, scale, accumulate, rs_mode=mode, reuse_slot=slot)
-    records.record(op, "tide", ran)
+    records.record("reduce_scatter_params_", "tide", ran)
     _arena_counts[f"rs:{ran}"] += 1
-    if ran == "slot_reuse":
-        state.owner[slot] = None
-        state.event[slot] = stream.record_event()
-    elif slot is not None:
-        _arena_counts["rs:slot_reuse_as_in_place:too_large"] += 1
+    if rs_mode == "slot_reuse":
+        # The slot the pushes read, and the one the Slot-Reuse hooks placed gradients in: the next
+        # all-gather into either waits for this reduce.
+        event = stream.record_event()
+        for s in {slot, own} - {None}:
+            state.event[s] = event
+        if ran == "slot_reuse":
+            state.owner[slot] = None
+
+
+# ---------------------------------------------------------------------------------------------- Slot-Reuse hooks
+def install_slot_reuse_hooks(param_group) -> None:
+    """Give each unsharded param of a bound Slot-Reuse group a post-accumulate-grad hook
+    (:func:`_grad_into_slot`), once; the hooks stay until :func:`remove_slot_reuse_hooks` and do
+    nothing while the group is in another mode."""
+    comm = param_group._reduce_scatter_comm
+    for p in param_group.fsdp_params:
+        if id(p) in comm.grad_hooks or not hasattr(p, "_unsharded_param") or not p._unsharded_param.requires_grad:
+            continue
+        key = group_key(param_group._all_gather_process_group)
+        comm.grad_hooks[id(p)] = p._unsharded_param.register_post_accumulate_grad_hook(
+            lambda param, g=param_group, fp=p, k=key: _grad_into_slot(g, fp, k, param))
+
+
+def remove_slot_reuse_hooks(param_group) -> None:
+    comm = param_group._reduce_scatter_comm
+    for handle in getattr(comm, "grad_hooks", {}).values():
+        handle.remove()
+    if isinstance(comm, TideReduceScatter):
+        comm.grad_hooks.clear()
+
+
+def _grad_into_slot(param_group, fsdp_param, key: tuple, param) -> None:
+    """Slot-Reuse: move ``param``'s finished gradient into the slot region its own values occupy, and
+    let autograd's gradient storage go (the peak then holds at most one parameter's gradient outside
+    the arena).
+
+    A post-accumulate-grad hook: autograd has summed every contribution to this gradient, so the
+    backward no longer needs the parameter's values (their last readers produced this gradient). The
+    copy goes through ``param`` itself, which bumps its version counter: a backward node that still
+    held the values (say a second backward with ``retain_graph=True``) fails autograd's in-place check
+    instead of reading gradients. ``param.grad`` becomes a view of the arena buffer (not of the
+    all-gather output, whose storage FSDP's reshard empties before the reduce reads the gradients).
+    Only when this backward reduces and reshards the group (``reduce_grads``, ``reshard_after_backward``;
+    no gradient accumulated from an earlier no-sync backward) and the params are bound in a slot.
+    """
+    grad = param.grad
+    comm = param_group._reduce_scatter_comm
+    if (grad is None or not isinstance(comm, TideReduceScatter) or comm.rs_mode != "slot_reuse"
+            or not param_group.reduce_grads or not param_group.reshard_after_backward
+            or fsdp_param.unsharded_accumulated_grad is not None or grad.dtype != param.dtype
+            or grad.shape != param.shape or not grad.is_contiguous() or torch.cuda.is_current_stream_capturing()):
+        return
+    state = _SLOTS.get(key)
+    if state is None:
+        return
+    arena = state.arena
+    out = fsdp_param.all_gather_outputs[0] if fsdp_param.all_gather_outputs else None
+    if out is None or out.untyped_storage().nbytes() == 0:
+        return
+    offset = out.data_ptr() - arena.buffer.data_ptr()
+    nbytes = param.numel() * param.element_size()
+    if not arena.slots_off <= offset <= arena.ring_off - nbytes or grad.data_ptr() == out.data_ptr():
+        return
+    with torch.no_grad():
+        param.detach().copy_(grad)
+    param.grad = arena.buffer[offset:offset + nbytes].view(param.dtype).view(param.shape)
+    _arena_counts["rs:grad_into_slot"] += 1
 
 
 # ---------------------------------------------------------------------------------------------- TIDE paths
@@ -710,7 +773,11 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
     if reason is not None:
         return _ORIG["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                            all_gather_stream, device, all_gather_comm, *args, **kwargs)
-    return _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, state, plan)
+    result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, state, plan)
+    param_group = all_gather_comm.param_group
+    if plan[0] == "bound" and getattr(param_group._reduce_scatter_comm, "rs_mode", None) == "slot_reuse":
+        install_slot_reuse_hooks(param_group)
+    return result
 
 
 @torch.no_grad()

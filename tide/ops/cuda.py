@@ -3,8 +3,10 @@
 For a CUDA call: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``) and
 the current stream is not capturing a CUDA graph, the transport runs (zero-copy when the outputs are
 bound in an arena slot, else gathered in a slot and copied out); otherwise the reference backend runs
-(the stock collectives), and :func:`tide.transport.stats` records why. The functional ``all_gather`` /
-``reduce_scatter`` keep the reference registration: they call these two ops.
+(the stock collectives), and :func:`tide.transport.stats` records why. The extension checks the
+arguments (the messages of :mod:`tide.meta.checks`) and finds the plan in one C++ call, so the Python
+part of a call is this module's few lines. The functional ``all_gather`` / ``reduce_scatter`` keep the
+reference registration: they call these two ops.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import warnings
 
 import torch
 
-from tide.meta import checks
 from tide.ops import reference
 from tide.transport import arena as _arena
 from tide.transport import records
@@ -36,7 +37,6 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
     a = _arena_for(op, group_name, world_size)
     if a is not None:
-        checks.check_all_gather_into_params(op, shards, outs, world_size)
         if a.all_gather_into_params(shards, outs) is not None:
             records.record(op, "tide")
             return
@@ -50,9 +50,7 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     if a is None:
         reference.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)
         return
-    checks.check_reduce_scatter_params(op, grads, shard_grads, world_size)
-    mode = a.reduce_scatter_params(grads, shard_grads, scale, accumulate)
-    records.record(op, "tide", mode)
+    records.record(op, "tide", a.reduce_scatter_params(grads, shard_grads, scale, accumulate))
 
 
 # Replaces the reference's CUDA kernel (tide/ops/reference.py registers ("CPU", "CUDA")). torch 2.11's

@@ -17,6 +17,7 @@ the largest enabled group's ``GroupLayout.slot_bytes``; the staging ring is ``rs
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Sequence
 
@@ -24,14 +25,16 @@ import torch
 import torch.distributed as dist
 
 from tide.meta.layout import GroupLayout
-from tide.transport import plans, records
+from tide.transport import plans
 
 log = logging.getLogger("tide.transport")
 
 DEFAULT_RS_RING_BYTES = 32 << 20
 DEFAULT_RING_DEPTH = 2
 DEFAULT_CTAS = 16
+DEFAULT_GRAPH_SETS = 32
 RS_MODES = ("in_place", "slot_reuse")
+RS_RAN = ("in_place", "slot_reuse", "in_place_slot_too_small")  # by the extension's return code
 CE_MODES = ("graph", "batch", "loop")  # TIDE_CE_MODE; the index is the extension's code
 _COUNTERS = ("ce_copies", "ce_bytes", "kernels", "flags", "graph_launches", "graphs_built", "graph_node_updates",
              "memop_calls", "copy_api_calls", "op_calls", "host_ns_total", "host_ns_kernel", "host_ns_memop",
@@ -78,11 +81,17 @@ class Arena:
             ``cudaMemcpyBatchAsync`` per run of pieces; ``"loop"`` one ``cudaMemcpyAsync`` per piece.
         batch_copies: older switch, used only when neither ``ce_mode`` nor ``TIDE_CE_MODE`` is given:
             True = ``"batch"``, False = ``"loop"`` (``TIDE_CE_BATCH=0`` = ``"loop"``).
+        max_graph_sets: graph mode, reduce-scatter push graphs kept per (plan, ring phase), one set per
+            gradient address set (``TIDE_RS_GRAPH_SETS``, default 32): FSDP's blocks share a plan, and a
+            block whose gradients come back at the same addresses replays its graphs unchanged; past
+            this many address sets the least recently used set is re-pointed (one driver call per
+            copy node).
     """
 
     def __init__(self, group: dist.ProcessGroup, slot_bytes: int, *, num_slots: int = 2,
                  rs_ring_bytes: int | None = None, ring_depth: int = DEFAULT_RING_DEPTH, ctas: int | None = None,
-                 rs_mode: str | None = None, ce_mode: str | None = None, batch_copies: bool | None = None) -> None:
+                 rs_mode: str | None = None, ce_mode: str | None = None, batch_copies: bool | None = None,
+                 max_graph_sets: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
@@ -102,6 +111,7 @@ class Arena:
         self.num_slots = num_slots
         self.ring_depth = ring_depth
         self.ctas = ctas or _env_int("TIDE_RS_CTAS", DEFAULT_CTAS)
+        self.max_graph_sets = max_graph_sets or _env_int("TIDE_RS_GRAPH_SETS", DEFAULT_GRAPH_SETS)
         ring = rs_ring_bytes or _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
         self.entry_bytes = max(4096, (ring // (ring_depth * W)) // 4096 * 4096)
         self.slot_bytes = _align(max(int(slot_bytes), 16), 4096)
@@ -124,10 +134,8 @@ class Arena:
         dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
         self._c = self.ext.Arena(self.rank, W, bases, self.device.index, 0, self.slots_off, self.slot_bytes,
                                  num_slots, self.ring_off, self.entry_bytes, ring_depth, self.ctas,
-                                 CE_MODES.index(self.ce_mode))
+                                 CE_MODES.index(self.ce_mode), self.max_graph_sets)
         assert self._c.flag_words() == flag_words
-        self._ag_plans: dict = {}
-        self._rs_plans: dict = {}
         self._logged = False
 
     def __repr__(self) -> str:
@@ -135,68 +143,60 @@ class Arena:
                 f"{self.slot_bytes}, ring={self.ring_depth}x{self.world_size}x{self.entry_bytes}, ctas={self.ctas}, "
                 f"ce_mode={self.ce_mode!r})")
 
-    # ------------------------------------------------------------------------------------ plans
+    # ------------------------------------------------------------------------------------ ops
+    # The extension checks the arguments and looks the plan up (one C++ call per op); a layout it has
+    # no plan for yet is planned here once (tide/transport/plans.py) and handed over.
     def _log_once(self) -> None:
         if not self._logged:
             self._logged = True
             log.info("tide.transport: %r, %d bytes of symmetric memory", self, self.total_bytes)
 
-    # Plan keys: torch.Size is a hashable tuple, so the shapes go in as they are (no per-tensor copy).
-    def ag_plan(self, shards: Sequence[torch.Tensor], out_dtypes: Sequence[torch.dtype]):
-        key = (tuple([s.shape for s in shards]), tuple(out_dtypes))
-        entry = self._ag_plans.get(key)
-        if entry is None:
-            layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, self.world_size)
-            info = plans.ag_plan_info(layout, out_dtypes, self.rank)
-            c = self.ext.AgPlan(info.own_off, info.own_bytes, info.out_off, info.out_numel,
-                                [plans.DTYPE_CODES[d] for d in out_dtypes], layout.slot_bytes)
-            entry = self._ag_plans[key] = (info, c, layout.slot_bytes <= self.slot_bytes)
-        return entry
+    def _add_ag_plan(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        out_dtypes = [o.dtype for o in outs]
+        layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, self.world_size)
+        info = plans.ag_plan_info(layout, out_dtypes, self.rank)
+        self._c.add_ag_plan(shards, outs, self.ext.AgPlan(info.own_off, info.own_bytes, info.out_off, info.out_numel,
+                                                          [plans.DTYPE_CODES[d] for d in out_dtypes], layout.slot_bytes))
+        self._log_once()
 
-    def rs_plan(self, grads: Sequence[torch.Tensor]):
-        key = (tuple([g.shape for g in grads]), tuple([g.dtype for g in grads]))
-        entry = self._rs_plans.get(key)
-        if entry is None:
-            info = plans.rs_plan_info([g.shape for g in grads], [g.dtype for g in grads], self.world_size, self.rank,
-                                      self.entry_bytes)
-            flat = [[[x for chunk in rnd for x in chunk] for rnd in per_dest] for per_dest in info.rounds]
-            c = self.ext.RsPlan(flat, [list(p) for p in info.pads], [plans.DTYPE_CODES[g.dtype] for g in grads],
-                                info.pack_off, info.round_bytes, info.pack_bytes)
-            entry = self._rs_plans[key] = (info, c, info.pack_bytes <= self.slot_bytes)
-        return entry
+    def _add_rs_plan(self, grads: Sequence[torch.Tensor]) -> None:
+        dtypes = [g.dtype for g in grads]
+        info = plans.rs_plan_info([g.shape for g in grads], dtypes, self.world_size, self.rank, self.entry_bytes)
+        flat = [[[x for chunk in rnd for x in chunk] for rnd in per_dest] for per_dest in info.rounds]
+        self._c.add_rs_plan(grads, self.ext.RsPlan(flat, [list(p) for p in info.pads],
+                                                   [plans.DTYPE_CODES[d] for d in dtypes],
+                                                   [p.slot_offset for p in info.layout.params], info.layout.slot_bytes))
+        self._log_once()
 
-    # ------------------------------------------------------------------------------------ ops
     def all_gather_into_params(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> int | None:
         """TIDE-AG of ``shards`` into ``outs`` (zero-copy when ``outs`` are bound in a slot, else gathered in
-        the next slot and copied out). Returns the slot, or None when the group does not fit a slot."""
-        _, c, fits = self.ag_plan(shards, [o.dtype for o in outs])
-        if not fits:
-            return None
-        if not self._logged:
-            self._log_once()
-        return self._c.all_gather(c, shards, outs)
+        the next slot and copied out). Returns the slot, or None when the group does not fit a slot
+        (nothing was issued)."""
+        slot = self._c.all_gather(shards, outs)
+        if slot == self.ext.Arena.NO_PLAN:
+            self._add_ag_plan(shards, outs)
+            slot = self._c.all_gather(shards, outs)
+        return None if slot == self.ext.Arena.NO_FIT else slot
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
                               accumulate: bool, rs_mode: str | None = None, reuse_slot: int | None = None) -> str:
-        """TIDE-RS into this rank's fp32 ``shard_grads``. ``rs_mode="slot_reuse"`` first packs the gradients
-        into ``reuse_slot`` (default: the slot the next all-gather takes, i.e. the one just vacated) and
-        pushes from there; it degrades to In-Place when the packed gradients do not fit a slot.
-        Returns the mode that ran."""
+        """TIDE-RS into this rank's fp32 ``shard_grads``. ``rs_mode="slot_reuse"`` pushes from slot
+        ``reuse_slot`` (default: the slot the next all-gather takes, i.e. the one just vacated), each
+        gradient at its param's all-gather output address there, copied in first unless it already lies
+        there. Returns what ran: ``"in_place"``, ``"slot_reuse"``, or ``"in_place_slot_too_small"``
+        (Slot-Reuse asked, the group does not fit a slot)."""
         mode = rs_mode or self.rs_mode
         if mode not in RS_MODES:
             raise ValueError(f"tide.transport.reduce_scatter_params: rs_mode must be one of {RS_MODES}, got {mode!r}")
-        _, c, packed_fits = self.rs_plan(grads)
         slot = -1
         if mode == "slot_reuse":
-            if packed_fits:
-                slot = self._c.next_slot() if reuse_slot is None else self._check_slot("reduce_scatter_params", reuse_slot)
-            else:
-                mode = "in_place"
-                records.record("reduce_scatter_params_", "tide", "slot_reuse_too_large_in_place")
-        if not self._logged:
-            self._log_once()
-        self._c.reduce_scatter(c, grads, shard_grads, float(scale), bool(accumulate), slot)
-        return mode
+            slot = self._c.next_slot() if reuse_slot is None else self._check_slot("reduce_scatter_params", reuse_slot)
+        scale, accumulate = float(scale), bool(accumulate)
+        ran = self._c.reduce_scatter(grads, shard_grads, scale, accumulate, slot)
+        if ran == self.ext.Arena.NO_PLAN:
+            self._add_rs_plan(grads)
+            ran = self._c.reduce_scatter(grads, shard_grads, scale, accumulate, slot)
+        return RS_RAN[ran]
 
     # ------------------------------------------------------------------------------------ zero-copy binding
     def next_slot(self) -> int:
@@ -219,6 +219,22 @@ class Arena:
         for p, dt in zip(layout.params, dtypes):
             start = base + p.slot_offset
             views.append(self.buffer[start:start + p.out_bytes].view(dt))
+        return views
+
+    def grad_views(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], slot: int) -> list[torch.Tensor]:
+        """Tensors of the given gradient shapes at their params' all-gather output addresses in slot
+        ``slot`` (param-major): where Slot-Reuse reads gradients (FSDP's hooks put them there)."""
+        slot = self._check_slot("grad_views", slot)
+        layout = GroupLayout([tuple(s) for s in shapes], [d.itemsize for d in dtypes], self.world_size)
+        if layout.slot_bytes > self.slot_bytes:
+            raise ValueError(f"tide.transport.grad_views: group needs {layout.slot_bytes} slot bytes, the arena has "
+                             f"{self.slot_bytes}")
+        base = self.slots_off + slot * self.slot_bytes
+        views = []
+        for shape, dt, p in zip(shapes, dtypes, layout.params):
+            start = base + p.slot_offset
+            numel = math.prod(shape)
+            views.append(self.buffer[start:start + numel * dt.itemsize].view(dt).view(tuple(shape)))
         return views
 
     def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int | None = None) -> int:

@@ -3,8 +3,9 @@
 An all-gather plan says where this rank's shard of every parameter sits in a slot (``own_off``) and
 where each parameter's output starts (``out_off``). A reduce-scatter plan packs the chunks of
 ``GroupLayout.rs_chunks(dest)`` into staging entries of ``entry_bytes`` (each chunk 16-B aligned in
-its entry), one list of rounds per destination, plus this rank's padding ranges and, for Slot-Reuse,
-where each (destination, round) lies when the gradients are packed into a slot.
+its entry), one list of rounds per destination, plus this rank's padding ranges. For Slot-Reuse the
+gradients lie in a slot exactly where the same params' all-gather outputs do (``GroupLayout`` of the
+unpadded gradient shapes pads them as the all-gather layout of the padded shards does).
 """
 from __future__ import annotations
 
@@ -55,9 +56,6 @@ def ag_plan_info(layout: GroupLayout, out_dtypes: Sequence[torch.dtype], rank: i
 class RsPlanInfo:
     layout: GroupLayout
     rounds: list  # rounds[d][j] = [(param, grad_off, shard_off, numel, entry_off), ...]
-    round_bytes: list  # [d][j] bytes used in the entry
-    pack_off: list  # [d][j] bytes from the slot start (Slot-Reuse)
-    pack_bytes: int
     pads: list  # [(param, shard_off, numel)] of this rank
 
 
@@ -65,29 +63,18 @@ def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[tor
                  rank: int, entry_bytes: int) -> RsPlanInfo:
     itemsizes = [d.itemsize for d in grad_dtypes]
     layout = GroupLayout(grad_shapes, itemsizes, world_size, rs_chunk_bytes=entry_bytes)
-    rounds, round_bytes = [], []
+    rounds = []
     for d in range(world_size):
-        per_dest, used = [], []
-        cur, off = [], 0
+        per_dest, cur, off = [], [], 0
         for c in layout.rs_chunks(d):
             nbytes = c.numel * itemsizes[c.param]
             if cur and off + nbytes > entry_bytes:
                 per_dest.append(cur)
-                used.append(off)
                 cur, off = [], 0
             cur.append((c.param, c.grad_offset, c.shard_offset, c.numel, off))
             off = _align(off + nbytes)
         if cur:
             per_dest.append(cur)
-            used.append(off)
         rounds.append(per_dest)
-        round_bytes.append(used)
-    pack_off, total = [], 0
-    for d in range(world_size):
-        offs = []
-        for b in round_bytes[d]:
-            offs.append(total)
-            total += b
-        pack_off.append(offs)
     pads = [(p.param, p.shard_offset, p.numel) for p in layout.pad_ranges(rank)]
-    return RsPlanInfo(layout, rounds, round_bytes, pack_off, total, pads)
+    return RsPlanInfo(layout, rounds, pads)
