@@ -136,10 +136,12 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
     }
 
 
-def _rank(rank: int, world_size: int, dims: list, layers: int) -> list:
+def _rank(rank: int, world_size: int, dims: list, layers: int, stock_max_dim: int) -> list:
     rows = []
     for dim in dims:
         for name, rs_mode in VARIANTS:
+            if rs_mode is None and dim > stock_max_dim:
+                continue
             row = _measure(rank, world_size, dim, layers, name, rs_mode)
             rows.append(row)
             if rank == 0:
@@ -152,6 +154,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", default="1024,2048,4096", help="comma-separated model dims (one block size each)")
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--stock-max-dim", type=int, default=4096,
+                   help="stock FSDP2 only up to this dim (ranks sharing a GPU run stock over gloo, slow for large blocks)")
     p.add_argument("--ranks", type=int, default=8, help="ranks (8: one NVLink domain of 8 GPUs)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
@@ -162,7 +166,7 @@ def main(argv=None) -> None:
     dims = [int(d) for d in args.dims.split(",")]
     gpus = torch.cuda.device_count()
     backend = "nccl" if gpus >= args.ranks else "gloo"
-    per_rank = run_ranks(_rank, args.ranks, dims, args.layers, backend=backend, device_type="cuda", env=CUDA_RANK_ENV,
+    per_rank = run_ranks(_rank, args.ranks, dims, args.layers, args.stock_max_dim, backend=backend, device_type="cuda", env=CUDA_RANK_ENV,
                          timeout=540)
     meta = run_meta(gpus=gpus, ranks=args.ranks, backend=backend)
     rows = [{**r, **meta} for pr in per_rank for r in pr]
@@ -174,9 +178,10 @@ def main(argv=None) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.27
     for k, (name, _) in enumerate(VARIANTS):
-        xs = [i + (k - 1) * width for i in range(len(dims))]
-        vals = [next(r["live_ns"] for r in rank0 if r["dim"] == d and r["variant"] == name) for d in dims]
-        arena = [next(r["arena_ns"] for r in rank0 if r["dim"] == d and r["variant"] == name) for d in dims]
+        ran = [i for i, d in enumerate(dims) if any(r["dim"] == d and r["variant"] == name for r in rank0)]
+        xs = [i + (k - 1) * width for i in ran]
+        vals = [next(r["live_ns"] for r in rank0 if r["dim"] == dims[i] and r["variant"] == name) for i in ran]
+        arena = [next(r["arena_ns"] for r in rank0 if r["dim"] == dims[i] and r["variant"] == name) for i in ran]
         bars = ax.bar(xs, vals, width, label=f"{name} (target {TARGETS[name]})")
         ax.bar(xs, arena, width, bottom=[v - a for v, a in zip(vals, arena)], fill=False, hatch="//",
                edgecolor=bars.patches[0].get_facecolor(), linewidth=0)
@@ -194,8 +199,8 @@ def main(argv=None) -> None:
     parts = []
     for d in dims:
         vals = {r["variant"]: r["live_ns"] for r in rank0 if r["dim"] == d}
-        parts.append(f"dim {d}: stock {vals['stock']:.2f} in_place {vals['tide_in_place']:.2f} "
-                     f"slot_reuse {vals['tide_slot_reuse']:.2f}")
+        parts.append(f"dim {d}: " + " ".join(f"{name.removeprefix('tide_')} {vals[name]:.2f}" for name, _ in VARIANTS
+                                             if name in vals))
     print(f"SUMMARY memory (x NS, peak live in the last block's backward, arena in full, W={args.ranks}, rank 0): "
           + "; ".join(parts))
 

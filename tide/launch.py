@@ -38,8 +38,12 @@ def free_port() -> int:
 
 
 def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, results, pg_timeout_s):
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    faulthandler.enable()  # a rank killed by a signal prints its Python stack on stderr
 
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -570,11 +570,11 @@ class Arena {
     rs_plans_[rs_key(grads)] = std::move(plan);
   }
 
-  // copies, bytes, kernels, flags, graph launches, graphs built, graph node updates, memop calls,
-  // copy-API calls, op calls, then host ns by HostCat.
+  // copies, bytes, kernels, flags, graph launches, graphs built, graph node updates, re-points refused
+  // (sets rebuilt), memop calls, copy-API calls, op calls, then host ns by HostCat.
   std::vector<int64_t> counters() const {
     std::vector<int64_t> c{copies_issued_, bytes_pushed_, kernels_, flags_posted_, graph_launches_, graphs_built_,
-                           node_updates_, memop_calls_, copy_api_calls_, calls_};
+                           node_updates_, repoint_refusals_, memop_calls_, copy_api_calls_, calls_};
     c.insert(c.end(), host_ns_.begin(), host_ns_.end());
     return c;
   }
@@ -608,7 +608,8 @@ class Arena {
       return true;
     } catch (const std::exception& e) {
       (void)cudaGetLastError();  // the refused call's error is not sticky: clear it for later launch checks
-      graph_error_ = e.what();
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+      graph_error_ = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
       mode_ = kCeBatch;
       TORCH_WARN("tide.transport: copy graphs failed, this arena issues its copies with cudaMemcpyBatchAsync from now on: ",
                  graph_error_);
@@ -778,7 +779,7 @@ class Arena {
   // share a plan and each finds its own graphs again at the next step (gradients come back at the same
   // addresses when every step allocates alike; Slot-Reuse reads fixed slot addresses). An address set
   // not cached builds a new graph set while there is room, else re-points the least recently used
-  // one's nodes at the gradients that moved.
+  // one's nodes at the gradients that moved (rebuilding it if the runtime refuses the new addresses).
   RsGraphs& rs_graphs(const std::shared_ptr<RsPlan>& plan, const std::vector<uint64_t>& src) {
     const int64_t R = flags_.R;
     std::vector<int64_t> phase(world_);
@@ -794,18 +795,32 @@ class Arena {
         }
       if (static_cast<int64_t>(sets.size()) >= max_graph_sets_) {
         sets.splice(sets.begin(), sets, std::prev(sets.end()));
-        repoint(sets.front(), src);
-        return sets.front();
+        RsGraphs& gs = sets.front();
+        if (!repoint(gs, src)) build_set(gs, plan, src);
+        return gs;
       }
     } else if (graph_sets() >= kMaxGraphSets) {
       clear_plan_graphs();
     }
     std::list<RsGraphs>& sets = rs_graphs_[key];
     sets.emplace_front();
-    RsGraphs& gs = sets.front();
+    try {
+      build_set(sets.front(), plan, src);
+    } catch (...) {
+      sets.pop_front();
+      if (sets.empty()) rs_graphs_.erase(key);
+      throw;
+    }
+    return sets.front();
+  }
+
+  // (Re)builds every round's push graph of `gs` for the gradients at `src`.
+  void build_set(RsGraphs& gs, const std::shared_ptr<RsPlan>& plan, const std::vector<uint64_t>& src) {
+    for (auto& g : gs.rounds) destroy_graph(g);
     gs.plan = plan;
-    gs.rounds.resize(plan->max_rounds);
-    gs.uses.resize(src.size());
+    gs.rounds.assign(plan->max_rounds, CopyGraph{});
+    gs.uses.assign(src.size(), {});
+    gs.src.clear();
     try {
       for (int64_t j = 0; j < plan->max_rounds; ++j) {
         std::vector<std::array<int64_t, 3>> uses;
@@ -814,16 +829,15 @@ class Arena {
       }
     } catch (...) {
       for (auto& g : gs.rounds) destroy_graph(g);
-      sets.pop_front();
-      if (sets.empty()) rs_graphs_.erase(key);
       throw;
     }
     gs.src = src;
-    return gs;
   }
 
-  // Points the nodes of `gs` that read a gradient whose address changed at its new address.
-  void repoint(RsGraphs& gs, const std::vector<uint64_t>& src) {
+  // Points the nodes of `gs` that read a gradient whose address changed at its new address. False
+  // (the error cleared, `gs` to be rebuilt) when the runtime refuses: an exec update cannot move a
+  // node between memory kinds, e.g. from caching-allocator memory to the arena's mapped memory.
+  bool repoint(RsGraphs& gs, const std::vector<uint64_t>& src) {
     HostTimer t(host_ns_[kHGraphUpdate]);
     for (size_t p = 0; p < src.size(); ++p) {
       if (src[p] == gs.src[p]) continue;
@@ -831,13 +845,18 @@ class Arena {
         CopyGraph& g = gs.rounds[u[0]];
         Copy& c = g.copies[u[1]];
         c.src = src[p] + u[2];
-        TIDE_CUDA("transport", cudaGraphExecMemcpyNodeSetParams1D(g.exec, g.nodes[u[1]], reinterpret_cast<void*>(c.dst),
-                                                                  reinterpret_cast<const void*>(c.src), c.bytes,
-                                                                  cudaMemcpyDefault));
+        if (cudaGraphExecMemcpyNodeSetParams1D(g.exec, g.nodes[u[1]], reinterpret_cast<void*>(c.dst),
+                                               reinterpret_cast<const void*>(c.src), c.bytes,
+                                               cudaMemcpyDefault) != cudaSuccess) {
+          (void)cudaGetLastError();
+          ++repoint_refusals_;
+          return false;
+        }
         ++node_updates_;
       }
       gs.src[p] = src[p];
     }
+    return true;
   }
 
   size_t graph_sets() const {
@@ -979,6 +998,7 @@ class Arena {
   std::unordered_map<PlanKey, std::shared_ptr<RsPlan>, PlanKeyHash> rs_plans_;
   int64_t copies_issued_ = 0, bytes_pushed_ = 0, kernels_ = 0, flags_posted_ = 0;
   int64_t graph_launches_ = 0, graphs_built_ = 0, node_updates_ = 0, memop_calls_ = 0, copy_api_calls_ = 0, calls_ = 0;
+  int64_t repoint_refusals_ = 0;
   std::array<int64_t, kHCats> host_ns_{};
 };
 

@@ -279,8 +279,9 @@ def ce_modes(rank: int, world_size: int, seed: int, repeats: int) -> dict:
 def graph_cache(rank: int, world_size: int, seed: int) -> dict:
     """The push-graph cache of graph mode (two address sets per plan and phase; ring depth 1, so the
     phase never changes): a set of gradient tensors seen before replays its graphs (nothing built,
-    nothing re-pointed), a third set re-points the least recently used one, and Slot-Reuse from
-    gradients already in the slot launches no placement copy. Every call is checked bit for bit; the
+    nothing re-pointed), a third set re-points the least recently used one, a set in the arena's slot
+    (mapped memory, which a node cannot be re-pointed to from allocator memory) rebuilds it, and
+    Slot-Reuse from gradients already in the slot launches no placement copy. Every call is checked bit for bit; the
     counters' deltas per call are returned."""
     import tide  # noqa: F401
     from tide import transport
@@ -296,7 +297,7 @@ def graph_cache(rank: int, world_size: int, seed: int) -> dict:
     sets = {k: [g.to(dev) for g in grads_cpu] for k in "ABC"}
     sets["slot"] = arena.grad_views([g.shape for g in grads_cpu], [g.dtype for g in grads_cpu], 0)
     gen = torch.Generator().manual_seed(seed * 17 + rank)
-    keys = ("graphs_built", "graph_node_updates", "kernels", "graph_launches")
+    keys = ("graphs_built", "graph_node_updates", "graph_repoints_refused", "kernels", "graph_launches")
     deltas = []
     for step, (which, mode) in enumerate([("A", "in_place"), ("A", "in_place"), ("B", "in_place"), ("A", "in_place"),
                                           ("B", "in_place"), ("C", "in_place"), ("B", "in_place"),
@@ -313,7 +314,8 @@ def graph_cache(rank: int, world_size: int, seed: int) -> dict:
             assert_bits(f"rank {rank} step {step} ({which}, {mode}) reduce_scatter param {i}", g, w)
         deltas.append({"set": which, "mode": mode, "ran": ran, **{k: after[k] - before[k] for k in keys}})
     torch.cuda.synchronize()
-    return {"deltas": deltas}
+    c = arena.counters()
+    return {"deltas": deltas, "ce_mode_now": c["ce_mode_now"], "graph_error": c["graph_error"]}
 
 
 def bad_input(rank: int, world_size: int) -> dict:

@@ -37,7 +37,7 @@ RS_MODES = ("in_place", "slot_reuse")
 RS_RAN = ("in_place", "slot_reuse", "in_place_slot_too_small")  # by the extension's return code
 CE_MODES = ("graph", "batch", "loop")  # TIDE_CE_MODE; the index is the extension's code
 _COUNTERS = ("ce_copies", "ce_bytes", "kernels", "flags", "graph_launches", "graphs_built", "graph_node_updates",
-             "memop_calls", "copy_api_calls", "op_calls", "host_ns_total", "host_ns_kernel", "host_ns_memop",
+             "graph_repoints_refused", "memop_calls", "copy_api_calls", "op_calls", "host_ns_total", "host_ns_kernel", "host_ns_memop",
              "host_ns_graph_launch", "host_ns_graph_update", "host_ns_graph_build", "host_ns_copy_api", "host_ns_event")
 
 _ARENAS: dict[str, "Arena"] = {}
@@ -260,7 +260,8 @@ class Arena:
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts of this arena's ops: copies, bytes, kernels, flag copies, graph launches /
-        builds / node updates, stream-memop and copy-API calls, op calls, and the host nanoseconds spent
+        builds / node updates / re-points the runtime refused (that set rebuilt), stream-memop and
+        copy-API calls, op calls, and the host nanoseconds spent
         in the ops' C++ part (``host_ns_total``) split by kind of call."""
         out = dict(zip(_COUNTERS, self._c.counters()))
         out.update(ctas=self.ctas, arena_bytes=self.total_bytes, ce_mode=self.ce_mode,
