@@ -178,6 +178,12 @@ def _assert_transport_ran(name: str, t: dict, rs_mode: str, raf: bool, ag_tide: 
         assert arena.get("ag:bound", 0) + arena.get("ag:staged", 0) == calls["all_gather_into_params_:tide"]
     # Every reduce ran the requested mode: Slot-Reuse always found a vacated slot here.
     assert arena.get(f"rs:{rs_mode}", 0) == t["stats"]["reduce_scatter"]["tide"], (name, arena, t["stats"])
+    # Slot-Reuse hooks move the gradients of slot-bound blocks into their slot regions as autograd
+    # finishes them; nothing is bound without reshard_after_forward, so nothing moves then.
+    if rs_mode == "slot_reuse" and raf and ag_tide:
+        assert arena.get("rs:grad_into_slot", 0) > 0, (name, arena)
+    else:
+        assert "rs:grad_into_slot" not in arena, (name, arena)
 
 
 def _backend(world_size: int) -> str:

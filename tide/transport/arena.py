@@ -145,7 +145,8 @@ class Arena:
 
     # ------------------------------------------------------------------------------------ ops
     # The extension checks the arguments and looks the plan up (one C++ call per op); a layout it has
-    # no plan for yet is planned here once (tide/transport/plans.py) and handed over.
+    # no plan for yet is planned here once (tide/transport/plans.py) and handed over, and bad arguments
+    # come back as a code and a message, raised here (nothing was issued, on any rank).
     def _log_once(self) -> None:
         if not self._logged:
             self._logged = True
@@ -176,6 +177,8 @@ class Arena:
         if slot == self.ext.Arena.NO_PLAN:
             self._add_ag_plan(shards, outs)
             slot = self._c.all_gather(shards, outs)
+        if slot == self.ext.Arena.BAD_ARGS:
+            self._raise_arg_error()
         return None if slot == self.ext.Arena.NO_FIT else slot
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
@@ -196,7 +199,13 @@ class Arena:
         if ran == self.ext.Arena.NO_PLAN:
             self._add_rs_plan(grads)
             ran = self._c.reduce_scatter(grads, shard_grads, scale, accumulate, slot)
+        if ran == self.ext.Arena.BAD_ARGS:
+            self._raise_arg_error()
         return RS_RAN[ran]
+
+    def _raise_arg_error(self) -> None:
+        is_type, msg = self._c.arg_error()
+        raise (TypeError if is_type else ValueError)(msg)
 
     # ------------------------------------------------------------------------------------ zero-copy binding
     def next_slot(self) -> int:
