@@ -31,7 +31,7 @@ fi
 jobs=$(nproc)
 echo "check_csrc: compiling ${#sources[@]} file(s) for sm_90a with $(nvcc --version | tail -1)"
 printf '%s\n' "${sources[@]}" | xargs -P "$jobs" -I{} sh -c '
-  nvcc -c "$1" -o /dev/null -std=c++20 -O1 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -w \
+  nvcc -c "$1" -o /dev/null -std=c++17 -O1 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -w \
     -DTORCH_EXTENSION_NAME=tide_cuda_check -I'"$shim"' -Icsrc '"${torch_flags[*]}"' \
     && echo "  ok   $1" || { echo "  FAIL $1"; exit 255; }' _ {}
 echo "check_csrc: all sources compile"

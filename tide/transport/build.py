@@ -26,7 +26,7 @@ SOURCES = (
 )
 CUDA_FLAGS = [
     "-O3",
-    "-std=c++20",
+    "-std=c++17",
     "-gencode=arch=compute_90a,code=sm_90a",
     "-gencode=arch=compute_90,code=compute_90",
     "-Xptxas=-warn-spills",
@@ -73,7 +73,7 @@ def load(verbose: bool | None = None):
             name=EXTENSION_NAME,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-std=c++20"],
+            extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=CUDA_FLAGS,
             verbose=verbose,
         )
