@@ -38,7 +38,6 @@
 #include <iterator>
 #include <list>
 #include <map>
-#include <sstream>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -496,31 +495,25 @@ class Arena {
   // One Python -> C++ call per op: argument checks (messages as tide.meta.checks words them), plan
   // lookup, the collective. A plan not registered yet returns kNoPlan and does nothing; the caller
   // builds it (tide/transport/plans.py), registers it (add_*_plan) and calls again. Bad arguments
-  // return kBadArgs, nothing issued, and arg_error() says why: the caller raises it (TypeError or
-  // ValueError), as the Python checks of the other backends do.
+  // return kBadArgs with nothing issued, and the caller raises the error of tide.meta.checks (the
+  // same conditions; the messages are built there only, on this rare path).
   static constexpr int64_t kNoPlan = -1;
   static constexpr int64_t kNoFit = -2;
   static constexpr int64_t kBadArgs = -3;
 
-  // The slot gathered into, kNoPlan, or kNoFit (the group needs more than a slot).
+  // The slot gathered into, kNoPlan, kNoFit (the group needs more than a slot) or kBadArgs.
   int64_t all_gather_op(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
-    static constexpr const char* op = "all_gather_into_params_";
-    if (!same_length(op, "shards", shards, "outs", outs) || !float_list(op, "shards", shards, false) ||
-        !float_list(op, "outs", outs, false) || !on_device(op, "shards", shards) || !on_device(op, "outs", outs))
+    if (shards.size() != outs.size() || !float_list(shards, false) || !float_list(outs, false) || !on_device(shards) ||
+        !on_device(outs))
       return kBadArgs;
     for (size_t i = 0; i < shards.size(); ++i) {
       const at::Tensor& s = shards[i];
       const at::Tensor& o = outs[i];
-      if (s.dim() == 0)
-        return bad(false, c10::str("tide.", op, ": shards[", i, "] is 0-d; a padded shard has at least one dim"));
+      if (s.dim() == 0) return kBadArgs;
       std::vector<int64_t> full(s.sizes().begin(), s.sizes().end());
       full[0] *= world_;
-      const bool is_full = o.sizes().vec() == full;
       const bool is_flat = o.dim() == 1 && o.size(0) == world_ * s.numel();
-      if (!is_full && !is_flat)
-        return bad(false, c10::str("tide.", op, ": outs[", i, "] has shape ", tuple_str(o.sizes()), "; shards[", i,
-                                   "] of shape ", tuple_str(s.sizes()), " on world_size=", world_, " needs ",
-                                   tuple_str(full), " or (", world_ * s.numel(), ",)"));
+      if (!is_flat && o.sizes().vec() != full) return kBadArgs;
     }
     auto it = ag_plans_.find(ag_key(shards, outs));
     if (it == ag_plans_.end()) return kNoPlan;
@@ -535,23 +528,17 @@ class Arena {
   }
 
   // The mode that ran: 0 In-Place, 1 Slot-Reuse, 2 In-Place because the group does not fit a slot
-  // (Slot-Reuse asked); or kNoPlan.
+  // (Slot-Reuse asked); or kNoPlan, kBadArgs.
   int64_t reduce_scatter_op(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
                             double scale, bool accumulate, int64_t reuse_slot) {
-    static constexpr const char* op = "reduce_scatter_params_";
-    if (!same_length(op, "grads", grads, "shard_grads", shard_grads) || !float_list(op, "grads", grads, false) ||
-        !float_list(op, "shard_grads", shard_grads, true) || !on_device(op, "grads", grads) ||
-        !on_device(op, "shard_grads", shard_grads))
+    if (grads.size() != shard_grads.size() || !float_list(grads, false) || !float_list(shard_grads, true) ||
+        !on_device(grads) || !on_device(shard_grads))
       return kBadArgs;
     for (size_t i = 0; i < grads.size(); ++i) {
-      const at::Tensor& g = grads[i];
-      std::vector<int64_t> want(g.sizes().begin(), g.sizes().end());
+      std::vector<int64_t> want(grads[i].sizes().begin(), grads[i].sizes().end());
       if (want.empty()) want.push_back(1);  // a 0-d gradient is one row of one element
       want[0] = (want[0] + world_ - 1) / world_;
-      if (shard_grads[i].sizes().vec() != want)
-        return bad(false, c10::str("tide.", op, ": shard_grads[", i, "] has shape ", tuple_str(shard_grads[i].sizes()),
-                                   "; grads[", i, "] of shape ", tuple_str(g.sizes()), " on world_size=", world_,
-                                   " needs ", tuple_str(want)));
+      if (shard_grads[i].sizes().vec() != want) return kBadArgs;
     }
     auto it = rs_plans_.find(rs_key(grads));
     if (it == rs_plans_.end()) return kNoPlan;
@@ -572,9 +559,6 @@ class Arena {
     TORCH_CHECK(plan != nullptr && plan->grad_dtype.size() == grads.size(), "tide.add_rs_plan: the plan does not match the grads");
     rs_plans_[rs_key(grads)] = std::move(plan);
   }
-
-  // The last argument error of an op entry point: (is a TypeError, message).
-  std::pair<bool, std::string> arg_error() const { return {arg_error_is_type_, arg_error_}; }
 
   // copies, bytes, kernels, flags, graph launches, graphs built, graph node updates, re-points refused
   // (sets rebuilt), memop calls, copy-API calls, op calls, then host ns by HostCat.
@@ -927,52 +911,19 @@ class Arena {
   }
 
   // ------------------------------------------------------------------------------ argument checks
-  static std::string tuple_str(c10::IntArrayRef sizes) {  // Python's tuple notation, as in the Python checks
-    std::ostringstream out;
-    out << "(";
-    for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
-    out << (sizes.size() == 1 ? ",)" : ")");
-    return out.str();
-  }
-
-  int64_t bad(bool is_type, std::string msg) {
-    arg_error_is_type_ = is_type;
-    arg_error_ = std::move(msg);
-    return kBadArgs;
-  }
-
-  bool same_length(const char* op, const char* a_name, const std::vector<at::Tensor>& a, const char* b_name,
-                   const std::vector<at::Tensor>& b) {
-    if (a.size() == b.size()) return true;
-    bad(false, c10::str("tide.", op, ": ", a_name, " has ", a.size(), " tensors but ", b_name, " has ", b.size()));
-    return false;
-  }
-
-  bool float_list(const char* op, const char* name, const std::vector<at::Tensor>& ts, bool fp32_only) {
-    for (size_t i = 0; i < ts.size(); ++i) {
-      const at::ScalarType t = ts[i].scalar_type();
-      const bool ok = fp32_only ? t == at::kFloat : (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
-      if (!ok) {
-        bad(true, c10::str("tide.", op, ": ", name, "[", i, "] has dtype ", t, "; expected one of ",
-                           fp32_only ? "float32" : "bfloat16, float16, float32"));
-        return false;
-      }
-      if (!ts[i].is_contiguous()) {
-        bad(false, c10::str("tide.", op, ": ", name, "[", i, "] must be contiguous (shape ", tuple_str(ts[i].sizes()),
-                            ", stride ", tuple_str(ts[i].strides()), ")"));
-        return false;
-      }
+  static bool float_list(const std::vector<at::Tensor>& ts, bool fp32_only) {
+    for (const auto& t : ts) {
+      const at::ScalarType st = t.scalar_type();
+      const bool ok = fp32_only ? st == at::kFloat : (st == at::kFloat || st == at::kBFloat16 || st == at::kHalf);
+      if (!ok || !t.is_contiguous()) return false;
     }
     return true;
   }
 
-  bool on_device(const char* op, const char* name, const std::vector<at::Tensor>& ts) {
+  bool on_device(const std::vector<at::Tensor>& ts) const {
     const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
-    for (size_t i = 0; i < ts.size(); ++i)
-      if (ts[i].device() != dev) {
-        bad(false, c10::str("tide.", op, ": ", name, "[", i, "] is on ", ts[i].device(), " but the group's arena is on ", dev));
-        return false;
-      }
+    for (const auto& t : ts)
+      if (t.device() != dev) return false;
     return true;
   }
 
@@ -1022,8 +973,6 @@ class Arena {
   int64_t copies_issued_ = 0, bytes_pushed_ = 0, kernels_ = 0, flags_posted_ = 0;
   int64_t graph_launches_ = 0, graphs_built_ = 0, node_updates_ = 0, memop_calls_ = 0, copy_api_calls_ = 0, calls_ = 0;
   int64_t repoint_refusals_ = 0;
-  bool arg_error_is_type_ = false;
-  std::string arg_error_;
   std::array<int64_t, kHCats> host_ns_{};
 };
 
@@ -1087,7 +1036,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("graph_error", &Arena::graph_error)
       .def("batched_writes", &Arena::batched_writes)
       .def("counters", &Arena::counters)
-      .def("arg_error", &Arena::arg_error)
       .def_readonly_static("NO_PLAN", &Arena::kNoPlan)
       .def_readonly_static("NO_FIT", &Arena::kNoFit)
       .def_readonly_static("BAD_ARGS", &Arena::kBadArgs);

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from tide.meta import checks
 from tide.meta.layout import GroupLayout
 from tide.transport import plans
 
@@ -145,8 +146,9 @@ class Arena:
 
     # ------------------------------------------------------------------------------------ ops
     # The extension checks the arguments and looks the plan up (one C++ call per op); a layout it has
-    # no plan for yet is planned here once (tide/transport/plans.py) and handed over, and bad arguments
-    # come back as a code and a message, raised here (nothing was issued, on any rank).
+    # no plan for yet is planned here once (tide/transport/plans.py) and handed over. Bad arguments come
+    # back as a code, nothing issued on any rank; the error raised is tide.meta.checks', which words
+    # every argument error of every backend (only this rare path pays for the Python checks).
     def _log_once(self) -> None:
         if not self._logged:
             self._logged = True
@@ -178,7 +180,8 @@ class Arena:
             self._add_ag_plan(shards, outs)
             slot = self._c.all_gather(shards, outs)
         if slot == self.ext.Arena.BAD_ARGS:
-            self._raise_arg_error()
+            checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, self.world_size)
+            self._raise_device_error("all_gather_into_params_", ("shards", shards), ("outs", outs))
         return None if slot == self.ext.Arena.NO_FIT else slot
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
@@ -200,12 +203,17 @@ class Arena:
             self._add_rs_plan(grads)
             ran = self._c.reduce_scatter(grads, shard_grads, scale, accumulate, slot)
         if ran == self.ext.Arena.BAD_ARGS:
-            self._raise_arg_error()
+            checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
+            self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
         return RS_RAN[ran]
 
-    def _raise_arg_error(self) -> None:
-        is_type, msg = self._c.arg_error()
-        raise (TypeError if is_type else ValueError)(msg)
+    def _raise_device_error(self, op: str, *named_lists) -> None:
+        """The one condition the extension checks beyond tide.meta.checks: every tensor on the arena's device."""
+        for name, tensors in named_lists:
+            for i, t in enumerate(tensors):
+                if t.device != self.device:
+                    raise ValueError(f"tide.{op}: {name}[{i}] is on {t.device} but the group's arena is on {self.device}")
+        raise AssertionError(f"tide.{op}: the extension refused arguments that pass every check")
 
     # ------------------------------------------------------------------------------------ zero-copy binding
     def next_slot(self) -> int:
