@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -22,6 +23,12 @@ enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 #endif
 
 TIDE_HOST_DEVICE inline int dtype_size(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
+
+// Numbers in error messages go through num(), never through an ostream: on the GPU machine (torch
+// 2.11), a number streamed by this extension (c10::str, TORCH_CHECK) crashed the process inside
+// libstdc++'s locale code, the failure of pytorch/pytorch#109923, while strings streamed fine.
+// std::to_string formats through libc.
+inline std::string num(long long v) { return std::to_string(v); }
 
 constexpr int kMaxSegments = 96;    // keeps SumArgs / CastArgs under 4 KB of kernel parameters
 constexpr int kSumThreads = 512;    // 16 warps per summing CTA: enough 16-B loads in flight per SM

@@ -71,9 +71,9 @@ __global__ void __launch_bounds__(kCastThreads) cast_segments_kernel(const __gri
 }  // namespace
 
 void launch_cast_segments(const CastArgs& args, int ctas, cudaStream_t stream) {
-  TORCH_CHECK(args.nseg >= 0 && args.nseg <= kMaxSegments, "tide.cast_segments: nseg=", args.nseg,
-              " out of range [0, ", kMaxSegments, "]");
-  TORCH_CHECK(ctas >= 1, "tide.cast_segments: ctas must be >= 1, got ", ctas);
+  TORCH_CHECK(args.nseg >= 0 && args.nseg <= kMaxSegments, "tide.cast_segments: nseg=", num(args.nseg),
+              " out of range [0, ", num(kMaxSegments), "]");
+  TORCH_CHECK(ctas >= 1, "tide.cast_segments: ctas must be >= 1, got ", num(ctas));
   if (args.nseg == 0) return;
   cast_segments_kernel<<<ctas, kCastThreads, 0, stream>>>(args);
   const cudaError_t err = cudaGetLastError();

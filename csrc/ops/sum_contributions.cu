@@ -248,16 +248,16 @@ void launch_typed(const SumArgs& a, int ctas, cudaStream_t stream) {
 }  // namespace
 
 void launch_sum_contributions(const SumArgs& args, int ctas, cudaStream_t stream) {
-  TORCH_CHECK(args.nseg >= 0 && args.nseg <= kMaxSegments, "tide.sum_contributions: nseg=", args.nseg,
-              " out of range [0, ", kMaxSegments, "]");
-  TORCH_CHECK(args.k >= 1, "tide.sum_contributions: needs at least one contribution, got k=", args.k);
-  TORCH_CHECK(ctas >= 1, "tide.sum_contributions: ctas must be >= 1 (TIDE_RS_CTAS), got ", ctas);
+  TORCH_CHECK(args.nseg >= 0 && args.nseg <= kMaxSegments, "tide.sum_contributions: nseg=", num(args.nseg),
+              " out of range [0, ", num(kMaxSegments), "]");
+  TORCH_CHECK(args.k >= 1, "tide.sum_contributions: needs at least one contribution, got k=", num(args.k));
+  TORCH_CHECK(ctas >= 1, "tide.sum_contributions: ctas must be >= 1 (TIDE_RS_CTAS), got ", num(ctas));
   if (args.nseg == 0) return;
   int32_t dtype = -1;
   for (int i = 0; i < args.nseg; ++i) {
     if (args.seg[i].zero) continue;
     TORCH_CHECK(dtype < 0 || dtype == args.seg[i].dtype,
-                "tide.sum_contributions: all segments of one launch must share a dtype (segment ", i, ")");
+                "tide.sum_contributions: all segments of one launch must share a dtype (segment ", num(i), ")");
     dtype = args.seg[i].dtype;
   }
   if (dtype == kBF16) {

@@ -13,6 +13,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "tide.h"
+
 namespace tide::driver {
 namespace {
 
@@ -46,7 +48,7 @@ const Api& api() {
 }
 
 void check(CUresult r, const char* what) {
-  TORCH_CHECK(r == CUDA_SUCCESS, "tide.transport: ", what, " failed with CUresult ", static_cast<int>(r));
+  TORCH_CHECK(r == CUDA_SUCCESS, "tide.transport: ", what, " failed with CUresult ", num(static_cast<int>(r)));
 }
 
 }  // namespace

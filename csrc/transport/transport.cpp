@@ -230,10 +230,10 @@ class Arena {
       : rank_(rank), world_(world), device_(device), flags_off_(flags_off), slots_off_(slots_off),
         slot_bytes_(slot_bytes), ring_off_(ring_off), entry_bytes_(entry_bytes), ctas_(ctas), mode_(ce_mode),
         max_graph_sets_(max_graph_sets), flags_{num_slots, ring_depth, world} {
-    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tide.Arena: rank ", rank, " not in [0, ", world, ")");
+    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tide.Arena: rank ", num(rank), " not in [0, ", num(world), ")");
     TORCH_CHECK(static_cast<int64_t>(bases.size()) == world, "tide.Arena: need one base pointer per rank");
     TORCH_CHECK(num_slots >= 1 && ring_depth >= 1, "tide.Arena: num_slots and ring_depth must be >= 1");
-    TORCH_CHECK(max_graph_sets >= 1, "tide.Arena: max_graph_sets must be >= 1, got ", max_graph_sets);
+    TORCH_CHECK(max_graph_sets >= 1, "tide.Arena: max_graph_sets must be >= 1, got ", num(max_graph_sets));
     TORCH_CHECK(entry_bytes % 16 == 0 && slot_bytes % 16 == 0, "tide.Arena: entry_bytes and slot_bytes must be multiples of 16");
     TORCH_CHECK(ce_mode == kCeGraph || ce_mode == kCeBatch || ce_mode == kCeLoop,
                 "tide.Arena: ce_mode must be 0 (graph), 1 (batch) or 2 (loop), got ", ce_mode);
@@ -302,10 +302,10 @@ class Arena {
     const AgPlan& plan = *plan_ptr;
     HostTimer total(host_ns_[kHTotal]);
     ++calls_;
-    TORCH_CHECK(shards.size() == plan.size(), "tide.", op, ": ", shards.size(), " shards for a plan of ", plan.size());
-    TORCH_CHECK(outs.empty() || outs.size() == plan.size(), "tide.", op, ": ", outs.size(), " outs for a plan of ", plan.size());
-    TORCH_CHECK(plan.slot_bytes <= slot_bytes_, "tide.", op, ": the group needs ", plan.slot_bytes,
-                " slot bytes but the arena's slots hold ", slot_bytes_, " (enable TIDE with a larger slot)");
+    TORCH_CHECK(shards.size() == plan.size(), "tide.", op, ": ", num(shards.size()), " shards for a plan of ", num(plan.size()));
+    TORCH_CHECK(outs.empty() || outs.size() == plan.size(), "tide.", op, ": ", num(outs.size()), " outs for a plan of ", num(plan.size()));
+    TORCH_CHECK(plan.slot_bytes <= slot_bytes_, "tide.", op, ": the group needs ", num(plan.slot_bytes),
+                " slot bytes but the arena's slots hold ", num(slot_bytes_), " (enable TIDE with a larger slot)");
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     cudaStream_t S = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
     check_not_capturing(op, S);
@@ -321,8 +321,8 @@ class Arena {
       CastBatch cast(static_cast<int>(ctas_), S);
       for (size_t j = 0; j < plan.size(); ++j) {
         const at::Tensor& s = shards[j];
-        TORCH_CHECK(s.numel() * dtype_size(plan.out_dtype[j]) == plan.own_bytes[j], "tide.", op, ": shards[", j,
-                    "] has ", s.numel(), " elements; the plan expects ", plan.own_bytes[j] / dtype_size(plan.out_dtype[j]));
+        TORCH_CHECK(s.numel() * dtype_size(plan.out_dtype[j]) == plan.own_bytes[j], "tide.", op, ": shards[", num(j),
+                    "] has ", num(s.numel()), " elements; the plan expects ", num(plan.own_bytes[j] / dtype_size(plan.out_dtype[j])));
         cast.add(s.data_ptr(), reinterpret_cast<void*>(mine + plan.own_off[j]), s.numel(), dtype_code(op, s.scalar_type()),
                  plan.out_dtype[j]);
       }
@@ -360,8 +360,8 @@ class Arena {
       CastBatch out(static_cast<int>(ctas_), S);
       for (size_t j = 0; j < plan.size(); ++j) {
         const at::Tensor& o = outs[j];
-        TORCH_CHECK(o.numel() == plan.out_numel[j], "tide.", op, ": outs[", j, "] has ", o.numel(),
-                    " elements; the plan expects ", plan.out_numel[j]);
+        TORCH_CHECK(o.numel() == plan.out_numel[j], "tide.", op, ": outs[", num(j), "] has ", num(o.numel()),
+                    " elements; the plan expects ", num(plan.out_numel[j]));
         out.add(reinterpret_cast<const void*>(mine + plan.out_off[j]), o.data_ptr(), o.numel(), plan.out_dtype[j],
                 dtype_code(op, o.scalar_type()));
       }
@@ -381,9 +381,9 @@ class Arena {
     HostTimer total(host_ns_[kHTotal]);
     ++calls_;
     TORCH_CHECK(static_cast<int64_t>(plan.rounds.size()) == world_, "tide.", op, ": plan built for another world size");
-    TORCH_CHECK(reuse_slot < flags_.K, "tide.", op, ": reuse_slot ", reuse_slot, " >= ", flags_.K, " slots");
-    TORCH_CHECK(reuse_slot < 0 || plan.slot_bytes <= slot_bytes_, "tide.", op, ": Slot-Reuse needs ", plan.slot_bytes,
-                " bytes but a slot holds ", slot_bytes_);
+    TORCH_CHECK(reuse_slot < flags_.K, "tide.", op, ": reuse_slot ", num(reuse_slot), " >= ", num(flags_.K), " slots");
+    TORCH_CHECK(reuse_slot < 0 || plan.slot_bytes <= slot_bytes_, "tide.", op, ": Slot-Reuse needs ", num(plan.slot_bytes),
+                " bytes but a slot holds ", num(slot_bytes_));
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     cudaStream_t S = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
     check_not_capturing(op, S);

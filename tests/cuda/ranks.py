@@ -350,6 +350,11 @@ def bad_input(rank: int, world_size: int) -> dict:
         "ag_0d_shard": (lambda: ag([shards[0], torch.randn((), device=dev)], outs, W, name), ValueError, "shards[1]"),
         "ag_int_out": (lambda: ag(shards, [outs[0].int(), outs[1]], W, name), TypeError, "outs[0]"),
     }
+    # An error raised inside the extension (TORCH_CHECK, a number in its message) reaches Python as a
+    # RuntimeError instead of crashing the process (see num() in csrc/tide.h).
+    ext = transport.get(name).ext
+    cases["extension_error"] = (lambda: ext.Arena(5, 2, [0, 0], 0, 0, 0, 16, 1, 0, 16, 1, 1, 0, 1), RuntimeError,
+                                "rank 5 not in [0, 2)")
     messages = {}
     for case, (fn, exc, arg) in cases.items():
         try:
@@ -357,7 +362,7 @@ def bad_input(rank: int, world_size: int) -> dict:
             messages[case] = "no error"
         except exc as e:
             msg = str(e).splitlines()[0]
-            op = "reduce_scatter_params_" if case.startswith("rs") else "all_gather_into_params_"
+            op = {"rs": "reduce_scatter_params_", "ag": "all_gather_into_params_"}.get(case[:2], "Arena")
             messages[case] = "ok" if msg.startswith(f"tide.{op}:") and arg in msg else f"bad message: {msg}"
         except Exception as e:  # the wrong exception type
             messages[case] = f"{type(e).__name__}: {e}"
