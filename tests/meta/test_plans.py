@@ -1,0 +1,72 @@
+"""Transport plans (tide.transport.plans, pure Python): Slot-Reuse reads each gradient where the same
+param's all-gather output lies, and the reduce-scatter rounds cover every gradient element once."""
+import math
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tide.meta.layout import shard_rows
+from tide.transport import plans
+
+SHAPE = st.one_of(
+    st.just(()),
+    st.tuples(st.integers(1, 300)),
+    st.tuples(st.integers(1, 200), st.integers(1, 9)),
+    st.tuples(st.integers(1, 70), st.integers(1, 5), st.integers(1, 4)),
+)
+
+
+@st.composite
+def cases(draw):
+    world_size = draw(st.integers(1, 16))
+    shapes = draw(st.lists(SHAPE, min_size=1, max_size=10))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    entry_bytes = draw(st.sampled_from([4096, 1 << 16]))
+    rank = draw(st.integers(0, world_size - 1))
+    return world_size, shapes, dtype, entry_bytes, rank
+
+
+def _padded_shard(shape, world_size):
+    d0 = shape[0] if shape else 1
+    return (shard_rows(d0, world_size), *shape[1:])
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_slot_reuse_gradient_offsets_are_the_all_gather_output_offsets(case):
+    world_size, shapes, dtype, entry_bytes, rank = case
+    rs = plans.rs_plan_info(shapes, [dtype] * len(shapes), world_size, rank, entry_bytes)
+    # FSDP binds the 1-D padded shards' all-gather outputs; the hooks put each gradient at its output.
+    flat_shards = [(math.prod(_padded_shard(s, world_size)),) for s in shapes]
+    ag = plans.all_gather_layout(flat_shards, [dtype] * len(shapes), world_size)
+    assert [p.slot_offset for p in rs.layout.params] == [p.slot_offset for p in ag.params]
+    assert rs.layout.slot_bytes == ag.slot_bytes
+    for p, s in zip(rs.layout.params, shapes):  # each gradient fits the region of its output
+        assert math.prod(s) * dtype.itemsize <= p.out_bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_rounds_cover_every_destination_shard_once_within_entries(case):
+    world_size, shapes, dtype, entry_bytes, rank = case
+    rs = plans.rs_plan_info(shapes, [dtype] * len(shapes), world_size, rank, entry_bytes)
+    for d in range(world_size):
+        seen = {i: [] for i in range(len(shapes))}
+        for rnd in rs.rounds[d]:
+            ends = []
+            for param, grad_off, shard_off, numel, entry_off in rnd:
+                assert entry_off % plans.ALIGN == 0
+                ends.append(entry_off + numel * dtype.itemsize)
+                seen[param].append((shard_off, grad_off, numel))
+            assert max(ends) <= entry_bytes
+        for i, s in enumerate(shapes):
+            d0 = s[0] if s else 1
+            row = math.prod(s[1:]) if len(s) > 1 else 1
+            c = shard_rows(d0, world_size)
+            real_rows = max(0, min(c, d0 - d * c))  # rows of shard d that exist (the rest is padding)
+            pieces = sorted(seen[i])
+            covered = 0
+            for shard_off, grad_off, numel in pieces:
+                assert shard_off == covered and grad_off == d * c * row + shard_off
+                covered += numel
+            assert covered == real_rows * row
