@@ -138,6 +138,7 @@ class Arena:
                                  CE_MODES.index(self.ce_mode), self.max_graph_sets)
         assert self._c.flag_words() == flag_words
         self._logged = False
+        self._bind_places: dict = {}  # (numel, dtype) of each output -> (slot offset, bytes) of each
 
     def __repr__(self) -> str:
         return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"
@@ -260,19 +261,24 @@ class Arena:
         must own its whole storage (storage offset 0, ``W*shard_numel`` elements)."""
         slot = self.next_slot() if slot is None else self._check_slot("bind_outputs", slot)
         W = self.world_size
-        for o in outs:
-            if o.dim() != 1 or o.device != self.device:
-                raise ValueError(f"tide.transport.bind_outputs: outputs must be 1-D tensors on {self.device}, got "
-                                 f"shape {tuple(o.shape)} on {o.device}")
-        layout = plans.all_gather_layout([(o.numel() // W,) for o in outs], [o.dtype for o in outs], W)
-        if layout.slot_bytes > self.slot_bytes:
-            raise ValueError(f"tide.transport.bind_outputs: group needs {layout.slot_bytes} slot bytes, "
-                             f"the arena has {self.slot_bytes}")
+        key = tuple([(o.numel(), o.dtype) for o in outs])
+        places = self._bind_places.get(key)
+        if places is None:
+            if any(o.numel() % W for o in outs):
+                raise ValueError("tide.transport.bind_outputs: outputs must have W*c elements")
+            layout = plans.all_gather_layout([(o.numel() // W,) for o in outs], [o.dtype for o in outs], W)
+            if layout.slot_bytes > self.slot_bytes:
+                raise ValueError(f"tide.transport.bind_outputs: group needs {layout.slot_bytes} slot bytes, "
+                                 f"the arena has {self.slot_bytes}")
+            places = self._bind_places[key] = [(p.slot_offset, p.out_bytes) for p in layout.params]
+        for o in outs:  # all checked before any is bound
+            if o.storage_offset() != 0 or o.dim() != 1 or o.device != self.device:
+                raise ValueError("tide.transport.bind_outputs: outputs must be 1-D, on the arena's device, and start "
+                                 "their storage")
         base = self.buffer.data_ptr() + self.slots_off + slot * self.slot_bytes
-        for o, p in zip(outs, layout.params):
-            if o.storage_offset() != 0 or o.numel() % W:
-                raise ValueError("tide.transport.bind_outputs: outputs must start their storage and have W*c elements")
-            self.ext.bind_storage(o, base + p.slot_offset, p.out_bytes)
+        bind = self.ext.bind_storage
+        for o, (offset, nbytes) in zip(outs, places):
+            bind(o, base + offset, nbytes)
         return slot
 
     def counters(self) -> dict[str, int]:
