@@ -1,8 +1,9 @@
 """Host time to issue one all-gather and one reduce-scatter of a 60-parameter group: TIDE vs stock FSDP2.
 
 TIDE: W ranks (default 8, sharing the GPU when there are fewer GPUs; symmetric memory over gloo), one
-``torch.ops.tide.all_gather_into_params_`` into arena-bound outputs (FSDP's zero-copy case; ``ag`` makes
-the slot views in the timed region, ``ag_op_only`` beforehand) and one
+``torch.ops.tide.all_gather_into_params_`` into arena-bound outputs (FSDP's zero-copy case; ``ag_bind``
+also binds 60 one-dimensional outputs into the slot with ``Arena.bind_outputs`` in the timed region, as
+the FSDP seam does at every unshard; ``ag_op_only`` uses slot views made beforehand) and one
 ``torch.ops.tide.reduce_scatter_params_`` per iteration: In-Place with the same gradient tensors every
 call; In-Place "recurring", cycling over 4 gradient sets (like 4 FSDP blocks whose gradients come back
 at the same addresses each step: each set replays its own cached push graphs); In-Place "fresh", at new
@@ -57,7 +58,7 @@ def _time(fn, iters: int) -> list[float]:
     return out
 
 
-VARIANTS = ("ag", "ag_op_only", "rs_in_place", "rs_in_place_recurring", "rs_in_place_fresh", "rs_slot_reuse")
+VARIANTS = ("ag_bind", "ag_op_only", "rs_in_place", "rs_in_place_recurring", "rs_in_place_fresh", "rs_slot_reuse")
 RECURRING_SETS = 4
 FRESH_POSITIONS, FRESH_SHIFT = 64, 256
 CPP_KEYS = ("host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_graph_launch", "host_ns_graph_update",
@@ -100,9 +101,11 @@ def tide_rank(rank: int, world_size: int, iters: int, mode: str) -> dict:
         v.copy_(g)
     calls = [0]
 
-    def ag():
-        outs = arena.slot_views(layout, dtypes, arena.next_slot())
-        torch.ops.tide.all_gather_into_params_(shards, outs, world_size, name)
+    fsdp_outs = [torch.empty(world_size * s.numel(), device=dev, dtype=torch.bfloat16) for s in shards]
+
+    def ag_bind():
+        arena.bind_outputs(fsdp_outs)
+        torch.ops.tide.all_gather_into_params_(shards, fsdp_outs, world_size, name)
 
     def ag_op_only():
         torch.ops.tide.all_gather_into_params_(shards, views[arena.next_slot()], world_size, name)
@@ -116,7 +119,7 @@ def tide_rank(rank: int, world_size: int, iters: int, mode: str) -> dict:
             rs(sets[calls[0] % len(sets)])
         return call
 
-    fns = {"ag": ag, "ag_op_only": ag_op_only, "rs_in_place": rs, "rs_in_place_recurring": rs_cycle(recurring),
+    fns = {"ag_bind": ag_bind, "ag_op_only": ag_op_only, "rs_in_place": rs, "rs_in_place_recurring": rs_cycle(recurring),
            "rs_in_place_fresh": rs_cycle(fresh), "rs_slot_reuse": lambda: rs(in_slot)}
     res = {}
     for variant in VARIANTS:
