@@ -141,8 +141,10 @@ _arena_counts: Counter = Counter()
 def arena_stats() -> dict[str, int]:
     """What the CUDA-transport wiring did since the last :func:`reset_stats`: ``ag:bound`` (outputs bound in
     a slot, zero-copy), ``ag:staged`` (gathered through a free slot, copied out), ``ag:larger_than_slot`` (the
-    op's reference backend), ``rs:in_place``, ``rs:slot_reuse``, ``rs:slot_reuse_as_in_place:<why>``,
-    ``arena:created``. Empty without a CUDA arena."""
+    op's reference backend), ``rs:in_place``, ``rs:slot_reuse``, ``rs:in_place_slot_too_small`` (Slot-Reuse
+    asked, the group does not fit a slot), ``rs:slot_reuse_as_in_place:no_free_slot``, ``rs:grad_into_slot``
+    (gradients the Slot-Reuse hooks moved into their slot region), ``arena:created``. Empty without a
+    CUDA arena."""
     return dict(_arena_counts)
 
 
