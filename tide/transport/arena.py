@@ -53,17 +53,12 @@ def _env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
-def ce_mode_from_env(batch_copies: bool | None = None) -> str:
-    """``TIDE_CE_MODE`` (graph, batch or loop; default graph). Without it, the older ``TIDE_CE_BATCH=0``
-    (or ``batch_copies=False``) selects loop and ``batch_copies=True`` selects batch."""
-    mode = os.environ.get("TIDE_CE_MODE", "")
-    if mode:
-        if mode not in CE_MODES:
-            raise ValueError(f"tide.transport: TIDE_CE_MODE must be one of {CE_MODES}, got {mode!r}")
-        return mode
-    if batch_copies is not None:
-        return "batch" if batch_copies else "loop"
-    return "loop" if os.environ.get("TIDE_CE_BATCH", "1") == "0" else "graph"
+def ce_mode_from_env() -> str:
+    """``TIDE_CE_MODE``: graph, batch or loop (default graph)."""
+    mode = os.environ.get("TIDE_CE_MODE", "") or "graph"
+    if mode not in CE_MODES:
+        raise ValueError(f"tide.transport: TIDE_CE_MODE must be one of {CE_MODES}, got {mode!r}")
+    return mode
 
 
 class Arena:
@@ -80,8 +75,6 @@ class Arena:
         ce_mode: how the copy-engine copies are issued (``TIDE_CE_MODE``): ``"graph"`` (default) replays a
             CUDA graph of memcpy nodes cached per (plan, slot[, ring phase]); ``"batch"`` issues one
             ``cudaMemcpyBatchAsync`` per run of pieces; ``"loop"`` one ``cudaMemcpyAsync`` per piece.
-        batch_copies: older switch, used only when neither ``ce_mode`` nor ``TIDE_CE_MODE`` is given:
-            True = ``"batch"``, False = ``"loop"`` (``TIDE_CE_BATCH=0`` = ``"loop"``).
         max_graph_sets: graph mode, reduce-scatter push graphs kept per (plan, ring phase), one set per
             gradient address set (``TIDE_RS_GRAPH_SETS``, default 32): FSDP's blocks share a plan, and a
             block whose gradients come back at the same addresses replays its graphs unchanged; past
@@ -91,8 +84,7 @@ class Arena:
 
     def __init__(self, group: dist.ProcessGroup, slot_bytes: int, *, num_slots: int = 2,
                  rs_ring_bytes: int | None = None, ring_depth: int = DEFAULT_RING_DEPTH, ctas: int | None = None,
-                 rs_mode: str | None = None, ce_mode: str | None = None, batch_copies: bool | None = None,
-                 max_graph_sets: int | None = None) -> None:
+                 rs_mode: str | None = None, ce_mode: str | None = None, max_graph_sets: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
@@ -121,7 +113,7 @@ class Arena:
         self.slots_off = self.flags_bytes
         self.ring_off = self.slots_off + num_slots * self.slot_bytes
         self.total_bytes = self.ring_off + ring_depth * W * self.entry_bytes
-        self.ce_mode = ce_mode or ce_mode_from_env(batch_copies)
+        self.ce_mode = ce_mode or ce_mode_from_env()
         if self.ce_mode not in CE_MODES:
             raise ValueError(f"tide.transport.Arena: ce_mode must be one of {CE_MODES}, got {self.ce_mode!r}")
 
