@@ -528,7 +528,10 @@ class Arena {
   }
 
   // The mode that ran: 0 In-Place, 1 Slot-Reuse, 2 In-Place because the group does not fit a slot
-  // (Slot-Reuse asked); or kNoPlan, kBadArgs.
+  // (Slot-Reuse asked), 3 In-Place because some gradient already lies in the reuse slot away from its
+  // place in this plan (placing it could overwrite another gradient before it is read: FSDP passes only
+  // the params that have gradients, so the hooks' places, those of the whole group, may differ from
+  // this plan's); or kNoPlan, kBadArgs.
   int64_t reduce_scatter_op(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
                             double scale, bool accumulate, int64_t reuse_slot) {
     if (grads.size() != shard_grads.size() || !float_list(grads, false) || !float_list(shard_grads, true) ||
@@ -544,12 +547,18 @@ class Arena {
     if (it == rs_plans_.end()) return kNoPlan;
     int64_t ran = 0;
     if (reuse_slot >= 0) {
-      if (it->second->slot_bytes <= slot_bytes_) {
-        ran = 1;
-      } else {
+      const RsPlan& plan = *it->second;
+      if (plan.slot_bytes > slot_bytes_) {
         ran = 2;
-        reuse_slot = -1;
+      } else {
+        ran = 1;
+        const uint64_t lo = slot_base(rank_, reuse_slot), hi = lo + static_cast<uint64_t>(slot_bytes_);
+        for (size_t j = 0; j < grads.size() && ran == 1; ++j) {
+          const uint64_t p = ptr_of(grads[j]);
+          if (p >= lo && p < hi && p != lo + static_cast<uint64_t>(plan.slot_off[j])) ran = 3;
+        }
       }
+      if (ran != 1) reuse_slot = -1;
     }
     reduce_scatter(it->second, grads, shard_grads, scale, accumulate, reuse_slot);
     return ran;
@@ -786,12 +795,19 @@ class Arena {
       if (static_cast<int64_t>(sets.size()) >= max_graph_sets_) {
         sets.splice(sets.begin(), sets, std::prev(sets.end()));
         RsGraphs& gs = sets.front();
-        if (!repoint(gs, src)) build_set(gs, plan, src);
+        if (!repoint(gs, src)) {
+          try {
+            build_set(gs, plan, src);
+          } catch (...) {  // no half-built set stays cached
+            sets.pop_front();
+            if (sets.empty()) rs_graphs_.erase(found);
+            throw;
+          }
+        }
         return gs;
       }
-    } else if (graph_sets() >= kMaxGraphSets) {
-      clear_plan_graphs();
     }
+    if (graph_sets() >= kMaxGraphSets) clear_plan_graphs();
     std::list<RsGraphs>& sets = rs_graphs_[key];
     sets.emplace_front();
     try {

@@ -313,9 +313,22 @@ def graph_cache(rank: int, world_size: int, seed: int) -> dict:
         for i, (g, w) in enumerate(zip(outs, want)):
             assert_bits(f"rank {rank} step {step} ({which}, {mode}) reduce_scatter param {i}", g, w)
         deltas.append({"set": which, "mode": mode, "ran": ran, **{k: after[k] - before[k] for k in keys}})
+    # FSDP passes only the params that have gradients: with one left out, the others lie in the slot at
+    # the whole group's places, not at this call's. Slot-Reuse must then read them where they lie.
+    keep = [i for i in range(len(grads_cpu)) if i != 1]
+    new = [torch.randn(grads_cpu[i].shape, generator=gen).to(grads_cpu[i].dtype) for i in keep]
+    for i, n in zip(keep, new):
+        sets["slot"][i].copy_(n)
+    outs = [torch.full(init[i].shape, float("nan"), device=dev) for i in keep]
+    partial_ran = arena.reduce_scatter_params([sets["slot"][i] for i in keep], outs, scale, False, rs_mode="slot_reuse",
+                                              reuse_slot=0)
+    want = ref_reduce_scatter(new, [init[i] for i in keep], scale, False, world_size, name)
+    for i, (g, w) in enumerate(zip(outs, want)):
+        assert_bits(f"rank {rank} partial group from the slot, param {i}", g, w)
     torch.cuda.synchronize()
     c = arena.counters()
-    return {"deltas": deltas, "ce_mode_now": c["ce_mode_now"], "graph_error": c["graph_error"]}
+    return {"deltas": deltas, "partial_ran": partial_ran, "ce_mode_now": c["ce_mode_now"],
+            "graph_error": c["graph_error"]}
 
 
 def bad_input(rank: int, world_size: int) -> dict:

@@ -54,7 +54,8 @@ def test_ce_modes_repeated_calls_bitexact(ext):
 
 def test_graph_cache_replays_known_addresses(ext):
     """Two cached address sets per plan: a known set replays as built, a third set re-points the least
-    recently used set's nodes, Slot-Reuse from gradients already in the slot places nothing."""
+    recently used set's nodes, Slot-Reuse from gradients already in the slot places nothing, and a
+    partial group whose gradients lie at the whole group's slot places is read where it lies."""
     results = _run(ranks.graph_cache, 3, 77)
     for rank, r in enumerate(results):
         d = r["deltas"]
@@ -70,6 +71,7 @@ def test_graph_cache_replays_known_addresses(ext):
         # (as the H200 machine's driver does), the least recently used set is rebuilt; graph mode stays on.
         assert (d[7]["graph_repoints_refused"] == 1 and built[7] > 0) or d[7]["graph_node_updates"] > 0, (rank, d[7])
         assert r["ce_mode_now"] == "graph" and r["graph_error"] == "", (rank, r)
+        assert r["partial_ran"] == "in_place_grads_in_slot", (rank, r["partial_ran"])
         # Gradients already in slot 0: Slot-Reuse issues exactly In-Place's kernels (no placement
         # copy); from elsewhere it launches one placement kernel more.
         assert [x["ran"] for x in d[7:]] == ["in_place", "slot_reuse", "slot_reuse"], (rank, d[7:])

@@ -142,7 +142,8 @@ def arena_stats() -> dict[str, int]:
     """What the CUDA-transport wiring did since the last :func:`reset_stats`: ``ag:bound`` (outputs bound in
     a slot, zero-copy), ``ag:staged`` (gathered through a free slot, copied out), ``ag:larger_than_slot`` (the
     op's reference backend), ``rs:in_place``, ``rs:slot_reuse``, ``rs:in_place_slot_too_small`` (Slot-Reuse
-    asked, the group does not fit a slot), ``rs:slot_reuse_as_in_place:no_free_slot``, ``rs:grad_into_slot``
+    asked, the group does not fit a slot), ``rs:in_place_grads_in_slot`` (Slot-Reuse asked, FSDP passed only
+    some params' gradients, read where the hooks put them), ``rs:slot_reuse_as_in_place:no_free_slot``, ``rs:grad_into_slot``
     (gradients the Slot-Reuse hooks moved into their slot region), ``arena:created``. Empty without a
     CUDA arena."""
     return dict(_arena_counts)
@@ -613,11 +614,17 @@ def _grad_into_slot(param_group, fsdp_param, key: tuple, param) -> None:
     instead of reading gradients. ``param.grad`` becomes a view of the arena buffer (not of the
     all-gather output, whose storage FSDP's reshard empties before the reduce reads the gradients).
     Only when this backward reduces and reshards the group (``reduce_grads``, ``reshard_after_backward``;
-    no gradient accumulated from an earlier no-sync backward) and the params are bound in a slot.
+    no gradient accumulated from an earlier no-sync backward), the reduce is fp32 (TIDE's), and the
+    params are bound in a slot. Reentrant activation checkpointing (``use_reentrant=True``) accumulates a
+    parameter once per checkpointed region: a parameter used in two regions of one FSDP module would be
+    overwritten before the second region recomputes, so use non-reentrant checkpointing (torch's
+    default) or In-Place with it.
     """
     grad = param.grad
     comm = param_group._reduce_scatter_comm
+    reduce_dtype = getattr(getattr(param_group, "mp_policy", None), "reduce_dtype", None)
     if (grad is None or not isinstance(comm, TideReduceScatter) or comm.rs_mode != "slot_reuse"
+            or (reduce_dtype or grad.dtype) != torch.float32  # TIDE reduces into fp32 only; others stay stock
             or not param_group.reduce_grads or not param_group.reshard_after_backward
             or fsdp_param.unsharded_accumulated_grad is not None or grad.dtype != param.dtype
             or grad.shape != param.shape or not grad.is_contiguous() or torch.cuda.is_current_stream_capturing()):
@@ -801,13 +808,27 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                                     reduce_dtype, device, all_reduce_group, all_reduce_hook, bool(args or kwargs))
     _count("reduce_scatter", reason)
     if reason is not None:
-        return _ORIG["foreach_reduce"](
+        out = _ORIG["foreach_reduce"](
             fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
             orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
             all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms, *args, **kwargs)
+        _order_slot_after_stock_reduce(fsdp_params, reduce_scatter_comm, reduce_scatter_group, reduce_scatter_stream)
+        return out
     state = slot_state(reduce_scatter_group, device, getattr(reduce_scatter_comm, "transport", "auto"))
     return _tide_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
                         reduce_scatter_comm, orig_dtype, device, gradient_divide_factor, state)
+
+
+def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
+    """A stock reduce may read gradients that the Slot-Reuse hooks put in the group's slot: the next
+    all-gather into that slot waits for what stock issued on the reduce-scatter stream (it reads the
+    gradients there, within the call)."""
+    if not (isinstance(comm, TideReduceScatter) and comm.grad_hooks and fsdp_params and group is not None):
+        return
+    state = _SLOTS.get(group_key(group))
+    own = state.param_slot.get(id(fsdp_params[0])) if state is not None else None
+    if own is not None:
+        state.event[own] = stream.record_event()
 
 
 _WRAPPERS = {

@@ -35,7 +35,7 @@ DEFAULT_RING_DEPTH = 2
 DEFAULT_CTAS = 16
 DEFAULT_GRAPH_SETS = 32
 RS_MODES = ("in_place", "slot_reuse")
-RS_RAN = ("in_place", "slot_reuse", "in_place_slot_too_small")  # by the extension's return code
+RS_RAN = ("in_place", "slot_reuse", "in_place_slot_too_small", "in_place_grads_in_slot")  # by the extension's code
 CE_MODES = ("graph", "batch", "loop")  # TIDE_CE_MODE; the index is the extension's code
 _COUNTERS = ("ce_copies", "ce_bytes", "kernels", "flags", "graph_launches", "graphs_built", "graph_node_updates",
              "graph_repoints_refused", "memop_calls", "copy_api_calls", "op_calls", "host_ns_total", "host_ns_kernel", "host_ns_memop",
@@ -182,8 +182,9 @@ class Arena:
         """TIDE-RS into this rank's fp32 ``shard_grads``. ``rs_mode="slot_reuse"`` pushes from slot
         ``reuse_slot`` (default: the slot the next all-gather takes, i.e. the one just vacated), each
         gradient at its param's all-gather output address there, copied in first unless it already lies
-        there. Returns what ran: ``"in_place"``, ``"slot_reuse"``, or ``"in_place_slot_too_small"``
-        (Slot-Reuse asked, the group does not fit a slot)."""
+        there. Returns what ran: ``"in_place"``, ``"slot_reuse"``, ``"in_place_slot_too_small"`` (Slot-Reuse
+        asked, the group does not fit a slot) or ``"in_place_grads_in_slot"`` (Slot-Reuse asked, some
+        gradient already lies in that slot away from its place in this call's layout: read where it lies)."""
         mode = rs_mode or self.rs_mode
         if mode not in RS_MODES:
             raise ValueError(f"tide.transport.reduce_scatter_params: rs_mode must be one of {RS_MODES}, got {mode!r}")
