@@ -52,7 +52,8 @@ def rows_and_row_numel(shape: Sequence[int]) -> tuple[int, int]:
     return int(shape[0]), math.prod(int(s) for s in shape[1:])
 
 
-def _align_up(n: int, align: int) -> int:
+def align_up(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
     return -(-n // align) * align
 
 
@@ -182,7 +183,7 @@ class GroupLayout:
                 slot_offset=offset,
             )
             params.append(p)
-            offset = _align_up(offset + p.out_bytes, align)
+            offset = align_up(offset + p.out_bytes, align)
         self.params: tuple[ParamLayout, ...] = tuple(params)
         self.slot_bytes = offset
 

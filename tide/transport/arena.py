@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tide.meta import checks
-from tide.meta.layout import GroupLayout
+from tide.meta.layout import GroupLayout, align_up
 from tide.transport import plans
 
 log = logging.getLogger("tide.transport")
@@ -42,10 +42,6 @@ _COUNTERS = ("ce_copies", "ce_bytes", "kernels", "flags", "graph_launches", "gra
              "host_ns_graph_launch", "host_ns_graph_update", "host_ns_graph_build", "host_ns_copy_api", "host_ns_event")
 
 _ARENAS: dict[str, "Arena"] = {}
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 def _env_int(name: str, default: int) -> int:
@@ -107,9 +103,9 @@ class Arena:
         self.max_graph_sets = max_graph_sets or _env_int("TIDE_RS_GRAPH_SETS", DEFAULT_GRAPH_SETS)
         ring = rs_ring_bytes or _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
         self.entry_bytes = max(4096, (ring // (ring_depth * W)) // 4096 * 4096)
-        self.slot_bytes = _align(max(int(slot_bytes), 16), 4096)
+        self.slot_bytes = align_up(max(int(slot_bytes), 16), 4096)
         flag_words = 2 * num_slots * W + 2 * ring_depth * W + W + 4
-        self.flags_bytes = _align(4 * flag_words, 4096)
+        self.flags_bytes = align_up(4 * flag_words, 4096)
         self.slots_off = self.flags_bytes
         self.ring_off = self.slots_off + num_slots * self.slot_bytes
         self.total_bytes = self.ring_off + ring_depth * W * self.entry_bytes
@@ -290,10 +286,14 @@ class Arena:
 def enable(group: dist.ProcessGroup, *, slot_bytes: int | None = None, layouts: Sequence[GroupLayout] = (),
            **kwargs) -> Arena:
     """Create (collectively) and register the arena of ``group``; its slots fit ``slot_bytes`` or the
-    largest of ``layouts``. Must be called by every rank of ``group``, outside CUDA-graph capture."""
+    largest of ``layouts``. Must be called by every rank of ``group``, outside CUDA-graph capture; a group
+    that already has an arena is refused (``disable`` it first), on every rank alike."""
     need = max([slot_bytes or 0] + [l.slot_bytes for l in layouts])
     if need <= 0:
         raise ValueError("tide.transport.enable: give slot_bytes or layouts")
+    if group.group_name in _ARENAS:
+        raise ValueError(f"tide.transport.enable: group {group.group_name!r} already has an arena; "
+                         "tide.transport.disable it first")
     arena = Arena(group, need, **kwargs)
     _ARENAS[group.group_name] = arena
     return arena

@@ -14,14 +14,10 @@ from typing import Sequence
 
 import torch
 
-from tide.meta.layout import GroupLayout
+from tide.meta.layout import GroupLayout, align_up
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ALIGN = 16
-
-
-def _align(n: int, a: int = ALIGN) -> int:
-    return -(-n // a) * a
 
 
 def all_gather_layout(shard_shapes: Sequence[Sequence[int]], out_dtypes: Sequence[torch.dtype],
@@ -72,7 +68,7 @@ def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[tor
                 per_dest.append(cur)
                 cur, off = [], 0
             cur.append((c.param, c.grad_offset, c.shard_offset, c.numel, off))
-            off = _align(off + nbytes)
+            off = align_up(off + nbytes, ALIGN)
         if cur:
             per_dest.append(cur)
         rounds.append(per_dest)
