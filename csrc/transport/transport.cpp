@@ -61,7 +61,7 @@ int32_t dtype_code(const char* op, at::ScalarType t) {
     case at::kFloat: return kF32;
     case at::kBFloat16: return kBF16;
     case at::kHalf: return kF16;
-    default: TORCH_CHECK(false, "tide.", op, ": unsupported dtype ", t, " (bf16, fp16 or fp32)");
+    default: TORCH_CHECK(false, "tide.", op, ": unsupported dtype ", c10::toString(t), " (bf16, fp16 or fp32)");
   }
   return kF32;
 }
@@ -236,7 +236,7 @@ class Arena {
     TORCH_CHECK(max_graph_sets >= 1, "tide.Arena: max_graph_sets must be >= 1, got ", num(max_graph_sets));
     TORCH_CHECK(entry_bytes % 16 == 0 && slot_bytes % 16 == 0, "tide.Arena: entry_bytes and slot_bytes must be multiples of 16");
     TORCH_CHECK(ce_mode == kCeGraph || ce_mode == kCeBatch || ce_mode == kCeLoop,
-                "tide.Arena: ce_mode must be 0 (graph), 1 (batch) or 2 (loop), got ", ce_mode);
+                "tide.Arena: ce_mode must be 0 (graph), 1 (batch) or 2 (loop), got ", num(ce_mode));
     TORCH_CHECK(driver::available(), "tide.Arena: the CUDA driver lacks stream memory operations (cuStreamBatchMemOp)");
     for (auto b : bases) bases_.push_back(static_cast<uint64_t>(b));
     ag_uses_.assign(num_slots, 0);
