@@ -52,13 +52,15 @@ def test_rounds_cover_every_destination_shard_once_within_entries(case):
     rs = plans.rs_plan_info(shapes, [dtype] * len(shapes), world_size, rank, entry_bytes)
     for d in range(world_size):
         seen = {i: [] for i in range(len(shapes))}
-        for rnd in rs.rounds[d]:
+        for j, rnd in enumerate(rs.rounds[d]):
             ends = []
             for param, grad_off, shard_off, numel, entry_off in rnd:
-                assert entry_off % plans.ALIGN == 0
+                assert entry_off % plans.ALIGN == 0 and numel > 0
                 ends.append(entry_off + numel * dtype.itemsize)
                 seen[param].append((shard_off, grad_off, numel))
             assert max(ends) <= entry_bytes
+            if j < len(rs.rounds[d]) - 1:  # full up to the split granularity and the alignment
+                assert max(ends) > entry_bytes - plans.SPLIT_ELEMS * dtype.itemsize - plans.ALIGN
         for i, s in enumerate(shapes):
             d0 = s[0] if s else 1
             row = math.prod(s[1:]) if len(s) > 1 else 1
@@ -68,5 +70,6 @@ def test_rounds_cover_every_destination_shard_once_within_entries(case):
             covered = 0
             for shard_off, grad_off, numel in pieces:
                 assert shard_off == covered and grad_off == d * c * row + shard_off
+                assert shard_off % plans.SPLIT_ELEMS == 0  # pieces keep the vector path's 16-B alignment
                 covered += numel
             assert covered == real_rows * row

@@ -2,8 +2,9 @@
 
 An all-gather plan says where this rank's shard of every parameter sits in a slot (``own_off``) and
 where each parameter's output starts (``out_off``). A reduce-scatter plan packs the chunks of
-``GroupLayout.rs_chunks(dest)`` into staging entries of ``entry_bytes`` (each chunk 16-B aligned in
-its entry), one list of rounds per destination, plus this rank's padding ranges. For Slot-Reuse the
+``GroupLayout.rs_chunks(dest)`` into staging entries of ``entry_bytes`` (each piece 16-B aligned in
+its entry; a chunk that does not fit is split to fill the entry), one list of rounds per destination,
+plus this rank's padding ranges. For Slot-Reuse the
 gradients lie in a slot exactly where the same params' all-gather outputs do (``GroupLayout`` of the
 unpadded gradient shapes pads them as the all-gather layout of the padded shards does).
 """
@@ -18,6 +19,9 @@ from tide.meta.layout import GroupLayout, align_up
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ALIGN = 16
+# Chunks split across staging entries at multiples of 8 elements: the remainder keeps the 16-B
+# alignment of the summing kernel's vector path in the gradient, the entry and the fp32 shard.
+SPLIT_ELEMS = 8
 
 
 def all_gather_layout(shard_shapes: Sequence[Sequence[int]], out_dtypes: Sequence[torch.dtype],
@@ -63,12 +67,20 @@ def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[tor
     for d in range(world_size):
         per_dest, cur, off = [], [], 0
         for c in layout.rs_chunks(d):
-            nbytes = c.numel * itemsizes[c.param]
-            if cur and off + nbytes > entry_bytes:
-                per_dest.append(cur)
-                cur, off = [], 0
-            cur.append((c.param, c.grad_offset, c.shard_offset, c.numel, off))
-            off = align_up(off + nbytes, ALIGN)
+            size = itemsizes[c.param]
+            grad_off, shard_off, left = c.grad_offset, c.shard_offset, c.numel
+            while left:
+                # A chunk that does not fit the entry's room fills it (split at a multiple of SPLIT_ELEMS
+                # elements) and goes on in the next entry: every round but the last is full.
+                room = (entry_bytes - off) // size // SPLIT_ELEMS * SPLIT_ELEMS
+                n = left if left * size <= entry_bytes - off else room
+                if n == 0:
+                    per_dest.append(cur)
+                    cur, off = [], 0
+                    continue
+                cur.append((c.param, grad_off, shard_off, n, off))
+                off = align_up(off + n * size, ALIGN)
+                grad_off, shard_off, left = grad_off + n, shard_off + n, left - n
         if cur:
             per_dest.append(cur)
         rounds.append(per_dest)
