@@ -21,7 +21,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_memory.py"
 
 def test_slot_reuse_gradients_leave_the_allocator(ext, tmp_path):
     subprocess.run([sys.executable, str(BENCH), "--ranks", "2", "--dims", "1024", "--layers", "2",
-                    "--stock-max-dim", "0", "--out", str(tmp_path)], check=True, timeout=240)
+                    "--stock-max-dim", "0", "--out", str(tmp_path)], check=True, timeout=80)
     rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "memory.csv")) if r["rank"] == "0"}
     in_place, slot_reuse = rows["tide_in_place"], rows["tide_slot_reuse"]
     g = float(in_place["grad_shard_ns"])  # 2/W = 1 NS at W = 2

@@ -73,3 +73,10 @@ def test_rounds_cover_every_destination_shard_once_within_entries(case):
                 assert shard_off % plans.SPLIT_ELEMS == 0  # pieces keep the vector path's 16-B alignment
                 covered += numel
             assert covered == real_rows * row
+
+
+def test_entry_too_small_for_a_split_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="entry_bytes=16"):
+        plans.rs_plan_info([(64,)], [torch.float32], 2, 0, 16)

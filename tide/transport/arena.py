@@ -195,6 +195,8 @@ class Arena:
         if ran == self.ext.Arena.BAD_ARGS:
             checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
             self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
+        if not 0 <= ran < len(RS_RAN):
+            raise RuntimeError(f"tide.transport.reduce_scatter_params: unexpected extension answer {ran}")
         return RS_RAN[ran]
 
     def _raise_device_error(self, op: str, *named_lists) -> None:

@@ -62,6 +62,8 @@ class RsPlanInfo:
 def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[torch.dtype], world_size: int,
                  rank: int, entry_bytes: int) -> RsPlanInfo:
     itemsizes = [d.itemsize for d in grad_dtypes]
+    if itemsizes and entry_bytes < SPLIT_ELEMS * max(itemsizes):
+        raise ValueError(f"tide.transport.plans: entry_bytes={entry_bytes} cannot hold {SPLIT_ELEMS} elements")
     layout = GroupLayout(grad_shapes, itemsizes, world_size, rs_chunk_bytes=entry_bytes)
     rounds = []
     for d in range(world_size):
