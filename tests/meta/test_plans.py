@@ -2,6 +2,7 @@
 param's all-gather output lies, and the reduce-scatter rounds cover every gradient element once."""
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -76,7 +77,5 @@ def test_rounds_cover_every_destination_shard_once_within_entries(case):
 
 
 def test_entry_too_small_for_a_split_is_refused():
-    import pytest
-
     with pytest.raises(ValueError, match="entry_bytes=16"):
         plans.rs_plan_info([(64,)], [torch.float32], 2, 0, 16)
