@@ -1,6 +1,6 @@
 """Host time to issue one all-gather and one reduce-scatter of a 60-parameter group: TIDE vs stock FSDP2.
 
-TIDE: W ranks (default 8, sharing the GPU when there are fewer GPUs; symmetric memory over gloo), one
+TIDE: W ranks (default 8) over gloo with symmetric memory (sharing the GPU when there are fewer GPUs), one
 ``torch.ops.tide.all_gather_into_params_`` into arena-bound outputs (FSDP's zero-copy case; ``ag_bind``
 also binds 60 one-dimensional outputs into the slot with ``Arena.bind_outputs`` in the timed region, as
 the FSDP seam does at every unshard; ``ag_op_only`` uses slot views made beforehand) and one

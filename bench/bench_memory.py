@@ -4,7 +4,7 @@ Model: the Llama-like model of ``tide.models`` with a large ``dim`` (Llama propo
 ``ffn_dim`` = 8/3 dim rounded to 256), ``--layers`` blocks (default 3), vocab 256 and 2 x 16 tokens, so
 the root group (embedding, final norm, head) and the activations are small next to one block. Every block
 and the root are ``fully_shard``-ed with bf16 params / fp32 reduce, ``reshard_after_forward=True`` and
-explicit forward/backward prefetch of the neighbouring block. ``--ranks`` ranks (default 2) share the GPU
+explicit forward/backward prefetch of the neighbouring block. ``--ranks`` ranks (default 8) share the GPU
 (gloo + symmetric memory) unless there is one GPU per rank (NCCL).
 
 **What is counted** (per rank, the step after one warm-up step; the layer is the *last* block, the first

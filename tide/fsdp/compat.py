@@ -1,6 +1,7 @@
-"""Torch-version shims for the FSDP2 seam (tested: torch 2.11, 2.13, 2.14).
+"""Torch-version shims for the FSDP2 seam: accepted torch 2.11, 2.13, 2.14 (``TESTED_TORCH``); 2.11 runs
+on the GPU machine and 2.13 in CI, 2.14 is accepted from its FSDP2 source but has not been run.
 
-Differences handled here (``shared/reference/fsdp2_integration.md`` §2):
+Differences handled here (from the FSDP2 sources of those versions):
 * param groups: 2.13+ ``FSDPState._fsdp_param_groups`` (a list); 2.11 ``_fsdp_param_group`` (one or None);
 * ``foreach_reduce`` returns 6 values on 2.11 and 7 on 2.13+ (``post_reduce_stream`` at index 2);
 * 2.11 traceable FSDP2 (compiled autograd) is detected with ``_fsdp_common.compiled_autograd_enabled``.

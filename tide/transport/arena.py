@@ -6,7 +6,8 @@ through torch symmetric memory (CUDA backend; several processes may share one GP
 rank (peers' copies at ``buffer_ptrs[p]``)::
 
     [0, flags_bytes)                       int32 flag words: ag_free[K][W], ag_ready[K][W],
-                                           rs_ready[R][W], rs_free[W][R], 4 source words
+                                           rs_ready[R][W], rs_free[W][R], W + 1 source words
+                                           (W + 4 words allotted)
     slots_off + i * slot_bytes             all-gather slot i < K (param-major, GroupLayout offsets)
     ring_off + (s * W + q) * entry_bytes   reduce-scatter staging entry of ring slot s < R, contributor q
 
@@ -69,7 +70,8 @@ class Arena:
         ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
         rs_mode: ``"in_place"`` or ``"slot_reuse"`` for op-level calls (``TIDE_RS_MODE``).
         ce_mode: how the copy-engine copies are issued (``TIDE_CE_MODE``): ``"graph"`` (default) replays a
-            CUDA graph of memcpy nodes cached per (plan, slot[, ring phase]); ``"batch"`` issues one
+            CUDA graph of memcpy nodes cached per (plan, slot) for all-gathers and per (plan, ring phase,
+            gradient addresses) for reduce-scatters; ``"batch"`` issues one
             ``cudaMemcpyBatchAsync`` per run of pieces; ``"loop"`` one ``cudaMemcpyAsync`` per piece.
         max_graph_sets: graph mode, reduce-scatter push graphs kept per (plan, ring phase), one set per
             gradient address set (``TIDE_RS_GRAPH_SETS``, default 32): FSDP's blocks share a plan, and a
