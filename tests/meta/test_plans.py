@@ -6,15 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from tests.meta.test_layout import SHAPE  # the layout tests' shapes: 0-d, empty, 1-3 dims
 from tide.meta.layout import shard_rows
 from tide.transport import plans
-
-SHAPE = st.one_of(
-    st.just(()),
-    st.tuples(st.integers(1, 300)),
-    st.tuples(st.integers(1, 200), st.integers(1, 9)),
-    st.tuples(st.integers(1, 70), st.integers(1, 5), st.integers(1, 4)),
-)
 
 
 @st.composite
