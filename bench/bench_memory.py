@@ -150,6 +150,43 @@ def _rank(rank: int, world_size: int, dims: list, layers: int, stock_max_dim: in
     return rows
 
 
+def report(rows: list[dict], dims: list[int], ranks: int, backend: str, meta: dict, out: Path) -> None:
+    """Plot rank 0's rows to ``memory.png`` and print the ``SUMMARY memory`` line; a variant may lack
+    some dims (stock beyond ``--stock-max-dim``) or all of them."""
+    rank0 = [r for r in rows if r["rank"] == 0]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.27
+    for k, (name, _) in enumerate(VARIANTS):
+        ran = [i for i, d in enumerate(dims) if any(r["dim"] == d and r["variant"] == name for r in rank0)]
+        if not ran:  # e.g. stock left out by --stock-max-dim
+            continue
+        xs = [i + (k - 1) * width for i in ran]
+        vals = [next(r["live_ns"] for r in rank0 if r["dim"] == dims[i] and r["variant"] == name) for i in ran]
+        arena = [next(r["arena_ns"] for r in rank0 if r["dim"] == dims[i] and r["variant"] == name) for i in ran]
+        bars = ax.bar(xs, vals, width, label=f"{name} (target {TARGETS[name]})")
+        ax.bar(xs, arena, width, bottom=[v - a for v, a in zip(vals, arena)], fill=False, hatch="//",
+               edgecolor=bars.patches[0].get_facecolor(), linewidth=0)
+        for x, v in zip(xs, vals):
+            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(dims)))
+    ax.set_xticklabels([f"dim {d}\nNS {next(r['ns_bytes'] for r in rank0 if r['dim'] == d) / 2**20:.0f} MiB"
+                        for d in dims], fontsize=8)
+    ax.set_ylabel("peak live bytes / NS (hatched: arena)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"last block's backward, W={ranks} ({backend}), {meta['device']}, torch {meta['torch']}",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=120)
+    parts = []
+    for d in dims:
+        vals = {r["variant"]: r["live_ns"] for r in rank0 if r["dim"] == d}
+        parts.append(f"dim {d}: " + " ".join(f"{name.removeprefix('tide_')} {vals[name]:.2f}" for name, _ in VARIANTS
+                                             if name in vals))
+    print(f"SUMMARY memory (x NS, peak live in the last block's backward, arena in full, W={ranks}, rank 0): "
+          + "; ".join(parts))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", default="1024,2048,4096", help="comma-separated model dims (one block size each)")
@@ -172,37 +209,7 @@ def main(argv=None) -> None:
     rows = [{**r, **meta} for pr in per_rank for r in pr]
     out = Path(args.out)
     write_csv(out / "memory.csv", rows)
-
-    rank0 = [r for r in rows if r["rank"] == 0]
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.27
-    for k, (name, _) in enumerate(VARIANTS):
-        ran = [i for i, d in enumerate(dims) if any(r["dim"] == d and r["variant"] == name for r in rank0)]
-        xs = [i + (k - 1) * width for i in ran]
-        vals = [next(r["live_ns"] for r in rank0 if r["dim"] == dims[i] and r["variant"] == name) for i in ran]
-        arena = [next(r["arena_ns"] for r in rank0 if r["dim"] == dims[i] and r["variant"] == name) for i in ran]
-        bars = ax.bar(xs, vals, width, label=f"{name} (target {TARGETS[name]})")
-        ax.bar(xs, arena, width, bottom=[v - a for v, a in zip(vals, arena)], fill=False, hatch="//",
-               edgecolor=bars.patches[0].get_facecolor(), linewidth=0)
-        for x, v in zip(xs, vals):
-            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(dims)))
-    ax.set_xticklabels([f"dim {d}\nNS {next(r['ns_bytes'] for r in rank0 if r['dim'] == d) / 2**20:.0f} MiB"
-                        for d in dims], fontsize=8)
-    ax.set_ylabel("peak live bytes / NS (hatched: arena)")
-    ax.legend(fontsize=7)
-    ax.set_title(f"last block's backward, W={args.ranks} ({backend}), {meta['device']}, torch {meta['torch']}",
-                 fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=120)
-    parts = []
-    for d in dims:
-        vals = {r["variant"]: r["live_ns"] for r in rank0 if r["dim"] == d}
-        parts.append(f"dim {d}: " + " ".join(f"{name.removeprefix('tide_')} {vals[name]:.2f}" for name, _ in VARIANTS
-                                             if name in vals))
-    print(f"SUMMARY memory (x NS, peak live in the last block's backward, arena in full, W={args.ranks}, rank 0): "
-          + "; ".join(parts))
+    report(rows, dims, args.ranks, backend, meta, out)
 
 
 if __name__ == "__main__":
