@@ -7,8 +7,9 @@ the FSDP seam does at every unshard; ``ag_op_only`` uses slot views made beforeh
 ``torch.ops.tide.reduce_scatter_params_`` per iteration: In-Place with the same gradient tensors every
 call; In-Place "recurring", cycling over 4 gradient sets (like 4 FSDP blocks whose gradients come back
 at the same addresses each step: each set replays its own cached push graphs); In-Place "fresh", at new
-addresses every call (views into one buffer shifted by 256 B per call over 64 positions, more than the
-graph cache holds: every call re-points the copy nodes, the worst case); and Slot-Reuse with the
+addresses every call (views into one buffer shifted by 256 B per call over R x (``max_graph_sets`` + 1)
+positions, 66 by default, more than the graph cache holds for any ring phase: every call re-points the copy
+nodes, the worst case; graph mode checks that it did); and Slot-Reuse with the
 gradients already in the slot (where FSDP's Slot-Reuse hooks leave them). Timed on rank 0 from the
 Python call to its return (the GPU is synchronised between
 iterations, outside the timed region). Each copy mode (``TIDE_CE_MODE`` = graph, batch, loop) runs in its
@@ -60,7 +61,7 @@ def _time(fn, iters: int) -> list[float]:
 
 VARIANTS = ("ag_bind", "ag_op_only", "rs_in_place", "rs_in_place_recurring", "rs_in_place_fresh", "rs_slot_reuse")
 RECURRING_SETS = 4
-FRESH_POSITIONS, FRESH_SHIFT = 64, 256
+FRESH_SHIFT = 256
 CPP_KEYS = ("host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_graph_launch", "host_ns_graph_update",
             "host_ns_graph_build", "host_ns_copy_api", "host_ns_event", "graph_launches", "graphs_built",
             "graph_node_updates", "memop_calls", "copy_api_calls", "kernels", "op_calls")
@@ -85,14 +86,17 @@ def tide_rank(rank: int, world_size: int, iters: int, mode: str) -> dict:
     arena = transport.enable(group, slot_bytes=layout.slot_bytes, ce_mode=mode)
     grads = [torch.randn(s, device=dev).to(torch.bfloat16) for s in shapes]
     recurring = [grads] + [[g.clone() for g in grads] for _ in range(RECURRING_SETS - 1)]
-    # Fresh addresses: the gradients as views into one buffer, shifted by FRESH_SHIFT bytes per call.
+    # Fresh addresses: the gradients as views into one buffer, shifted by FRESH_SHIFT bytes per call. The
+    # push graphs are cached per (plan, ring phase) and the phase advances with the rounds of each call, so
+    # a phase may see only every R-th position: R x (sets + 1) positions miss the cache on every call.
+    fresh_positions = arena.ring_depth * (arena.max_graph_sets + 1)
     offsets, total = [], 0
     for g in grads:
         offsets.append(total)
         total += -(-g.numel() * 2 // FRESH_SHIFT) * FRESH_SHIFT
-    buf = torch.randn((total + FRESH_POSITIONS * FRESH_SHIFT) // 2, device=dev).to(torch.bfloat16)
+    buf = torch.randn((total + fresh_positions * FRESH_SHIFT) // 2, device=dev).to(torch.bfloat16)
     fresh = [[buf[(o + k * FRESH_SHIFT) // 2:(o + k * FRESH_SHIFT) // 2 + g.numel()].view(g.shape)
-              for o, g in zip(offsets, grads)] for k in range(FRESH_POSITIONS)]
+              for o, g in zip(offsets, grads)] for k in range(fresh_positions)]
     shard_grads = [torch.zeros((-(-s[0] // world_size), *s[1:]), device=dev) for s in shapes]
     views = [arena.slot_views(layout, dtypes, i) for i in range(arena.num_slots)]
     # Slot-Reuse reads the slot the next all-gather would take (no all-gather runs in between).
@@ -125,13 +129,16 @@ def tide_rank(rank: int, world_size: int, iters: int, mode: str) -> dict:
     for variant in VARIANTS:
         arena.rs_mode = "slot_reuse" if variant == "rs_slot_reuse" else "in_place"
         # Warm-up: plans, graphs of every set, slot and ring phase; for "fresh", a full cache.
-        _time(fns[variant], FRESH_POSITIONS if variant == "rs_in_place_fresh" else 2 * RECURRING_SETS)
+        _time(fns[variant], fresh_positions if variant == "rs_in_place_fresh" else 2 * RECURRING_SETS)
         dist.barrier()
         before = arena.counters()
         times = _time(fns[variant], iters)
         after = arena.counters()
         dist.barrier()
         res[variant] = {"times": times, "cpp": {k: (after[k] - before[k]) / iters for k in CPP_KEYS}}
+        if variant == "rs_in_place_fresh" and mode == "graph" and res[variant]["cpp"]["graph_node_updates"] == 0:
+            raise RuntimeError("bench_host_time: the 'fresh' variant replayed cached graphs; it no longer measures "
+                               "gradients at new addresses")
     c = arena.counters()
     res["arena"] = {k: c[k] for k in ("ce_mode", "ce_mode_now", "graph_error", "batched_memop_writes", "graphs_built")}
     return res if rank == 0 else {}
