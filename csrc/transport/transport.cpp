@@ -1015,13 +1015,25 @@ void sum_strided(const at::Tensor& out, const at::Tensor& base, int64_t k, int64
   launch_sum_contributions(a, static_cast<int>(ctas), c10::cuda::getCurrentCUDAStream().stream());
 }
 
-// Points the storage of `t` (all its views see it) at `nbytes` of device memory at `ptr`, not owned:
-// the way FSDP2's resize_ gives an all-gather output its memory, but into an arena slot.
-void bind_storage(const at::Tensor& t, int64_t ptr, int64_t nbytes) {
-  TORCH_CHECK(t.is_cuda(), "tide.bind_storage: tensor must be on a CUDA device");
-  auto* impl = t.storage().unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(c10::DataPtr(reinterpret_cast<void*>(ptr), t.device()));
-  impl->set_nbytes(static_cast<size_t>(nbytes));
+// Points the storage of each output (all its views see it) at `nbytes[i]` of device memory at
+// `base + offsets[i]`, not owned: the way FSDP2's resize_ gives an all-gather output its memory, but into
+// an arena slot. One call per unshard. False, with nothing bound, unless every output is a 1-D tensor on
+// `device` that starts its storage and has exactly `nbytes[i]` bytes (the caller raises the error).
+bool bind_storages(const std::vector<at::Tensor>& outs, int64_t device, int64_t base,
+                   const std::vector<int64_t>& offsets, const std::vector<int64_t>& nbytes) {
+  if (offsets.size() != outs.size() || nbytes.size() != outs.size()) return false;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& t = outs[i];
+    if (!t.defined() || !t.is_cuda() || t.get_device() != device || t.dim() != 1 || t.storage_offset() != 0 ||
+        t.numel() * static_cast<int64_t>(t.element_size()) != nbytes[i])
+      return false;
+  }
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto* impl = outs[i].storage().unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(c10::DataPtr(reinterpret_cast<void*>(base + offsets[i]), outs[i].device()));
+    impl->set_nbytes(static_cast<size_t>(nbytes[i]));
+  }
+  return true;
 }
 
 }  // namespace tide
@@ -1056,6 +1068,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly_static("NO_FIT", &Arena::kNoFit)
       .def_readonly_static("BAD_ARGS", &Arena::kBadArgs);
   m.def("sum_strided", &sum_strided);
-  m.def("bind_storage", &bind_storage);
+  m.def("bind_storages", &bind_storages);
   m.def("driver_available", &driver::available);
 }

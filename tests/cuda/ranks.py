@@ -368,6 +368,12 @@ def bad_input(rank: int, world_size: int) -> dict:
     ext = transport.get(name).ext
     cases["extension_error"] = (lambda: ext.Arena(5, 2, [0, 0], 0, 0, 0, 16, 1, 0, 16, 1, 1, 0, 1), RuntimeError,
                                 "rank 5 not in [0, 2)")
+    # bind_outputs checks every output in its one extension call before binding any.
+    arena = transport.get(name)
+    loose = [torch.empty(W * s.numel(), device=dev, dtype=o.dtype) for s, o in zip(shards, outs)]
+    loose_ptrs = [t.data_ptr() for t in loose]
+    cases["bind_2d_output"] = (lambda: arena.bind_outputs([loose[0], loose[1].view(W, -1)]), ValueError, "1-D")
+    cases["bind_cpu_output"] = (lambda: arena.bind_outputs([loose[0], loose[1].cpu()]), ValueError, "device")
     messages = {}
     for case, (fn, exc, arg) in cases.items():
         try:
@@ -375,7 +381,8 @@ def bad_input(rank: int, world_size: int) -> dict:
             messages[case] = "no error"
         except exc as e:
             msg = str(e).splitlines()[0]
-            op = {"rs": "reduce_scatter_params_", "ag": "all_gather_into_params_"}.get(case[:2], "Arena")
+            op = {"rs": "reduce_scatter_params_", "ag": "all_gather_into_params_",
+                  "bi": "transport.bind_outputs"}.get(case[:2], "Arena")
             messages[case] = "ok" if msg.startswith(f"tide.{op}:") and arg in msg else f"bad message: {msg}"
         except Exception as e:  # the wrong exception type
             messages[case] = f"{type(e).__name__}: {e}"
@@ -389,6 +396,16 @@ def bad_input(rank: int, world_size: int) -> dict:
     rs(grads, got, 0.5, False, W, name)
     want = ref_reduce_scatter([g.cpu() for g in grads], [s.cpu() for s in shard_grads], 0.5, False, W, name)
     after_ok = after_ok and all(bits_equal(g, w) for g, w in zip(got, want))
+    messages["bind_nothing_bound"] = "ok" if [t.data_ptr() for t in loose] == loose_ptrs else "bound before the error"
+    # Bound for real, the outputs live in the arena and the all-gather writes them in place.
+    arena.bind_outputs(loose)
+    base = arena.buffer.data_ptr()
+    in_arena = all(base <= t.data_ptr() < base + arena.total_bytes for t in loose)
+    for t in loose:
+        t.fill_(float("nan"))
+    ag(shards, loose, W, name)
+    want = ref_all_gather(shard_cpu, [o.dtype for o in outs], W, name)
+    after_ok = after_ok and in_arena and all(bits_equal(t, w) for t, w in zip(loose, want))
     torch.cuda.synchronize()
     return {"messages": messages, "after_ok": after_ok}
 

@@ -263,15 +263,12 @@ class Arena:
             if layout.slot_bytes > self.slot_bytes:
                 raise ValueError(f"tide.transport.bind_outputs: group needs {layout.slot_bytes} slot bytes, "
                                  f"the arena has {self.slot_bytes}")
-            places = self._bind_places[key] = [(p.slot_offset, p.out_bytes) for p in layout.params]
-        for o in outs:  # all checked before any is bound
-            if o.storage_offset() != 0 or o.dim() != 1 or o.device != self.device:
-                raise ValueError("tide.transport.bind_outputs: outputs must be 1-D, on the arena's device, and start "
-                                 "their storage")
+            places = self._bind_places[key] = ([p.slot_offset for p in layout.params],
+                                               [p.out_bytes for p in layout.params])
         base = self.buffer.data_ptr() + self.slots_off + slot * self.slot_bytes
-        bind = self.ext.bind_storage
-        for o, (offset, nbytes) in zip(outs, places):
-            bind(o, base + offset, nbytes)
+        if not self.ext.bind_storages(outs, self.device.index, base, *places):  # all checked before any is bound
+            raise ValueError("tide.transport.bind_outputs: outputs must be 1-D, on the arena's device, and start "
+                             "their storage")
         return slot
 
     def counters(self) -> dict[str, int]:
