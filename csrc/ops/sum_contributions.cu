@@ -106,6 +106,23 @@ __device__ __forceinline__ float finish(float acc, float scale, bool accumulate,
   return accumulate ? __fadd_rn(old, v) : v;
 }
 
+// Scales the E sums of 16-B vector `idx` of the sources and writes (or adds) them to its E fp32
+// outputs, four at a time.
+template <int E>
+__device__ __forceinline__ void store_vector(const Common& a, float* out, int64_t idx, const float* acc) {
+#pragma unroll
+  for (int q = 0; q < E / 4; ++q) {
+    float4* o = reinterpret_cast<float4*>(out) + idx * (E / 4) + q;
+    const float4 old = a.accumulate ? *o : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 r;
+    r.x = finish(acc[4 * q + 0], a.scale, a.accumulate, old.x);
+    r.y = finish(acc[4 * q + 1], a.scale, a.accumulate, old.y);
+    r.z = finish(acc[4 * q + 2], a.scale, a.accumulate, old.z);
+    r.w = finish(acc[4 * q + 3], a.scale, a.accumulate, old.w);
+    *o = r;
+  }
+}
+
 // Scalar path over elements [begin, n): any alignment, any K.
 template <typename T>
 __device__ void sum_scalar(const Common& a, const SumSegment& s, int64_t begin) {
@@ -124,7 +141,6 @@ __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
   const uint4* src[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) src[k] = static_cast<const uint4*>(source(a, s, k));
-  float4* out = reinterpret_cast<float4*>(s.out);
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < nvec;
        base += nthreads * kUnroll) {
@@ -149,17 +165,7 @@ __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
       }
-#pragma unroll
-      for (int q = 0; q < E / 4; ++q) {
-        float4* o = out + idx * (E / 4) + q;
-        float4 old = a.accumulate ? *o : make_float4(0.f, 0.f, 0.f, 0.f);
-        float4 r;
-        r.x = finish(acc[4 * q + 0], a.scale, a.accumulate, old.x);
-        r.y = finish(acc[4 * q + 1], a.scale, a.accumulate, old.y);
-        r.z = finish(acc[4 * q + 2], a.scale, a.accumulate, old.z);
-        r.w = finish(acc[4 * q + 3], a.scale, a.accumulate, old.w);
-        *o = r;
-      }
+      store_vector<E>(a, s.out, idx, acc);
     }
   }
 }
@@ -168,7 +174,6 @@ __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
 template <typename T>
 __device__ void sum_vector_any_k(const Common& a, const SumSegment& s, int64_t nvec) {
   constexpr int E = 16 / sizeof(T);
-  float4* out = reinterpret_cast<float4*>(s.out);
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < nvec; idx += nthreads) {
     float acc[E], x[E];
@@ -178,17 +183,7 @@ __device__ void sum_vector_any_k(const Common& a, const SumSegment& s, int64_t n
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
     }
-#pragma unroll
-    for (int q = 0; q < E / 4; ++q) {
-      float4* o = out + idx * (E / 4) + q;
-      float4 old = a.accumulate ? *o : make_float4(0.f, 0.f, 0.f, 0.f);
-      float4 r;
-      r.x = finish(acc[4 * q + 0], a.scale, a.accumulate, old.x);
-      r.y = finish(acc[4 * q + 1], a.scale, a.accumulate, old.y);
-      r.z = finish(acc[4 * q + 2], a.scale, a.accumulate, old.z);
-      r.w = finish(acc[4 * q + 3], a.scale, a.accumulate, old.w);
-      *o = r;
-    }
+    store_vector<E>(a, s.out, idx, acc);
   }
 }
 
