@@ -1,6 +1,6 @@
 // tide sum_contributions: the destination-side kernel of TIDE-RS.
 //
-// For every segment s of a launch (see SumSegment in csrc/tide.h):
+// For every segment s of a launch (see SumSegment in csrc/kernels.h):
 //
 //   x_k(i) = k == own_rank ? own[i] : (staging + k * stride + entry_off)[i]      k = 0 .. K-1
 //   acc    = float(x_0(i));  acc = acc + float(x_1(i));  ...;  acc = acc + float(x_{K-1}(i))
@@ -14,7 +14,7 @@
 // The grid is persistent and bounded (default 16 CTAs, TIDE_RS_CTAS): the kernel is short-lived,
 // shares the GPU with the model's kernels, and never waits on a flag (the stream waits before it with
 // cuStreamWaitValue32), so it cannot starve the SM-run "copies" of a 1-GPU test. Each thread keeps
-// kUnroll 16-B vectors of each of the K sources in flight before it adds (K templated for 1..8);
+// kUnrollFor<K> 16-B vectors of each of the K sources in flight before it adds (K templated for 1..8);
 // segments whose pointers are not all 16-B aligned, and vector tails, take a scalar path.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -22,12 +22,16 @@
 
 #include <c10/util/Exception.h>
 
-#include "tide.h"
+#include "kernels.h"
 
 namespace tide {
 namespace {
 
-constexpr int kUnroll = 2;  // 16-B vectors per source per thread in flight (measured sweet spot, transport.md §6)
+// 16-B vectors per source per thread in flight before the adds: 16 vectors in all (2 per source at
+// least). On a bounded grid the kernel is bound by the bytes in flight per SM, so few contributions
+// (W = 2) need a deeper unroll to read as fast as many.
+template <int K>
+constexpr int kUnrollFor = K >= 8 ? 2 : 16 / K;
 
 template <typename T>
 struct Elem;
@@ -142,6 +146,7 @@ __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
 #pragma unroll
   for (int k = 0; k < K; ++k) src[k] = static_cast<const uint4*>(source(a, s, k));
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  constexpr int kUnroll = kUnrollFor<K>;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < nvec;
        base += nthreads * kUnroll) {
     uint4 v[kUnroll][K];

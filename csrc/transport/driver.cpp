@@ -1,4 +1,4 @@
-// Driver entry points for TIDE's flags: cuStreamWriteValue32 and cuStreamBatchMemOp(WAIT_VALUE_32).
+// Driver entry points for TIDE's flags: cuStreamWriteValue32 and cuStreamBatchMemOp.
 //
 // Readiness protocol (NCCL's CE collectives, src/ce_coll.cc): a producer writes its data with copies,
 // then a 4-byte sequence number into the consumer's flag word; the consumer's stream waits for
@@ -13,7 +13,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "tide.h"
+#include "kernels.h"
 
 namespace tide::driver {
 namespace {
@@ -51,6 +51,39 @@ void check(CUresult r, const char* what) {
   TORCH_CHECK(r == CUDA_SUCCESS, "tide.transport: ", what, " failed with CUresult ", num(static_cast<int>(r)));
 }
 
+CUstreamBatchMemOpParams write_op(const MemOp& w) {
+  CUstreamBatchMemOpParams p{};
+  p.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+  p.writeValue.address = static_cast<CUdeviceptr>(w.addr);
+  p.writeValue.value = w.value;
+  p.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return p;
+}
+
+CUstreamBatchMemOpParams wait_op(const MemOp& w) {
+  CUstreamBatchMemOpParams p{};
+  p.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+  p.waitValue.address = static_cast<CUdeviceptr>(w.addr);
+  p.waitValue.value = w.value;
+  p.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  return p;
+}
+
+CUresult submit(CUstream stream, std::vector<CUstreamBatchMemOpParams>& ops, int* calls) {
+  for (size_t start = 0; start < ops.size(); start += kMaxBatch) {
+    const unsigned n = static_cast<unsigned>(std::min<size_t>(kMaxBatch, ops.size() - start));
+    const CUresult r = api().batch(stream, n, ops.data() + start, 0);
+    ++*calls;
+    if (r != CUDA_SUCCESS) return r;
+  }
+  return CUDA_SUCCESS;
+}
+
+// Whether this driver takes writes in a cuStreamBatchMemOp (some refuse any write op there): decided by
+// the first batch that holds both, which is retried the other way when refused.
+enum class Mixed { kUnknown, kYes, kNo };
+Mixed g_mixed = Mixed::kUnknown;
+
 }  // namespace
 
 bool available() {
@@ -58,50 +91,35 @@ bool available() {
   return a.write32 != nullptr && a.batch != nullptr;
 }
 
-void write_value(cudaStream_t stream, uint64_t addr, uint32_t value) {
-  const Api& a = api();
-  TORCH_CHECK(a.write32, "tide.transport: cuStreamWriteValue32 is not available from the CUDA driver");
-  check(a.write32(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value, 0),
-        "cuStreamWriteValue32");
-}
-
-void wait_geq(cudaStream_t stream, const std::vector<uint64_t>& addrs, uint32_t value) {
-  std::vector<MemOp> waits;
-  waits.reserve(addrs.size());
-  for (auto a : addrs) waits.push_back(MemOp{a, value});
-  batch(stream, {}, waits);
-}
-
-int batch(cudaStream_t stream, const std::vector<MemOp>& writes, const std::vector<MemOp>& waits, bool nothrow) {
-  const Api& a = api();
-  TORCH_CHECK(a.batch, "tide.transport: cuStreamBatchMemOp is not available from the CUDA driver");
+int batch(cudaStream_t stream, const std::vector<MemOp>& writes, const std::vector<MemOp>& waits) {
+  TORCH_CHECK(available(), "tide.transport: the CUDA driver lacks stream memory operations (cuStreamBatchMemOp)");
+  const auto s = reinterpret_cast<CUstream>(stream);
   thread_local std::vector<CUstreamBatchMemOpParams> ops;
-  ops.clear();
-  for (const MemOp& w : writes) {
-    CUstreamBatchMemOpParams p{};
-    p.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-    p.writeValue.address = static_cast<CUdeviceptr>(w.addr);
-    p.writeValue.value = w.value;
-    p.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-    ops.push_back(p);
-  }
-  for (const MemOp& w : waits) {
-    CUstreamBatchMemOpParams p{};
-    p.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-    p.waitValue.address = static_cast<CUdeviceptr>(w.addr);
-    p.waitValue.value = w.value;
-    p.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-    ops.push_back(p);
-  }
-  for (size_t start = 0; start < ops.size(); start += kMaxBatch) {
-    const unsigned n = static_cast<unsigned>(std::min<size_t>(kMaxBatch, ops.size() - start));
-    const CUresult r = a.batch(reinterpret_cast<CUstream>(stream), n, ops.data() + start, 0);
-    if (r != CUDA_SUCCESS) {
-      if (nothrow) return static_cast<int>(r);
-      check(r, "cuStreamBatchMemOp");
+  int calls = 0;
+  if (!writes.empty() && g_mixed != Mixed::kNo) {
+    ops.clear();
+    for (const MemOp& w : writes) ops.push_back(write_op(w));
+    for (const MemOp& w : waits) ops.push_back(wait_op(w));
+    // A refused batch enqueues nothing: the first call may fall through to the other way.
+    const CUresult r = submit(s, ops, &calls);
+    if (r == CUDA_SUCCESS) {
+      g_mixed = Mixed::kYes;
+      return calls;
     }
+    if (g_mixed == Mixed::kYes || ops.size() > kMaxBatch) check(r, "cuStreamBatchMemOp");
+    (void)cudaGetLastError();
+    g_mixed = Mixed::kNo;
   }
-  return 0;
+  for (const MemOp& w : writes) {
+    check(api().write32(s, static_cast<CUdeviceptr>(w.addr), w.value, 0), "cuStreamWriteValue32");
+    ++calls;
+  }
+  if (!waits.empty()) {
+    ops.clear();
+    for (const MemOp& w : waits) ops.push_back(wait_op(w));
+    check(submit(s, ops, &calls), "cuStreamBatchMemOp");
+  }
+  return calls;
 }
 
 }  // namespace tide::driver

@@ -107,7 +107,7 @@ def cuda_all_gather(arena, shards_cpu, out_dtypes, world_size, group_name, bound
         from tide.transport import plans
 
         layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, world_size)
-        outs = arena.slot_views(layout, out_dtypes, arena.next_slot())
+        outs = arena.slot_views(layout, out_dtypes, arena.slots.acquire())  # nothing holds slots: round robin
     else:
         outs = [torch.empty((world_size * s.numel(),), dtype=dt, device=dev) for s, dt in zip(shards, out_dtypes)]
     for o in outs:
@@ -205,103 +205,96 @@ def stress(rank: int, world_size: int, seed: int, steps: int) -> dict:
     return {"checked": len(pending), "stats": transport.stats()["calls"]}
 
 
-def ce_modes(rank: int, world_size: int, seed: int, repeats: int) -> dict:
-    """Each copy mode (graph, batch, loop) on its own arena (a duplicate of the world group), with the
-    same plans called again and again: all-gathers alternating over both slots (bound outputs) and
-    into unbound outputs, In-Place reduce-scatters with the same gradient tensors and with fresh ones,
-    Slot-Reuse from either slot; a small ring, so the pushes wrap it and every ring phase is met. Every
-    result is checked bit for bit."""
+def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
+    """The same plans called again and again on one arena (a duplicate of the world group): all-gathers
+    alternating over both slots (bound outputs) and into unbound outputs (the reference path), In-Place
+    reduce-scatters with the same gradient tensors and with fresh ones, Slot-Reuse from either slot; a
+    small ring of depth 2, so the pushes wrap it and wait for its flow control. Every result is checked
+    bit for bit."""
     import tide  # noqa: F401
     from tide import transport
     from tide.transport import plans
 
     transport.reset_stats()
-    out = {}
-    for mode in ("graph", "batch", "loop"):
-        group = dist.new_group(backend="gloo")
-        name = group.group_name
-        arena = transport.enable(group, slot_bytes=1 << 20, rs_ring_bytes=(8 << 10) * world_size, ce_mode=mode)
-        dev = arena.device
-        rng = random.Random(seed)  # the same cases for every mode and rank
-        shards, out_dtypes = ag_case(rng, world_size, rank, seed, 9)
-        layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, world_size)
-        grads_cpu, init, scale, _ = rs_case(rng, world_size, rank, seed + 1, 11)
-        shards_d = [s.to(dev) for s in shards]
-        grads_d = [g.to(dev) for g in grads_cpu]
-        checked, slots = 0, set()
-        gen = torch.Generator().manual_seed(seed * 31 + rank)
-        for t in range(repeats):
-            # All-gather: new data in the same shard tensors, outputs bound in the next slot (2 of 3
-            # calls) or unbound.
-            new = [torch.randn(s.shape, generator=gen).to(s.dtype) for s in shards]
-            for d, n in zip(shards_d, new):
-                d.copy_(n)
-            bound = t % 3 != 2
-            slot = arena.next_slot()
-            if bound:
-                outs = arena.slot_views(layout, out_dtypes, slot)
-            else:
-                outs = [torch.empty((world_size * s.numel(),), dtype=dt, device=dev) for s, dt in zip(new, out_dtypes)]
-            for o in outs:
-                o.fill_(float("nan"))
-            torch.ops.tide.all_gather_into_params_(shards_d, outs, world_size, name)
-            got = [o.clone() for o in outs]
+    group = dist.new_group(backend="gloo")
+    name = group.group_name
+    arena = transport.enable(group, slot_bytes=1 << 20, rs_ring_bytes=(8 << 10) * world_size, ring_depth=2)
+    dev = arena.device
+    rng = random.Random(seed)  # the same cases on every rank
+    shards, out_dtypes = ag_case(rng, world_size, rank, seed, 9)
+    layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, world_size)
+    grads_cpu, init, scale, _ = rs_case(rng, world_size, rank, seed + 1, 11)
+    shards_d = [s.to(dev) for s in shards]
+    grads_d = [g.to(dev) for g in grads_cpu]
+    checked, slots = 0, set()
+    gen = torch.Generator().manual_seed(seed * 31 + rank)
+    for t in range(repeats):
+        # All-gather: new data in the same shard tensors, outputs bound in the next slot (2 of 3 calls)
+        # or unbound.
+        new = [torch.randn(s.shape, generator=gen).to(s.dtype) for s in shards]
+        for d, n in zip(shards_d, new):
+            d.copy_(n)
+        bound = t % 3 != 2
+        if bound:
+            slot = arena.slots.acquire()
             slots.add(slot)
-            want = ref_all_gather(new, out_dtypes, world_size, name)
-            for i, (g, w) in enumerate(zip(got, want)):
-                assert_bits(f"rank {rank} {mode} repeat {t} all_gather param {i} (slot {slot}, bound={bound})", g, w)
-            # Reduce-scatter: the same tensors refilled (t even) or fresh tensors (t odd), both modes,
-            # accumulate or not; Slot-Reuse alternates its slot.
-            new = [torch.randn(g.shape, generator=gen).to(g.dtype) for g in grads_cpu]
-            if t % 2 == 0:
-                for d, n in zip(grads_d, new):
-                    d.copy_(n)
-            else:
-                grads_d = [n.to(dev) for n in new]
-            rs_mode = ("in_place", "in_place", "slot_reuse")[t % 3]
-            acc = t % 4 == 1
-            outs = [s.to(dev) if acc else torch.full(s.shape, float("nan"), device=dev) for s in init]
-            if rs_mode == "slot_reuse":
-                arena.reduce_scatter_params(grads_d, outs, scale, acc, rs_mode="slot_reuse", reuse_slot=t % 2)
-            else:
-                arena.rs_mode = rs_mode
-                torch.ops.tide.reduce_scatter_params_(grads_d, outs, scale, acc, world_size, name)
-            want = ref_reduce_scatter(new, init, scale, acc, world_size, name)
-            for i, (g, w) in enumerate(zip(outs, want)):
-                assert_bits(f"rank {rank} {mode} repeat {t} reduce_scatter param {i} ({rs_mode}, acc={acc})", g, w)
-            checked += 2
-        torch.cuda.synchronize()
-        out[mode] = {"checked": checked, "slots": sorted(slots), "counters": arena.counters()}
-    out["stats"] = transport.stats()["calls"]
-    return out
+            outs = arena.slot_views(layout, out_dtypes, slot)
+        else:
+            outs = [torch.empty((world_size * s.numel(),), dtype=dt, device=dev) for s, dt in zip(new, out_dtypes)]
+        for o in outs:
+            o.fill_(float("nan"))
+        torch.ops.tide.all_gather_into_params_(shards_d, outs, world_size, name)
+        got = [o.clone() for o in outs]
+        want = ref_all_gather(new, out_dtypes, world_size, name)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_bits(f"rank {rank} repeat {t} all_gather param {i} (bound={bound})", g, w)
+        # Reduce-scatter: the same tensors refilled (t even) or fresh tensors (t odd), both modes,
+        # accumulate or not; Slot-Reuse alternates its slot.
+        new = [torch.randn(g.shape, generator=gen).to(g.dtype) for g in grads_cpu]
+        if t % 2 == 0:
+            for d, n in zip(grads_d, new):
+                d.copy_(n)
+        else:
+            grads_d = [n.to(dev) for n in new]
+        rs_mode = ("in_place", "in_place", "slot_reuse")[t % 3]
+        acc = t % 4 == 1
+        outs = [s.to(dev) if acc else torch.full(s.shape, float("nan"), device=dev) for s in init]
+        if rs_mode == "slot_reuse":
+            arena.reduce_scatter_params(grads_d, outs, scale, acc, rs_mode="slot_reuse", reuse_slot=t % 2)
+        else:
+            arena.rs_mode = rs_mode
+            torch.ops.tide.reduce_scatter_params_(grads_d, outs, scale, acc, world_size, name)
+        want = ref_reduce_scatter(new, init, scale, acc, world_size, name)
+        for i, (g, w) in enumerate(zip(outs, want)):
+            assert_bits(f"rank {rank} repeat {t} reduce_scatter param {i} ({rs_mode}, acc={acc})", g, w)
+        checked += 2
+    torch.cuda.synchronize()
+    return {"checked": checked, "slots": sorted(slots), "counters": arena.counters(), "stats": transport.stats()["calls"]}
 
 
-def graph_cache(rank: int, world_size: int, seed: int) -> dict:
-    """The push-graph cache of graph mode (two address sets per plan and phase; ring depth 1, so the
-    phase never changes): a set of gradient tensors seen before replays its graphs (nothing built,
-    nothing re-pointed), a third set re-points the least recently used one, a set in the arena's slot
-    (mapped memory, which a node cannot be re-pointed to from allocator memory) rebuilds it, and
-    Slot-Reuse from gradients already in the slot launches no placement copy. Every call is checked bit for bit; the
-    counters' deltas per call are returned."""
+def slot_reuse_sources(rank: int, world_size: int, seed: int) -> dict:
+    """Where Slot-Reuse reads gradients (ring depth 1: every round waits for the one before): from the
+    slot places the FSDP hooks fill, it issues exactly In-Place's copies; from autograd's tensors, one
+    placement copy more per gradient; a partial group whose gradients lie at the whole group's slot
+    places is read where it lies. Every call is checked bit for bit; the counters' deltas per call are
+    returned."""
     import tide  # noqa: F401
     from tide import transport
 
     group = dist.new_group(backend="gloo")
     name = group.group_name
-    arena = transport.enable(group, slot_bytes=1 << 20, rs_ring_bytes=(8 << 10) * world_size, ring_depth=1,
-                             ce_mode="graph", max_graph_sets=2)
+    arena = transport.enable(group, slot_bytes=1 << 20, rs_ring_bytes=(8 << 10) * world_size, ring_depth=1)
     dev = arena.device
     rng = random.Random(seed)
     grads_cpu, init, scale, _ = rs_case(rng, world_size, rank, seed, 7)
     grads_cpu = [g.to(torch.bfloat16) for g in grads_cpu]
-    sets = {k: [g.to(dev) for g in grads_cpu] for k in "ABC"}
-    sets["slot"] = arena.grad_views([g.shape for g in grads_cpu], [g.dtype for g in grads_cpu], 0)
+    sets = {"autograd": [g.to(dev) for g in grads_cpu],
+            "slot": arena.grad_views([g.shape for g in grads_cpu], [g.dtype for g in grads_cpu], 0)}
     gen = torch.Generator().manual_seed(seed * 17 + rank)
-    keys = ("graphs_built", "graph_node_updates", "graph_repoints_refused", "kernels", "graph_launches")
+    keys = ("ce_copies", "kernels", "flags")
     deltas = []
-    for step, (which, mode) in enumerate([("A", "in_place"), ("A", "in_place"), ("B", "in_place"), ("A", "in_place"),
-                                          ("B", "in_place"), ("C", "in_place"), ("B", "in_place"),
-                                          ("slot", "in_place"), ("slot", "slot_reuse"), ("A", "slot_reuse")]):
+    for step, (which, mode) in enumerate([("slot", "in_place"), ("slot", "slot_reuse"), ("autograd", "in_place"),
+                                          ("autograd", "slot_reuse")]):
         new = [torch.randn(g.shape, generator=gen).to(g.dtype) for g in grads_cpu]
         for d, n in zip(sets[which], new):
             d.copy_(n)
@@ -326,9 +319,7 @@ def graph_cache(rank: int, world_size: int, seed: int) -> dict:
     for i, (g, w) in enumerate(zip(outs, want)):
         assert_bits(f"rank {rank} partial group from the slot, param {i}", g, w)
     torch.cuda.synchronize()
-    c = arena.counters()
-    return {"deltas": deltas, "partial_ran": partial_ran, "ce_mode_now": c["ce_mode_now"],
-            "graph_error": c["graph_error"]}
+    return {"deltas": deltas, "partial_ran": partial_ran, "n_grads": len(grads_cpu)}
 
 
 def bad_input(rank: int, world_size: int) -> dict:
@@ -364,16 +355,17 @@ def bad_input(rank: int, world_size: int) -> dict:
         "ag_int_out": (lambda: ag(shards, [outs[0].int(), outs[1]], W, name), TypeError, "outs[0]"),
     }
     # An error raised inside the extension (TORCH_CHECK, a number in its message) reaches Python as a
-    # RuntimeError instead of crashing the process (see num() in csrc/tide.h).
+    # RuntimeError instead of crashing the process (see num() in csrc/kernels.h).
     ext = transport.get(name).ext
-    cases["extension_error"] = (lambda: ext.Arena(5, 2, [0, 0], 0, 0, 0, 16, 1, 0, 16, 1, 1, 0, 1), RuntimeError,
-                                "rank 5 not in [0, 2)")
+    cases["extension_error"] = (lambda: ext.Arena(rank=5, world=2, bases=[0, 0], device=0, num_slots=0, slot_bytes=0,
+                                                  ring_depth=1, entry_bytes=16, sum_ctas=1, cast_ctas=1),
+                                RuntimeError, "rank 5 not in [0, 2)")
     # bind_outputs checks every output in its one extension call before binding any.
     arena = transport.get(name)
     loose = [torch.empty(W * s.numel(), device=dev, dtype=o.dtype) for s, o in zip(shards, outs)]
     loose_ptrs = [t.data_ptr() for t in loose]
-    cases["bind_2d_output"] = (lambda: arena.bind_outputs([loose[0], loose[1].view(W, -1)]), ValueError, "1-D")
-    cases["bind_cpu_output"] = (lambda: arena.bind_outputs([loose[0], loose[1].cpu()]), ValueError, "device")
+    cases["bind_2d_output"] = (lambda: arena.bind_outputs([loose[0], loose[1].view(W, -1)], 0), ValueError, "1-D")
+    cases["bind_cpu_output"] = (lambda: arena.bind_outputs([loose[0], loose[1].cpu()], 0), ValueError, "device")
     messages = {}
     for case, (fn, exc, arg) in cases.items():
         try:
@@ -398,7 +390,7 @@ def bad_input(rank: int, world_size: int) -> dict:
     after_ok = after_ok and all(bits_equal(g, w) for g, w in zip(got, want))
     messages["bind_nothing_bound"] = "ok" if [t.data_ptr() for t in loose] == loose_ptrs else "bound before the error"
     # Bound for real, the outputs live in the arena and the all-gather writes them in place.
-    arena.bind_outputs(loose)
+    arena.bind_outputs(loose, 0)
     base = arena.buffer.data_ptr()
     in_arena = all(base <= t.data_ptr() < base + arena.total_bytes for t in loose)
     for t in loose:
@@ -419,47 +411,51 @@ def _chrome_kernels(prof, path: str) -> list[dict]:
 
 
 def profile_zero_sm(rank: int, world_size: int, trace_dir: str) -> dict:
-    """GPU activity of one TIDE-AG and one TIDE-RS (after a warm-up), from torch.profiler."""
+    """GPU activity of TIDE-AG with bf16 shards (no cast), with fp32 shards into bf16 outputs (the
+    own-shard cast) and of one TIDE-RS (after a warm-up), from torch.profiler."""
     import tide  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
+
+    from tide.transport import plans
 
     group = dist.group.WORLD
     name = group.group_name
     arena = _enable(group, 4 << 20, 1 << 20)
     rng = random.Random(5)
     shards, out_dtypes = ag_case(rng, world_size, rank, 11, 8)
-    shards = [s.to(torch.bfloat16) for s in shards]
     out_dtypes = [torch.bfloat16] * len(shards)
     grads, init, _, _ = rs_case(rng, world_size, rank, 12, 8)
     grads = [g.to(torch.bfloat16) for g in grads]
-    for _ in range(2):  # warm-up: extension, plans, first-use driver work
-        cuda_all_gather(arena, shards, out_dtypes, world_size, name, bound=True)
-        cuda_reduce_scatter(arena, grads, init, 1.0, False, world_size, name, "in_place")
     dev = arena.device
-    shards_d = [s.to(dev) for s in shards]
-    from tide.transport import plans
-
-    layout = plans.all_gather_layout([s.shape for s in shards_d], out_dtypes, world_size)
-    outs = arena.slot_views(layout, out_dtypes, arena.next_slot())
+    layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, world_size)
     grads_d = [g.to(dev) for g in grads]
     shard_out = [torch.empty(s.shape, device=dev) for s in init]
+    out = {"gpus": torch.cuda.device_count()}
+    for case, dtype in (("ag_bf16", torch.bfloat16), ("ag_fp32_to_bf16", torch.float32)):
+        shards_d = [s.to(dev, dtype) for s in shards]
+        for _ in range(2):  # warm-up: extension, plans, first-use driver work
+            torch.ops.tide.all_gather_into_params_(shards_d, arena.slot_views(layout, out_dtypes, arena.slots.acquire()),
+                                                   world_size, name)
+        outs = arena.slot_views(layout, out_dtypes, arena.slots.acquire())
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.ops.tide.all_gather_into_params_(shards_d, outs, world_size, name)
+            torch.cuda.synchronize()
+        dist.barrier()
+        out[case] = _chrome_kernels(prof, os.path.join(trace_dir, f"{case}_rank{rank}.json"))
+    arena.rs_mode = "in_place"
+    for _ in range(2):
+        torch.ops.tide.reduce_scatter_params_(grads_d, shard_out, 1.0, False, world_size, name)
     torch.cuda.synchronize()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof_ag:
-        torch.ops.tide.all_gather_into_params_(shards_d, outs, world_size, name)
-        torch.cuda.synchronize()
-    dist.barrier()
-    arena.rs_mode = "in_place"
     with profile(activities=[ProfilerActivity.CUDA]) as prof_rs:
         torch.ops.tide.reduce_scatter_params_(grads_d, shard_out, 1.0, False, world_size, name)
         torch.cuda.synchronize()
     dist.barrier()
-    return {
-        "gpus": torch.cuda.device_count(),
-        "ag": _chrome_kernels(prof_ag, os.path.join(trace_dir, f"ag_rank{rank}.json")),
-        "rs": _chrome_kernels(prof_rs, os.path.join(trace_dir, f"rs_rank{rank}.json")),
-        "counters": arena.counters(),
-    }
+    out["rs"] = _chrome_kernels(prof_rs, os.path.join(trace_dir, f"rs_rank{rank}.json"))
+    out["counters"] = arena.counters()
+    return out
 
 
 def fallbacks(rank: int, world_size: int) -> dict:
@@ -483,7 +479,7 @@ def fallbacks(rank: int, world_size: int) -> dict:
     outs = [torch.empty(15, device=dev), torch.empty(7, device=dev)]
     run(outs)  # no arena yet: stock
     no_arena_ok = all(bits_equal(o, w) for o, w in zip(outs, want))
-    transport.enable(group, slot_bytes=1 << 16)
+    transport.enable(group, slot_bytes=1 << 16).bind_outputs(outs, 0)
     run(outs)  # TIDE
     tide_ok = all(bits_equal(o, w) for o, w in zip(outs, want))
     # Under graph capture: stock collectives (NCCL), captured and replayed.

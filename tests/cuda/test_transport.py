@@ -22,7 +22,9 @@ def test_bitexact_against_reference(ext, world_size):
     for r in results:
         assert r["checked"] > 0
         calls = r["stats"]
-        assert not any(k.startswith(("all_gather_into_params_:stock", "reduce_scatter_params_:stock")) for k in calls), calls
+        # Unbound all-gather outputs take the reference path, by design and with their reason.
+        stock = {k for k in calls if ":stock" in k} - {"all_gather_into_params_:stock:outputs_not_in_slot"}
+        assert not stock, calls
         assert calls.get("all_gather_into_params_:tide", 0) > 0, calls
         assert calls.get("reduce_scatter_params_:tide:in_place", 0) + calls.get("reduce_scatter_params_:tide:slot_reuse", 0) > 0
 
@@ -34,49 +36,26 @@ def test_randomized_stress(ext, world_size):
         assert r["checked"] > 0, r
 
 
-def test_ce_modes_repeated_calls_bitexact(ext):
-    """Graph replay (default), batch and loop copies: repeated calls of the same plans, both slots,
-    fresh gradient tensors, ring wrap-around, all bit-exact; graph mode really replays graphs."""
-    results = _run(ranks.ce_modes, 3, 4321, 8)
-    for rank, r in enumerate(results):
-        for mode in ("graph", "batch", "loop"):
-            m = r[mode]
-            c = m["counters"]
-            assert m["checked"] == 16 and m["slots"] == [0, 1], (rank, mode, m)
-            assert c["ce_mode_now"] == mode and c["graph_error"] == "", (rank, mode, c)
-            if mode == "graph":
-                assert c["graph_launches"] > 0 and c["graphs_built"] > 0 and c["copy_api_calls"] == 0, (rank, c)
-                assert c["graphs_built"] < c["graph_launches"], (rank, c)  # replayed, not rebuilt every call
-            else:
-                assert c["graph_launches"] == 0 and c["copy_api_calls"] > 0, (rank, mode, c)
-        assert not any(":stock" in k for k in r["stats"]), r["stats"]
+def test_repeated_calls_bitexact(ext):
+    """The same plans called again and again: both slots, unbound outputs, refilled and fresh
+    gradients, both reduce-scatter modes, a ring of depth 2 that the pushes wrap; all bit-exact."""
+    for rank, r in enumerate(_run(ranks.repeated_calls, 3, 4321, 8)):
+        c = r["counters"]
+        assert r["checked"] == 16 and r["slots"] == [0, 1], (rank, r)
+        assert c["all_gathers"] > 0 and c["reduce_scatters"] == 8 and c["ce_copies"] > 0, (rank, c)
+        assert r["stats"].get("all_gather_into_params_:stock:outputs_not_in_slot") == 2, (rank, r["stats"])
 
 
-def test_graph_cache_replays_known_addresses(ext):
-    """Two cached address sets per plan: a known set replays as built, a third set re-points the least
-    recently used set's nodes, Slot-Reuse from gradients already in the slot places nothing, and a
-    partial group whose gradients lie at the whole group's slot places is read where it lies."""
-    results = _run(ranks.graph_cache, 3, 77)
-    for rank, r in enumerate(results):
+def test_slot_reuse_reads_gradients_where_the_hooks_put_them(ext):
+    """Slot-Reuse from gradients already at their slot places issues exactly In-Place's copies; from
+    autograd's tensors one placement copy more per gradient; a partial group is read where it lies."""
+    for rank, r in enumerate(_run(ranks.slot_reuse_sources, 3, 77)):
         d = r["deltas"]
-        built = [x["graphs_built"] for x in d]
-        updates = [x["graph_node_updates"] for x in d]
-        assert built[0] > 0 and updates[0] == 0, (rank, d[0])  # A: new set
-        assert built[1] == 0 and updates[1] == 0, (rank, d[1])  # A again: replay
-        assert built[2] > 0 and updates[2] == 0, (rank, d[2])  # B: second set
-        assert built[3] == built[4] == 0 and updates[3] == updates[4] == 0, (rank, d[3:5])  # A, B: replay
-        assert built[5] == 0 and updates[5] > 0, (rank, d[5])  # C: cache full, A's set re-pointed
-        assert built[6] == 0 and updates[6] == 0, (rank, d[6])  # B still cached
-        # The slot's mapped memory: where the runtime refuses to re-point allocator-memory nodes there
-        # (as the H200 machine's driver does), the least recently used set is rebuilt; graph mode stays on.
-        assert (d[7]["graph_repoints_refused"] == 1 and built[7] > 0) or d[7]["graph_node_updates"] > 0, (rank, d[7])
-        assert r["ce_mode_now"] == "graph" and r["graph_error"] == "", (rank, r)
+        assert [x["ran"] for x in d] == ["in_place", "slot_reuse", "in_place", "slot_reuse"], (rank, d)
+        assert d[1]["ce_copies"] == d[0]["ce_copies"] and d[1]["kernels"] == d[0]["kernels"], (rank, d)
+        assert d[3]["ce_copies"] == d[2]["ce_copies"] + r["n_grads"], (rank, d)
+        assert d[0]["flags"] == d[1]["flags"] > 0, (rank, d)
         assert r["partial_ran"] == "in_place_grads_in_slot", (rank, r["partial_ran"])
-        # Gradients already in slot 0: Slot-Reuse issues exactly In-Place's kernels (no placement
-        # copy); from elsewhere it launches one placement kernel more.
-        assert [x["ran"] for x in d[7:]] == ["in_place", "slot_reuse", "slot_reuse"], (rank, d[7:])
-        assert d[8]["kernels"] == d[7]["kernels"], (rank, d[7:9])
-        assert d[9]["kernels"] == d[7]["kernels"] + 1, (rank, d[7:])
 
 
 def test_bad_input_raises_naming_op_and_argument(ext):
@@ -85,26 +64,26 @@ def test_bad_input_raises_naming_op_and_argument(ext):
         assert r["after_ok"], rank
 
 
-def test_tide_ag_launches_no_kernel_but_the_cast(ext, tmp_path):
+def test_tide_ag_launches_no_kernel_but_the_own_shard_cast(ext, tmp_path):
     world_size = 2
     results = _run(ranks.profile_zero_sm, world_size, str(tmp_path))
     for rank, r in enumerate(results):
         shared_gpu = r["gpus"] < world_size
-        kernels = [e["name"] for e in r["ag"] if e["cat"] == "kernel"]
-        copies = [e["name"] for e in r["ag"] if e["cat"] == "gpu_memcpy"]
-        assert copies or kernels, f"rank {rank}: the profiler saw no GPU activity at all: {r['ag']}"
-        cast = [k for k in kernels if "cast_segments_kernel" in k]
-        assert len(cast) == 1, f"rank {rank}: expected exactly one own-shard cast kernel, saw {kernels}"
-        others = [k for k in kernels if "cast_segments_kernel" not in k]
-        if shared_gpu:
-            # One GPU: same-device copies run as copy kernels on the SMs; anything else is a failure.
-            assert all("copy" in k.lower() or "memcpy" in k.lower() for k in others), others
-        else:
-            assert others == [], f"rank {rank}: TIDE-AG launched kernels besides the cast: {others}"
-        rs_kernels = [e["name"] for e in r["rs"] if e["cat"] == "kernel"]
-        # One GPU: graph memcpy nodes run as the runtime's copy kernels (memcpy_post, memcpy32_post).
-        rs_compute = [k for k in rs_kernels if not (shared_gpu and ("copy" in k.lower() or "memcpy" in k.lower()))]
-        assert rs_compute and all("sum_contributions_kernel" in k for k in rs_compute), rs_kernels
+
+        def kernels(case):
+            names = [e["name"] for e in r[case] if e["cat"] == "kernel"]
+            # One GPU: same-device "peer" copies run as the runtime's copy kernels on the SMs.
+            return [k for k in names if not (shared_gpu and ("copy" in k.lower() or "memcpy" in k.lower()))]
+
+        for case in ("ag_bf16", "ag_fp32_to_bf16"):
+            assert any(e["cat"] in ("kernel", "gpu_memcpy") for e in r[case]), f"rank {rank}: no GPU activity: {r[case]}"
+        # One kernel writes this rank's own shard into its slot (a copy or the cast): the peers' pieces
+        # move by copy engine only.
+        for case in ("ag_bf16", "ag_fp32_to_bf16"):
+            own = kernels(case)
+            assert own and all("cast_segments_kernel" in k for k in own), f"rank {rank} {case}: {own}"
+        rs = kernels("rs")
+        assert rs and all("sum_contributions_kernel" in k for k in rs), f"rank {rank}: {rs}"
 
 
 def test_fallbacks_no_arena_and_graph_capture(ext):

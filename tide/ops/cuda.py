@@ -1,9 +1,9 @@
 """CUDA kernels of the mutating ``tide`` ops: the TIDE transport when the group has an arena.
 
 For a CUDA call: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``) and
-the current stream is not capturing a CUDA graph, the transport runs (zero-copy when the outputs are
-bound in an arena slot, else gathered in a slot and copied out); otherwise the reference backend runs
-(the stock collectives), and :func:`tide.transport.stats` records why. The extension checks the
+the current stream is not capturing a CUDA graph, the transport runs (the all-gather when its outputs
+are bound in an arena slot: zero-copy); otherwise the reference backend runs (the stock collectives,
+layout-aware), and :func:`tide.transport.stats` records why. The extension checks the
 arguments (the messages of :mod:`tide.meta.checks`) and finds the plan in one C++ call, so the Python
 part of a call is this module's few lines. The functional ``all_gather`` / ``reduce_scatter`` keep the
 reference registration: they call these two ops.
@@ -37,10 +37,10 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
     a = _arena_for(op, group_name, world_size)
     if a is not None:
-        if a.all_gather_into_params(shards, outs) is not None:
+        if a.all_gather_into_params(shards, outs) == "tide":
             records.record(op, "tide")
             return
-        records.record(op, "stock", "group_larger_than_slot")
+        records.record(op, "stock", "outputs_not_in_slot")
     reference.all_gather_into_params_(shards, outs, world_size, group_name)
 
 

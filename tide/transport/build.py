@@ -22,7 +22,9 @@ SOURCES = (
     "ops/sum_contributions.cu",
     "ops/cast_segments.cu",
     "transport/driver.cpp",
-    "transport/transport.cpp",
+    "transport/copies.cpp",
+    "transport/arena.cpp",
+    "transport/bindings.cpp",
 )
 CUDA_FLAGS = [
     "-O3",

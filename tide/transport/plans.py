@@ -1,7 +1,9 @@
 """Plans of the CUDA transport, built once per group layout from :class:`tide.meta.layout.GroupLayout`.
 
-An all-gather plan says where this rank's shard of every parameter sits in a slot (``own_off``) and
-where each parameter's output starts (``out_off``). A reduce-scatter plan packs the chunks of
+An all-gather plan says where this rank's shard of every parameter sits in a slot (``own_off``), where
+each parameter's output starts (``out_off``), and how the own-shard cast is cut into pipeline chunks
+(:func:`ag_chunks`): the copy engines push chunk c to the peers while chunk c + 1 is cast. A
+reduce-scatter plan packs the chunks of
 ``GroupLayout.rs_chunks(dest)`` into staging entries of ``entry_bytes`` (each piece 16-B aligned in
 its entry; a chunk that does not fit is split to fill the entry), one list of rounds per destination,
 plus this rank's padding ranges. For Slot-Reuse the
@@ -31,25 +33,53 @@ def all_gather_layout(shard_shapes: Sequence[Sequence[int]], out_dtypes: Sequenc
     return GroupLayout(shapes, [d.itemsize for d in out_dtypes], world_size)
 
 
+# The own-shard cast's pipeline: the first chunk is small (its cast is the only one the pushes wait
+# for in full), every next one twice the last, up to the cap. The cast moves bytes about 8x faster than
+# one NVLink direction (3 TB/s of HBM against 0.38 TB/s), so each chunk is cast before the copy
+# engines have pushed the one before it.
+AG_FIRST_CHUNK_BYTES = 2 << 20
+AG_MAX_CHUNK_BYTES = 64 << 20
+
+
 @dataclass
 class AgPlanInfo:
     layout: GroupLayout
-    out_dtypes: tuple
     own_off: list
-    own_bytes: list
     out_off: list
     out_numel: list
+    chunks: list  # chunks[c] = [(param, first shard element, elements), ...]
 
 
-def ag_plan_info(layout: GroupLayout, out_dtypes: Sequence[torch.dtype], rank: int) -> AgPlanInfo:
-    own_off, own_bytes, out_off, out_numel = [], [], [], []
+def ag_chunks(layout: GroupLayout, first_bytes: int = AG_FIRST_CHUNK_BYTES,
+              max_bytes: int = AG_MAX_CHUNK_BYTES) -> list:
+    """The own shards in slot order, cut into chunks of ``first_bytes``, then twice as many bytes as the
+    chunk before, up to ``max_bytes`` (bytes of the output dtype). A parameter is cut only at multiples
+    of ``SPLIT_ELEMS`` elements (the cast kernel's vector width stays aligned); every shard element lies
+    in exactly one chunk."""
+    if first_bytes < 1 or max_bytes < first_bytes:
+        raise ValueError(f"tide.transport.plans: need 1 <= first_bytes <= max_bytes, got {first_bytes}, {max_bytes}")
+    chunks, cur, filled, target = [], [], 0, first_bytes
     for p in layout.params:
-        start, stop = p.slot_byte_range(rank)
-        own_off.append(start)
-        own_bytes.append(stop - start)
-        out_off.append(p.slot_offset)
-        out_numel.append(p.out_numel)
-    return AgPlanInfo(layout, tuple(out_dtypes), own_off, own_bytes, out_off, out_numel)
+        pos, n = 0, p.shard_numel
+        while pos < n:
+            room = (target - filled) // p.itemsize // SPLIT_ELEMS * SPLIT_ELEMS
+            take = min(n - pos, room if cur else max(room, SPLIT_ELEMS))
+            if take == 0:  # this chunk is full
+                chunks.append(cur)
+                cur, filled, target = [], 0, min(2 * target, max_bytes)
+                continue
+            cur.append((p.index, pos, take))
+            filled += take * p.itemsize
+            pos += take
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def ag_plan_info(layout: GroupLayout, rank: int) -> AgPlanInfo:
+    own_off = [p.slot_byte_range(rank)[0] for p in layout.params]
+    return AgPlanInfo(layout, own_off, [p.slot_offset for p in layout.params], [p.out_numel for p in layout.params],
+                      ag_chunks(layout))
 
 
 @dataclass

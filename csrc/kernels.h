@@ -1,4 +1,5 @@
-// Shared declarations of the TIDE CUDA extension: kernel argument structs and launchers.
+// The kernels of the TIDE CUDA extension, declared in one place: wire dtypes, argument structs and
+// launchers (the .cu files in csrc/ops/ define them).
 //
 // Kernel arguments travel by value as one __grid_constant__ struct, so a launch needs no device-side
 // descriptor table and no extra copy. kMaxSegments bounds that struct below the classic 4 KB
@@ -32,7 +33,7 @@ inline std::string num(long long v) { return std::to_string(v); }
 
 constexpr int kMaxSegments = 96;    // keeps SumArgs / CastArgs under 4 KB of kernel parameters
 constexpr int kSumThreads = 512;    // 16 warps per summing CTA: enough 16-B loads in flight per SM
-constexpr int kCastThreads = 512;
+constexpr int kCastThreads = 256;
 
 // One segment of the summing kernel:
 //   out[i] (+)= scale * (x_0[i] + x_1[i] + ... + x_{K-1}[i]),  i in [0, n), fp32, k in rank order,
@@ -62,7 +63,7 @@ struct SumArgs {
 // Launches the bounded-grid summing kernel (csrc/ops/sum_contributions.cu) on `stream`.
 void launch_sum_contributions(const SumArgs& args, int ctas, cudaStream_t stream);
 
-// One segment of the cast/copy kernel: dst[i] = cast<dst_dtype>(src[i]), i in [0, n).
+// One segment of the cast kernel: dst[i] = cast<dst_dtype>(src[i]), i in [0, n).
 struct CastSegment {
   const void* src;
   void* dst;
@@ -76,7 +77,8 @@ struct CastArgs {
   CastSegment seg[kMaxSegments];
 };
 
-// Launches the multi-segment cast/copy kernel (csrc/ops/cast_segments.cu) on `stream`.
-void launch_cast_segments(const CastArgs& args, int ctas, cudaStream_t stream);
+// Launches the cast kernel (csrc/ops/cast_segments.cu) on `stream` with as many CTAs as the segments'
+// elements need, up to `max_ctas`.
+void launch_cast_segments(const CastArgs& args, int max_ctas, cudaStream_t stream);
 
 }  // namespace tide

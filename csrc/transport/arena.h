@@ -1,0 +1,113 @@
+// The host side of TIDE-AG and TIDE-RS inside one NVLink domain: one Arena per set of ranks, over a
+// symmetric allocation laid out as csrc/transport/flags.h says.
+//
+// TIDE-AG, rank r, outputs bound in slot i, use v (slot i's use count, identical on all ranks):
+//   S (caller's stream): record "start"; per pipeline chunk c: one kernel writes the chunk's ranges of my
+//                        shards into my slot i (cast to the output dtype, or copied), record "chunk c";
+//   P (AG push stream):  after "start": write ag_free[i][r] = v into every peer (stream memop) and wait
+//                        for ag_free[i][p] >= v of every peer p; per chunk c: one batch of copy-engine
+//                        copies of its bytes to every peer's slot i at the same offsets, read from my
+//                        slot after "chunk c" (cast ranges) or from the shard itself (same dtype); then
+//                        post ag_ready[i][r] = v with 4-B copies (they follow the data on P);
+//   S:                   wait ag_ready[i][p] >= v for every peer; wait for P.
+// TIDE-RS, rank r (In-Place: pieces read from autograd's gradients; Slot-Reuse: from their param-major
+// places in a leased slot, each gradient copied there first unless already there); round j, destination
+// d, g = rounds done for d + 1, ring slot s = (g - 1) % R:
+//   Q (RS push stream): wait rs_free[d][s] >= g - R (d has summed what last used ring slot s);
+//                       rs_push_src[d][s] = g; one batch of my round-j pieces for every d into their
+//                       entries (s, r); then one batch of 4-B flags rs_ready[s][r] = g into every d;
+//   D (reduce stream), my own round j: wait rs_ready[s][q] >= g for every q != r; summing kernel over
+//                       the round's chunks (own contribution read in place); write rs_free[r][s] = g
+//                       into every q (stream memop, batched with the next round's waits).
+//   Every rank issues rounds in one order, a push depends only on sums R rounds back and a sum only on
+//   pushes of its own round, so no wait cycle can form. No kernel ever spins on a flag.
+// "free" flags (write after read) are stream-memop writes into the peer's word: the stream has finished
+// reading when it reaches them. "ready" flags (read after write) are 4-B copy-engine copies that follow
+// the data on the same stream, as in NCCL's CE collectives.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels.h"
+#include "transport/copies.h"
+#include "transport/driver.h"
+#include "transport/flags.h"
+#include "transport/plans.h"
+
+namespace tide {
+
+// Plan registries are keyed by what a plan depends on, as integers (dtype codes and sizes), so a call
+// finds its plan without building any Python object.
+using PlanKey = std::vector<int64_t>;
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const;
+};
+
+// What an op call did: ran (with the mode for a reduce-scatter), or why nothing was issued.
+enum class Ran { kTide, kInPlace, kSlotReuse, kInPlaceSlotTooSmall, kInPlaceGradsInSlot, kNotBound, kNoPlan, kBadArgs };
+const char* ran_name(Ran r);
+
+class Arena {
+ public:
+  Arena(int64_t rank, int64_t world, std::vector<int64_t> bases, int64_t device, int64_t num_slots,
+        int64_t slot_bytes, int64_t ring_depth, int64_t entry_bytes, int64_t sum_ctas, int64_t cast_ctas);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // TIDE-AG of `shards` into `outs` bound in a slot: kTide, kNotBound (outs lie in no slot at their
+  // plan's addresses), kNoPlan or kBadArgs (nothing issued).
+  Ran all_gather(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs);
+  // TIDE-RS; reuse_slot >= 0 asks for Slot-Reuse from that slot: the mode that ran, kNoPlan or kBadArgs.
+  Ran reduce_scatter(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads, double scale,
+                     bool accumulate, int64_t reuse_slot);
+  void add_ag_plan(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs, AgPlan plan);
+  void add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan);
+
+  const ArenaLayout& layout() const { return layout_; }
+  std::vector<std::pair<std::string, int64_t>> counters() const;
+
+ private:
+  uint64_t local_flag(int64_t word) const { return bases_[rank_] + 4 * word; }
+  uint64_t peer_flag(int64_t p, int64_t word) const { return bases_[p] + 4 * word; }
+  uint64_t slot_base(int64_t p, int64_t slot) const {
+    return bases_[p] + layout_.slots_off() + slot * layout_.slot_bytes;
+  }
+  uint64_t entry(int64_t d, int64_t s, int64_t q) const {
+    return bases_[d] + layout_.ring_off() + (s * world_ + q) * layout_.entry_bytes;
+  }
+  int64_t bound_slot(const AgPlan& plan, const std::vector<at::Tensor>& outs) const;
+  bool ag_args_ok(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) const;
+  bool rs_args_ok(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads) const;
+  void run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& shards, int64_t slot);
+  void run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>& grads,
+                          const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate, int64_t reuse_slot);
+  void memops(cudaStream_t stream, const std::vector<driver::MemOp>& writes, const std::vector<driver::MemOp>& waits);
+  void join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t ev);
+  void launch_cast(CastArgs& a, cudaStream_t stream);
+  void launch_sum(SumArgs& a);
+
+  int64_t rank_, world_, device_, sum_ctas_, cast_ctas_;
+  ArenaLayout layout_;
+  std::vector<uint64_t> bases_;
+  std::vector<uint32_t> ag_uses_;   // per slot: all-gathers so far (the flag value of the next is + 1)
+  std::vector<int64_t> rs_rounds_;  // per destination: reduce-scatter rounds so far
+  cudaStream_t ag_push_ = nullptr, rs_push_ = nullptr, reduce_ = nullptr;
+  cudaEvent_t ev_start_ = nullptr, ev_ag_push_ = nullptr, ev_rs_push_ = nullptr, ev_reduce_ = nullptr;
+  std::vector<cudaEvent_t> ev_chunk_;
+  std::unordered_map<PlanKey, std::shared_ptr<AgPlan>, PlanKeyHash> ag_plans_;
+  std::unordered_map<PlanKey, std::shared_ptr<RsPlan>, PlanKeyHash> rs_plans_;
+  std::vector<uint64_t> src_;  // where the current reduce-scatter reads each gradient
+  CopyList data_, flags_;
+  CopyCounters copied_;
+  int64_t kernels_ = 0, memop_calls_ = 0, ag_calls_ = 0, rs_calls_ = 0;
+  std::array<int64_t, 5> host_ns_{};  // total, kernels, memops, copies, events
+};
+
+}  // namespace tide

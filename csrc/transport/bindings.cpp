@@ -1,0 +1,172 @@
+// Python bindings of the TIDE CUDA extension (tide/transport/build.py builds it; tide/transport/arena.py
+// uses it). Arguments are named, results are strings and dicts: nothing is matched by position.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <array>
+
+#include "kernels.h"
+#include "transport/arena.h"
+#include "transport/driver.h"
+#include "transport/flags.h"
+
+namespace tide {
+namespace {
+
+namespace py = pybind11;
+
+py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int64_t slot_bytes, int64_t entry_bytes) {
+  const ArenaLayout l{FlagLayout{num_slots, ring_depth, world}, slot_bytes, entry_bytes};
+  py::dict d;
+  d["flag_words"] = l.flags.words();
+  d["flags_bytes"] = l.flags_bytes();
+  d["slots_off"] = l.slots_off();
+  d["ring_off"] = l.ring_off();
+  d["total_bytes"] = l.total_bytes();
+  return d;
+}
+
+AgPlan make_ag_plan(std::vector<int64_t> own_off, std::vector<int64_t> out_off, std::vector<int64_t> out_numel,
+                    std::vector<int32_t> out_dtype, const std::vector<std::vector<std::array<int64_t, 3>>>& chunks,
+                    int64_t slot_bytes) {
+  AgPlan p;
+  p.own_off = std::move(own_off);
+  p.out_off = std::move(out_off);
+  p.out_numel = std::move(out_numel);
+  p.out_dtype = std::move(out_dtype);
+  for (const auto& chunk : chunks) {
+    std::vector<ShardRange> ranges;
+    for (const auto& r : chunk) ranges.push_back(ShardRange{r[0], r[1], r[2]});
+    p.chunks.push_back(std::move(ranges));
+  }
+  p.slot_bytes = slot_bytes;
+  return p;
+}
+
+RsPlan make_rs_plan(const std::vector<std::vector<std::vector<std::array<int64_t, 5>>>>& rounds,
+                    const std::vector<std::array<int64_t, 3>>& pads, std::vector<int32_t> grad_dtype,
+                    std::vector<int64_t> slot_off, int64_t slot_bytes) {
+  RsPlan p;
+  for (const auto& per_dest : rounds) {
+    std::vector<std::vector<RsChunk>> rs;
+    for (const auto& rnd : per_dest) {
+      std::vector<RsChunk> chunks;
+      for (const auto& c : rnd) chunks.push_back(RsChunk{c[0], c[1], c[2], c[3], c[4]});
+      rs.push_back(std::move(chunks));
+    }
+    p.rounds.push_back(std::move(rs));
+  }
+  for (const auto& x : pads) p.pads.push_back(ShardRange{x[0], x[1], x[2]});
+  p.grad_dtype = std::move(grad_dtype);
+  p.slot_off = std::move(slot_off);
+  p.slot_bytes = slot_bytes;
+  return p;
+}
+
+py::dict counters(const Arena& a) {
+  py::dict d;
+  for (const auto& kv : a.counters()) d[py::str(kv.first)] = kv.second;
+  return d;
+}
+
+// Standalone summing kernel over K equally strided local buffers (the kernel benchmark and tests):
+// out[i] (+)= scale * sum_k x_k[i] with x_k = base + k * stride_bytes.
+void sum_strided(const at::Tensor& out, const at::Tensor& base, int64_t k, int64_t stride_bytes, int64_t n, double scale,
+                 bool accumulate, int64_t ctas) {
+  TORCH_CHECK(out.is_cuda() && base.is_cuda(), "tide.sum_strided: out and base must be CUDA tensors");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= n,
+              "tide.sum_strided: out must be a contiguous fp32 tensor of at least n elements");
+  TORCH_CHECK(k >= 1 && base.numel() * base.element_size() >= (k - 1) * stride_bytes + n * base.element_size(),
+              "tide.sum_strided: base is too small for k strided contributions");
+  const int32_t dtype = base.scalar_type() == at::kBFloat16 ? kBF16 : base.scalar_type() == at::kHalf ? kF16 : kF32;
+  c10::cuda::CUDAGuard guard(out.device());
+  SumArgs a{};
+  a.staging = static_cast<const char*>(base.data_ptr());
+  a.stride = stride_bytes;
+  a.k = static_cast<int32_t>(k);
+  a.own_rank = -1;
+  a.scale = static_cast<float>(scale);
+  a.accumulate = accumulate;
+  a.nseg = 1;
+  a.seg[0] = SumSegment{out.data_ptr<float>(), nullptr, 0, n, dtype, 0};
+  launch_sum_contributions(a, static_cast<int>(ctas), c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// The own-shard cast kernel on one contiguous pair (the kernel benchmark and tests): dst = cast(src).
+void cast_into(const at::Tensor& dst, const at::Tensor& src, int64_t max_ctas) {
+  auto code = [](const at::Tensor& t) {
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "tide.cast_into: tensors must be contiguous CUDA tensors");
+    const auto s = t.scalar_type();
+    TORCH_CHECK(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "tide.cast_into: dtype must be fp32, bf16 or fp16");
+    return s == at::kBFloat16 ? kBF16 : s == at::kHalf ? kF16 : kF32;
+  };
+  TORCH_CHECK(dst.numel() == src.numel(), "tide.cast_into: dst and src differ in numel");
+  c10::cuda::CUDAGuard guard(dst.device());
+  CastArgs a{};
+  a.nseg = 1;
+  a.seg[0] = CastSegment{src.data_ptr(), dst.data_ptr(), src.numel(), code(src), code(dst)};
+  launch_cast_segments(a, static_cast<int>(max_ctas), c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// Points the storage of each output (all its views see it) at `nbytes[i]` of device memory at
+// `base + offsets[i]`, not owned: the way FSDP2's resize_ gives an all-gather output its memory, but into
+// an arena slot. One call per unshard. False, with nothing bound, unless every output is a 1-D tensor on
+// `device` that starts its storage and has exactly `nbytes[i]` bytes (the caller raises the error).
+bool bind_storages(const std::vector<at::Tensor>& outs, int64_t device, int64_t base,
+                   const std::vector<int64_t>& offsets, const std::vector<int64_t>& nbytes) {
+  if (offsets.size() != outs.size() || nbytes.size() != outs.size()) return false;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& t = outs[i];
+    if (!t.defined() || !t.is_cuda() || t.get_device() != device || t.dim() != 1 || t.storage_offset() != 0 ||
+        t.numel() * static_cast<int64_t>(t.element_size()) != nbytes[i])
+      return false;
+  }
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto* impl = outs[i].storage().unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(c10::DataPtr(reinterpret_cast<void*>(base + offsets[i]), outs[i].device()));
+    impl->set_nbytes(static_cast<size_t>(nbytes[i]));
+  }
+  return true;
+}
+
+}  // namespace
+}  // namespace tide
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace tide;
+  m.doc() = "TIDE CUDA transport: copy-engine TIDE-AG, bounded-grid TIDE-RS, symmetric-arena flags";
+  m.def("arena_layout", &arena_layout, py::arg("num_slots"), py::arg("ring_depth"), py::arg("world"),
+        py::arg("slot_bytes"), py::arg("entry_bytes"));
+  py::class_<AgPlan, std::shared_ptr<AgPlan>>(m, "AgPlan")
+      .def(py::init(&make_ag_plan), py::arg("own_off"), py::arg("out_off"), py::arg("out_numel"), py::arg("out_dtype"),
+           py::arg("chunks"), py::arg("slot_bytes"));
+  py::class_<RsPlan, std::shared_ptr<RsPlan>>(m, "RsPlan")
+      .def(py::init(&make_rs_plan), py::arg("rounds"), py::arg("pads"), py::arg("grad_dtype"), py::arg("slot_off"),
+           py::arg("slot_bytes"));
+  py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
+      .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
+           py::arg("rank"), py::arg("world"), py::arg("bases"), py::arg("device"), py::arg("num_slots"),
+           py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"), py::arg("cast_ctas"))
+      .def("all_gather", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
+             return std::string(ran_name(a.all_gather(shards, outs)));
+           }, py::arg("shards"), py::arg("outs"))
+      .def("reduce_scatter", [](Arena& a, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
+                                double scale, bool accumulate, int64_t reuse_slot) {
+             return std::string(ran_name(a.reduce_scatter(grads, shard_grads, scale, accumulate, reuse_slot)));
+           }, py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"), py::arg("reuse_slot"))
+      .def("add_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
+                             const AgPlan& plan) { a.add_ag_plan(shards, outs, plan); },
+           py::arg("shards"), py::arg("outs"), py::arg("plan"))
+      .def("add_rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads, const RsPlan& plan) { a.add_rs_plan(grads, plan); },
+           py::arg("grads"), py::arg("plan"))
+      .def("counters", &counters);
+  m.def("sum_strided", &sum_strided, py::arg("out"), py::arg("base"), py::arg("k"), py::arg("stride_bytes"), py::arg("n"),
+        py::arg("scale"), py::arg("accumulate"), py::arg("ctas"));
+  m.def("cast_into", &cast_into, py::arg("dst"), py::arg("src"), py::arg("max_ctas"));
+  m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("base"), py::arg("offsets"),
+        py::arg("nbytes"));
+  m.def("driver_available", &driver::available);
+}

@@ -1,0 +1,52 @@
+// The byte layout of a TIDE arena and its int32 flag words: the one definition (Python asks the
+// extension for it before allocating, tide.transport.arena).
+//
+// Arena of one set of ranks, identical on every rank p (peers' copies mapped at bases[p]):
+//
+//   [0, flags_bytes)                        int32 flag words (FlagLayout)
+//   slots_off + i * slot_bytes              all-gather slot i < K: param-major, GroupLayout offsets
+//   ring_off + (s * W + q) * entry_bytes    reduce-scatter staging entry of ring slot s < R that
+//                                           contributor q fills for this rank
+//
+// Flag words are sequence numbers that only grow (nothing is ever reset); each carries the value of the
+// use it announces. "ready" flags follow data: peers write them with 4-B copies from a local source
+// word that a stream memop has just set (NCCL's CE protocol). "free" flags follow reads: peers write them
+// with stream memops straight into the word.
+//   ag_free[i][p]   peer p's slot i may receive my pieces for its use v           (written by p)
+//   ag_ready[i][p]  peer p's pieces of use v have landed in my slot i             (written by p)
+//   rs_ready[s][q]  contributor q's entry for my ring slot s holds its round g    (written by q)
+//   rs_free[d][s]   destination d has summed my entry of its ring slot s, round g (written by d)
+//   ag_src[i], rs_push_src[d][s]: the local source words of the "ready" copies. One word per slot /
+//   (destination, ring slot), so no copy can read a value meant for another.
+#pragma once
+
+#include <cstdint>
+
+namespace tide {
+
+struct FlagLayout {
+  int64_t K, R, W;
+  int64_t ag_free(int64_t slot, int64_t p) const { return slot * W + p; }
+  int64_t ag_ready(int64_t slot, int64_t p) const { return (K + slot) * W + p; }
+  int64_t rs_ready(int64_t s, int64_t q) const { return 2 * K * W + s * W + q; }
+  int64_t rs_free(int64_t d, int64_t s) const { return 2 * K * W + R * W + d * R + s; }
+  int64_t ag_src(int64_t slot) const { return 2 * K * W + 2 * R * W + slot; }
+  int64_t rs_push_src(int64_t d, int64_t s) const { return 2 * K * W + 2 * R * W + K + d * R + s; }
+  int64_t words() const { return 2 * K * W + 3 * R * W + K; }
+};
+
+constexpr int64_t kPage = 4096;
+
+inline int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+// Byte offsets of one arena (all page-aligned).
+struct ArenaLayout {
+  FlagLayout flags;
+  int64_t slot_bytes, entry_bytes;
+  int64_t flags_bytes() const { return round_up(4 * flags.words(), kPage); }
+  int64_t slots_off() const { return flags_bytes(); }
+  int64_t ring_off() const { return slots_off() + flags.K * slot_bytes; }
+  int64_t total_bytes() const { return ring_off() + flags.R * flags.W * entry_bytes; }
+};
+
+}  // namespace tide
