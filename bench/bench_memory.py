@@ -17,7 +17,7 @@ one backward reaches, while the previous block is prefetched):
   reduce-scatter, with every buffer those allocate); ``reset_peak_memory_stats`` at the window start.
 * ``memory_allocated(window start)``: everything live before the window - sharded params, optimizer
   state, saved activations, the root group's unsharded params (allocator memory in all three variants:
-  TIDE stages the root's all-gather through a slot and copies it out). No block is unsharded then
+  TIDE gathers the root's outputs in place, outside the arena). No block is unsharded then
   (``reshard_after_forward=True``; the script checks it). The window also holds the root's head
   gradients (vocab x dim, ~0.5 % of NS here), counted as they are.
 * ``arena_bytes``: TIDE's symmetric arena (``Arena.total_bytes``: flag words, K = 2 all-gather slots
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, pyplot, run_meta, write_csv  # noqa: E402
+from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 VARIANTS = (("stock", None), ("tide_in_place", "in_place"), ("tide_slot_reuse", "slot_reuse"))
 TARGETS = {"stock": 4.0, "tide_in_place": 3.75, "tide_slot_reuse": 2.3}  # from the issue (x NS)
@@ -155,6 +155,18 @@ def report(rows: list[dict], dims: list[int], ranks: int, backend: str, meta: di
     some dims (stock beyond ``--stock-max-dim``) or all of them."""
     rank0 = [r for r in rows if r["rank"] == 0]
     plt = pyplot()
+    if plt is not None:
+        _plot(plt, rank0, dims, ranks, backend, meta, out)
+    parts = []
+    for d in dims:
+        vals = {r["variant"]: r["live_ns"] for r in rank0 if r["dim"] == d}
+        parts.append(f"dim {d}: " + " ".join(f"{name.removeprefix('tide_')} {vals[name]:.2f}" for name, _ in VARIANTS
+                                             if name in vals))
+    print(f"SUMMARY memory (x NS, peak live in the last block's backward, arena in full, W={ranks}, rank 0): "
+          + "; ".join(parts))
+
+
+def _plot(plt, rank0: list[dict], dims: list[int], ranks: int, backend: str, meta: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.27
     for k, (name, _) in enumerate(VARIANTS):
@@ -178,13 +190,6 @@ def report(rows: list[dict], dims: list[int], ranks: int, backend: str, meta: di
                  fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=120)
-    parts = []
-    for d in dims:
-        vals = {r["variant"]: r["live_ns"] for r in rank0 if r["dim"] == d}
-        parts.append(f"dim {d}: " + " ".join(f"{name.removeprefix('tide_')} {vals[name]:.2f}" for name, _ in VARIANTS
-                                             if name in vals))
-    print(f"SUMMARY memory (x NS, peak live in the last block's backward, arena in full, W={ranks}, rank 0): "
-          + "; ".join(parts))
 
 
 def main(argv=None) -> None:
@@ -194,12 +199,11 @@ def main(argv=None) -> None:
     p.add_argument("--stock-max-dim", type=int, default=4096,
                    help="stock FSDP2 only up to this dim (ranks sharing a GPU run stock over gloo, slow for large blocks)")
     p.add_argument("--ranks", type=int, default=8, help="ranks (8: one NVLink domain of 8 GPUs)")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
     from tide.launch import CUDA_RANK_ENV, run_ranks
 
-    if not torch.cuda.is_available():
-        sys.exit("bench_memory.py needs a CUDA device")
+    require_cuda("bench_memory.py")
     dims = [int(d) for d in args.dims.split(",")]
     gpus = torch.cuda.device_count()
     backend = "nccl" if gpus >= args.ranks else "gloo"

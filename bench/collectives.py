@@ -3,34 +3,39 @@
 Every rank holds one param group of 8 bf16 parameters with uneven dim-0 shards whose gathered size is
 the message size S. Variants, per message size:
 
-- ``tide_ag``: ``torch.ops.tide.all_gather_into_params_`` into outputs bound in the arena slot
-  (zero-copy, the FSDP2 path); ``tide_rs``: ``torch.ops.tide.reduce_scatter_params_`` of the bf16 grads
-  into fp32 shard grads (In-Place mode).
-- with one GPU per rank (NCCL): ``nccl_ag`` / ``nccl_rs_bf16`` (``torch.distributed`` on flat buffers),
-  ``fsdp2_ag`` (FSDP2's copy-in + NCCL all-gather + copy-out with its own ops) and ``fsdp2_rs_fp32``
-  (``chunk_cat`` into fp32 + NCCL fp32 reduce-scatter), and ``symm_mem_ag`` / ``symm_mem_rs_fp32`` (the same
-  with the flat buffers allocated in torch symmetric memory and rendezvoused; whether NCCL then takes its
-  symmetric or copy-engine kernels depends on its version and CTA policy, as with FSDP2's
-  ``set_symm_mem_for_comm``) where the torch version has symmetric memory.
+- ``tide_ag``: ``torch.ops.tide.all_gather_into_params_`` of bf16 shards into outputs bound in an arena
+  slot (zero-copy, the FSDP2 path; copy engines only); ``tide_ag_cast``: the same from fp32 shards (FSDP2's
+  mixed precision: the own-shard cast pipelined with the pushes); ``tide_rs``:
+  ``torch.ops.tide.reduce_scatter_params_`` of the bf16 grads into fp32 shard grads (In-Place mode).
+- with one GPU per rank (NCCL): ``nccl_ag`` / ``nccl_rs_bf16`` (``torch.distributed`` on flat buffers,
+  NCCL's default kernels); ``nccl_ce_ag``: NCCL's own zero-SM copy-engine all-gather (``bench/nccl_ce.py``:
+  CTA policy zero, buffers in NCCL symmetric memory; run in processes of its own, since torch symmetric
+  memory has one backend per process); ``fsdp2_ag`` / ``fsdp2_ag_cast`` (FSDP2's copy-in + NCCL
+  all-gather + copy-out with its own ops, from bf16 / fp32 shards) and ``fsdp2_rs_fp32`` (``chunk_cat``
+  into fp32 + NCCL fp32 reduce-scatter).
 - ranks sharing one GPU (gloo group + symmetric memory): only the TIDE variants and ``reference_*`` (the
   ops' gloo reference, CPU-staged). **These are not NVLink numbers**: every "peer" copy is a same-GPU
   SM copy, and all ranks share one GPU's HBM.
 
 busbw as nccl-tests defines it: ``S / t * (W-1)/W`` where S is the all-gather's output bytes (bf16)
 and the reduce-scatter's input bytes per rank (bf16 grads; the fp32 variants move 2x the bytes for the
-same S). t is the slowest rank's median. SM time: the summed duration of non-memcpy/memset GPU kernels
-one call launches (torch.profiler). Writes bench/results/collectives.csv and .png.
+same S). t is the time per call of ``inner`` calls back to back (as nccl-tests times them: from 50 calls
+at 1 MiB down to 2 from 256 MiB, so the ranks' skew after a barrier is amortised), the slowest rank's
+median over ``--reps``. SM time: the summed duration of non-memcpy/memset GPU kernels
+one call launches (torch.profiler). Writes ``collectives.csv`` and ``.png`` under ``--out``.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import RESULTS, cuda_ms, pyplot, run_meta, write_csv
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cuda_ms, default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 N_PARAMS = 8
 
@@ -43,12 +48,17 @@ def group_shapes(total_bytes: int, world_size: int) -> list[tuple[int, int]]:
     return [(max(1, r + (i % 3) - 1), 1024) for i, r in enumerate(base)]  # +-1 row: uneven shards
 
 
-def median_ms(fn, reps: int) -> float:
+def inner_calls(size_mib: int) -> int:
+    return max(2, min(50, 256 // max(1, size_mib)))
+
+
+def median_ms(fn, reps: int, inner: int) -> float:
+    fn()
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
         dist.barrier()
-        times.append(cuda_ms(fn))
+        times.append(cuda_ms(lambda: [fn() for _ in range(inner)]) / inner)
     return statistics.median(times)
 
 
@@ -67,7 +77,15 @@ def sm_time_us(fn) -> float:
     return total
 
 
-def _rank(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
+def _measure(variants: dict, size: int, reps: int) -> list[dict]:
+    rows = []
+    for name, (fn, nbytes) in variants.items():
+        rows.append({"variant": name, "size_mib": size, "bytes": nbytes, "ms": median_ms(fn, reps, inner_calls(size)),
+                     "sm_us": sm_time_us(fn)})
+    return rows
+
+
+def _rank_main(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
     import tide  # noqa: F401
     import tide.transport
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives  # noqa: F401  (torch.ops.fsdp.*)
@@ -76,77 +94,92 @@ def _rank(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
     from tide.ops import reference
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    group = dist.group.WORLD
-    gn = group.group_name
+    gn = dist.group.WORLD.group_name
     layouts = {s: GroupLayout(group_shapes(s << 20, world_size), [2] * N_PARAMS, world_size) for s in sizes_mib}
-    arena = tide.transport.enable(group, layouts=list(layouts.values()))
-    symm_mem = None
-    if one_gpu_per_rank:
-        try:
-            from torch.distributed import _symmetric_memory as symm_mem
-        except ImportError:
-            symm_mem = None
+    arena = tide.transport.enable(dist.group.WORLD, layouts=list(layouts.values()))
     rows = []
     for size, layout in layouts.items():
         params = layout.params
         numels = [p.shard_numel for p in params]
         total = sum(numels)
-        shards = [torch.randn(n, device=dev).to(torch.bfloat16) for n in numels]
+        shards32 = [torch.randn(n, device=dev) for n in numels]
+        shards = [s.to(torch.bfloat16) for s in shards32]
         outs = [torch.empty(p.out_numel, device=dev, dtype=torch.bfloat16) for p in params]
-        arena.bind_outputs(outs, slot=0)
+        arena.bind_outputs(outs, 0)
         grads = [torch.randn(p.shape, device=dev).to(torch.bfloat16) for p in params]
         shard_grads = [torch.empty((p.shard_rows, 1024), device=dev) for p in params]
         ag_bytes = world_size * total * 2
         rs_bytes = sum(g.numel() for g in grads) * 2
         variants = {
             "tide_ag": (lambda: torch.ops.tide.all_gather_into_params_(shards, outs, world_size, gn), ag_bytes),
+            "tide_ag_cast": (lambda: torch.ops.tide.all_gather_into_params_(shards32, outs, world_size, gn), ag_bytes),
             "tide_rs": (lambda: torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 1.0 / world_size, False,
                                                                       world_size, gn), rs_bytes),
         }
         if one_gpu_per_rank:
-            flat_in = torch.empty(total, device=dev, dtype=torch.bfloat16)
+            flat_in = torch.randn(total, device=dev).to(torch.bfloat16)
             flat_out = torch.empty(world_size * total, device=dev, dtype=torch.bfloat16)
-            rs_in_bf16 = torch.empty(world_size * total, device=dev, dtype=torch.bfloat16)
+            rs_in_bf16 = torch.randn(world_size * total, device=dev).to(torch.bfloat16)
             rs_out_bf16 = torch.empty(total, device=dev, dtype=torch.bfloat16)
             rs_in32 = torch.empty(world_size * total, device=dev)
             rs_out32 = torch.empty(total, device=dev)
 
-            def fsdp2_ag(out_buf=flat_out):
-                inp, out = torch.ops.fsdp.all_gather_copy_in(shards, out_buf, numels, total, rank)
+            def fsdp2_ag(inputs):
+                inp, out = torch.ops.fsdp.all_gather_copy_in(inputs, flat_out, numels, total, rank)
                 dist.all_gather_into_tensor(out, inp)
                 torch.ops.fsdp.split_with_sizes_copy(out.view(world_size, -1), numels, dim=1,
                                                      out=[o.view(world_size, -1) for o in outs])
 
-            def fsdp2_rs(inp=rs_in32, out=rs_out32):
-                torch.ops.fsdp.chunk_cat(grads, dim=0, num_chunks=world_size, out=inp.view(world_size, -1))
-                dist.reduce_scatter_tensor(out, inp)
+            def fsdp2_rs():
+                torch.ops.fsdp.chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_in32.view(world_size, -1))
+                dist.reduce_scatter_tensor(rs_out32, rs_in32)
 
             variants.update({
                 "nccl_ag": (lambda: dist.all_gather_into_tensor(flat_out, flat_in), ag_bytes),
                 "nccl_rs_bf16": (lambda: dist.reduce_scatter_tensor(rs_out_bf16, rs_in_bf16), rs_bytes),
-                "fsdp2_ag": (fsdp2_ag, ag_bytes),
+                "fsdp2_ag": (lambda: fsdp2_ag(shards), ag_bytes),
+                # FSDP2's mixed-precision copy-in casts the fp32 shards into the flat bf16 buffer.
+                "fsdp2_ag_cast": (lambda: fsdp2_ag([s.to(torch.bfloat16) for s in shards32]), ag_bytes),
                 "fsdp2_rs_fp32": (fsdp2_rs, rs_bytes),
             })
-            if symm_mem is not None:
-                sm_out = symm_mem.empty(world_size * total, device=dev, dtype=torch.bfloat16)
-                symm_mem.rendezvous(sm_out, gn)
-                sm_in = symm_mem.empty(world_size * total, device=dev)
-                sm_rs_out = symm_mem.empty(total, device=dev)
-                symm_mem.rendezvous(sm_in, gn)
-                symm_mem.rendezvous(sm_rs_out, gn)
-                variants["symm_mem_ag"] = (lambda: fsdp2_ag(sm_out), ag_bytes)
-                variants["symm_mem_rs_fp32"] = (lambda: fsdp2_rs(sm_in, sm_rs_out), rs_bytes)
         elif size <= 64:
             variants["reference_ag"] = (lambda: reference.all_gather_into_params_(shards, outs, world_size, gn),
                                         ag_bytes)
             variants["reference_rs"] = (lambda: reference.reduce_scatter_params_(
                 grads, shard_grads, 1.0 / world_size, False, world_size, gn), rs_bytes)
-        for name, (fn, nbytes) in variants.items():
-            fn()
-            ms = median_ms(fn, reps)
-            rows.append({"variant": name, "size_mib": size, "bytes": nbytes, "ms": ms, "sm_us": sm_time_us(fn)})
+        rows += _measure(variants, size, reps)
+        del outs
     tide.transport.disable(gn)
     return rows
+
+
+def _rank_nccl_ce(rank, world_size, sizes_mib, reps):
+    import nccl_ce
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = nccl_ce.new_group()
+    side = torch.cuda.Stream()
+    rows = []
+    for size in sizes_mib:
+        total = sum(p.shard_numel for p in _layout(size, world_size).params)
+        out = nccl_ce.empty(world_size * total, torch.bfloat16, dev)
+        out.normal_()
+        inp = out[rank * total:(rank + 1) * total]
+
+        def ce(out=out, inp=inp):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                nccl_ce.all_gather(out, inp, group)  # NCCL 2.28 refuses the legacy stream for CE collectives
+            torch.cuda.current_stream().wait_stream(side)
+
+        rows += _measure({"nccl_ce_ag": (ce, world_size * total * 2)}, size, reps)
+    return rows
+
+
+def _layout(size: int, world_size: int):
+    from tide.meta.layout import GroupLayout
+
+    return GroupLayout(group_shapes(size << 20, world_size), [2] * N_PARAMS, world_size)
 
 
 def main(argv=None):
@@ -154,8 +187,9 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=None, help="default: the GPU count if >= 2, else 4")
     p.add_argument("--sizes", default="1,4,16,64,256,1024", help="message sizes in MiB")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
+    require_cuda("collectives.py")
     from tide.launch import CUDA_RANK_ENV, run_ranks
 
     gpus = torch.cuda.device_count()
@@ -163,8 +197,17 @@ def main(argv=None):
     one_gpu_per_rank = gpus >= ranks
     backend = "nccl" if one_gpu_per_rank else "gloo"
     sizes = [int(s) for s in args.sizes.split(",")]
-    per_rank = run_ranks(_rank, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend, device_type="cuda",
+    per_rank = run_ranks(_rank_main, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend, device_type="cuda",
                          env=CUDA_RANK_ENV, timeout=540)
+    import nccl_ce
+
+    why_not = nccl_ce.available() if one_gpu_per_rank else "ranks share a GPU"
+    if why_not is None:
+        ce = run_ranks(_rank_nccl_ce, ranks, sizes, args.reps, backend="nccl", device_type="cuda", env=CUDA_RANK_ENV,
+                       timeout=300)
+        per_rank = [a + b for a, b in zip(per_rank, ce)]
+    else:
+        print(f"collectives.py: no nccl_ce_ag row: {why_not}")
     mode = "one GPU per rank (NVLink)" if one_gpu_per_rank else f"{ranks} ranks sharing {gpus} GPU: NOT NVLink numbers"
     meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, mode=mode)
     rows = []
@@ -177,25 +220,27 @@ def main(argv=None):
     out = Path(args.out)
     write_csv(out / "collectives.csv", rows)
     plt = pyplot()
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(r["variant"] for r in rows):
-        sel = [r for r in rows if r["variant"] == name]
-        ax = axes[0] if name.endswith("ag") else axes[1]
-        ax.plot([r["size_mib"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o", label=name)
-    for ax, title in zip(axes, ("all-gather", "reduce-scatter")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("message size S (MiB)")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{meta['device']} x{gpus}, {mode}, {meta['date']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "collectives.png", dpi=120)
-    big = [r for r in rows if r["size_mib"] == max(sizes)]
-    print("SUMMARY collectives (" + mode + f", {max(sizes)} MiB): " +
-          ", ".join(f"{r['variant']} {r['busbw_GBps']:.0f} GB/s SM {r['sm_us']:.0f} us" for r in big))
+    if plt is not None:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for name in dict.fromkeys(r["variant"] for r in rows):
+            sel = [r for r in rows if r["variant"] == name]
+            ax = axes[0] if "_ag" in name else axes[1]
+            ax.plot([r["size_mib"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o", label=name)
+        for ax, title in zip(axes, ("all-gather", "reduce-scatter")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("message size S (MiB)")
+            ax.set_ylabel("busbw (GB/s)")
+            ax.set_title(title)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{meta['device']} x{gpus}, {mode}, {meta['date']}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / "collectives.png", dpi=120)
+    for size in sorted({min(sizes), 16, 256, max(sizes)} & set(sizes)):
+        sel = [r for r in rows if r["size_mib"] == size]
+        print(f"SUMMARY collectives ({mode}, {size} MiB): " +
+              ", ".join(f"{r['variant']} {r['busbw_GBps']:.0f} GB/s {r['ms'] * 1e3:.0f} us SM {r['sm_us']:.0f} us"
+                        for r in sel))
 
 
 if __name__ == "__main__":

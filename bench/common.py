@@ -1,15 +1,33 @@
-"""What every benchmark script shares: CUDA timing, run metadata, the CSV writer and the plot backend."""
+"""What every benchmark script shares: CUDA timing, run metadata, the CSV writer and the plot backend.
+
+Benchmarks write under ``--out``, by default ``bench/out/`` (ignored by git): the committed results in
+``bench/results/`` are copied there from a recorded GPU run (docs/gpu_runs.md), never overwritten by a
+local run.
+"""
 from __future__ import annotations
 
 import csv
 import datetime
 import statistics
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def default_out() -> Path:
+    return Path(__file__).resolve().parent / "out"
+
+
+def require_cuda(script: str, gpus: int = 1) -> None:
+    """Exit with one line (status 2) when this machine lacks the GPUs ``script`` needs."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < gpus:
+        print(f"{script}: needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}; this machine has {have}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def cuda_ms(fn: Callable[[], object], stream: torch.cuda.Stream | None = None) -> float:
@@ -45,9 +63,13 @@ def write_csv(path: Path, rows: Sequence[dict]) -> None:
 
 
 def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend."""
-    import matplotlib
-
+    """matplotlib.pyplot on the file-only Agg backend, or None (with a note) when matplotlib is missing:
+    the CSV is written either way."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: CSV only, no PNG (pip install matplotlib)", file=sys.stderr)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

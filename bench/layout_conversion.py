@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers torch.ops.fsdp.*)
 
-from common import RESULTS, cuda_ms, pyplot, run_meta, write_csv
+from common import cuda_ms, default_out, pyplot, run_meta, write_csv
 from model_shapes import MODELS, shrink
 
 from tide.meta.layout import GroupLayout
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shrink", type=int, default=1, help="divide every dim (CPU smoke runs)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    ap.add_argument("--out", type=Path, default=default_out(), help="output folder")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     rows = []
@@ -116,6 +116,8 @@ def main(argv=None) -> int:
 
 def plot(rows, path: Path, device: str) -> None:
     plt = pyplot()
+    if plt is None:
+        return
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):

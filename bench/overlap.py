@@ -13,7 +13,8 @@ G CTAs, in one of two modes that span the whole foreground run:
   TIDE-RS launches its bounded grid only when a chunk has landed by copy engine (G = 8/16/20).
 
 Both modes are run for every G. Not included: network time (the preprint's 6.75 ms RS is dominated by
-it) and NCCL's own kernels; reductions here read local HBM only. Reported per (foreground, mode, G):
+it) and NCCL's own kernels; reductions here read local HBM only. ``--xgpu`` runs the cross-GPU
+experiment instead (``bench/overlap_xgpu.py``: real reduce-scatters over NVLink beside the GEMM). Reported per (foreground, mode, G):
 foreground median time alone and concurrent (slowdown %), and the time of one 32 MiB reduction.
 Writes bench/results/overlap.csv and .png.
 """
@@ -22,11 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-from common import RESULTS, cuda_ms, pyplot, run_meta, write_csv
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cuda_ms, default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 RS_BYTES = 32 << 20
 GATE_CYCLES = 20_000_000  # ~10 ms at H200 clocks: longer than enqueueing the side stream's launches
@@ -44,8 +47,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--grids", default="all,4,8,16,20")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--xgpu", action="store_true", help="the cross-GPU experiment (bench/overlap_xgpu.py)")
+    p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
+    if args.xgpu:
+        import overlap_xgpu
+
+        overlap_xgpu.main(args)
+        return
+    require_cuda("overlap.py")
 
     from tide.transport import build
 
@@ -128,7 +138,8 @@ def main(argv=None):
     meta = run_meta()
     write_csv(out / "overlap.csv", [{**r, **meta} for r in rows])
     plt = pyplot()
-
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name in foregrounds:
         for mode, ls in (("resident", "-"), ("chunked", "--")):

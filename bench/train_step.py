@@ -1,128 +1,181 @@
-"""Training step of the Llama-like model from ``tide.train``: stock FSDP2 vs TIDE (both RS modes).
+"""Training step of ``tide.models``' decoder under FSDP2: stock against TIDE, over a tokens-per-GPU sweep.
 
-Median step time over ``--steps`` steps after ``--warmup`` warm-up steps, and peak memory (CUDA
-``max_memory_allocated`` of rank 0). With one GPU per rank the group is NCCL; with fewer GPUs than ranks
-the ranks share the GPU over gloo (a smoke run: stock collectives then go through gloo's CPU staging,
-so the step times say nothing about NVLink). ``tide.fsdp.stats()`` of each run is recorded so the CSV
-shows which path really ran, and, over the timed steps, how many push graphs TIDE built and how many
-copy nodes it re-pointed per step (zero once every block's gradients come back at the addresses of
-the step before: the reduce-scatters then replay cached graphs). Writes bench/results/train_step.csv
-and .png.
+Presets (``--preset``): ``llama8b`` (Llama-3.1-8B-shaped blocks: dim 4096, ffn 14336, 32 heads, vocab
+128256), ``moe`` (Qwen3-30B-A3B-shaped blocks: dim 2048, 16 heads of 128, 128 experts of ffn 768 as 3-D
+parameters sharded on the expert dim, top-8, grouped GEMMs, vocab 151936), or a small one for smoke
+runs. ``--blocks`` blocks (default 4) plus the root (embedding, final norm, head), every block and the
+root ``fully_shard``-ed with bf16 params and fp32 reduce, explicit forward/backward prefetch, AdamW,
+``--batch`` sequences of tokens-per-GPU / batch tokens each.
+
+Variants, each in processes of its own (a clean allocator and one symmetric-memory backend each):
+``stock``; ``stock_nccl_ce`` (stock FSDP2 whose all-gather is NCCL's zero-SM copy-engine all-gather,
+``bench/nccl_ce.py`` through ``set_custom_all_gather``, where torch and NCCL allow); ``tide_in_place``;
+``tide_slot_reuse``. Per (variant, tokens): median step time over ``--steps`` steps after ``--warmup``
+(the slowest rank's), peak memory of rank 0 (``max_memory_allocated`` plus TIDE's symmetric arena,
+which the allocator does not count), and the CUDA graphs instantiated per step after warm-up
+(``cudaGraphInstantiate`` calls in a profiled step). Writes ``train_step_8b.csv`` / ``train_step_moe.csv``
+(``train_step_<preset>.csv`` for the small presets) and a PNG under ``--out``. With fewer GPUs than
+ranks the ranks share a GPU over gloo: a smoke run, not NVLink numbers.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import RESULTS, pyplot, run_meta, write_csv
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
-VARIANTS = (("stock", None), ("tide_in_place", "in_place"), ("tide_slot_reuse", "slot_reuse"))
+VARIANTS = ("stock", "stock_nccl_ce", "tide_in_place", "tide_slot_reuse")
+DEFAULT_TOKENS = {"llama8b": "1024,4096,8192", "moe": "1024,4096"}
+CSV_NAMES = {"llama8b": "train_step_8b", "moe": "train_step_moe"}
+COLUMNS = ("variant", "tokens_per_gpu", "median_step_ms", "peak_mib", "graphs_built_per_step", "gpus", "ranks", "date",
+           "device", "torch")
 
 
-def _rank(rank, world_size, model_name, steps, warmup):
+def graph_instantiations(fn) -> int:
+    """``cudaGraphInstantiate`` calls made while ``fn`` runs (torch.profiler's runtime API events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.name.startswith("cudaGraphInstantiate"))
+
+
+def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_size, steps, warmup):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import tide.fsdp
+    from tide import transport
     from tide.models import PRESETS
     from tide.train import fsdp_model, train_step
 
     device = torch.device("cuda", torch.cuda.current_device())
-    cfg = PRESETS[model_name]
+    cfg = dataclasses.replace(PRESETS[preset], n_layers=blocks, seq_len=max(tokens_list) // batch_size)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tide_mode = {"tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}.get(variant)
+    model = fsdp_model(cfg, device=device, mp_policy=mp, use_tide=tide_mode is not None,
+                       rs_mode=tide_mode or "in_place", prefetch=True, seed=0)
+    if variant == "stock_nccl_ce":
+        import nccl_ce
+
+        comm = nccl_ce.fsdp_comm(nccl_ce.new_group())
+        for module in list(model.layers) + [model]:
+            module.set_custom_all_gather(comm)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = []
-    for name, rs_mode in VARIANTS:
-        model = fsdp_model(cfg, device=device, mp_policy=mp, use_tide=rs_mode is not None,
-                           rs_mode=rs_mode or "in_place", seed=0)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for tokens in tokens_list:
+        seq = tokens // batch_size
+
+        def step(i):
+            return train_step(model, optim, cfg, i, rank, device=device, batch_size=batch_size, seq_len=seq)
+
         tide.fsdp.reset_stats()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-        times, losses = [], []
-        graph_counts = {}
-        for step in range(warmup + steps):
-            if step == warmup:
-                graph_counts = _graph_counters()
+        for i in range(warmup):
+            step(i)
+        times, loss = [], None
+        for i in range(warmup, warmup + steps):
             torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-            loss = train_step(model, optim, cfg, step, rank, device=device)
+            loss = step(i)
             torch.cuda.synchronize()
-            if step >= warmup:
-                times.append(time.perf_counter() - t0)
-                losses.append(float(loss))
-        rows.append({"variant": name, "median_step_ms": statistics.median(times) * 1e3,
-                     "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
-                     "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20, "final_loss": losses[-1],
-                     "stats": str(tide.fsdp.stats()), "arena_stats": str(tide.fsdp.arena_stats()),
-                     **{f"{k}_per_step": (v - graph_counts.get(k, 0)) / steps for k, v in _graph_counters().items()}})
+            times.append(time.perf_counter() - t0)
+        graphs = graph_instantiations(lambda: step(warmup + steps))
+        arena_bytes = sum({id(a): a.total_bytes for a in transport.arenas().values()}.values())
+        rows.append({"variant": variant, "tokens_per_gpu": tokens, "median_step_ms": statistics.median(times) * 1e3,
+                     "peak_mib": (torch.cuda.max_memory_allocated(device) + arena_bytes) / 2**20,
+                     "graphs_built_per_step": graphs, "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+                     "arena_mib": arena_bytes / 2**20, "final_loss": float(loss), "stats": str(tide.fsdp.stats()),
+                     "arena_stats": str(tide.fsdp.arena_stats())})
         if rank == 0:
-            print(f"{name:16s} median {rows[-1]['median_step_ms']:8.2f} ms  peak {rows[-1]['peak_mib']:8.1f} MiB  "
-                  f"graphs built/step {rows[-1].get('graphs_built_per_step', 0):.1f}, node updates/step "
-                  f"{rows[-1].get('graph_node_updates_per_step', 0):.1f}  {rows[-1]['stats']} {rows[-1]['arena_stats']}",
+            r = rows[-1]
+            print(f"{variant:16s} {tokens:6d} tok/GPU  median {r['median_step_ms']:8.2f} ms  peak {r['peak_mib']:9.1f} MiB"
+                  f" (arena {r['arena_mib']:.0f})  graphs/step {graphs}  loss {r['final_loss']:.4f}  {r['arena_stats']}",
                   flush=True)
-        if rs_mode is not None:
-            tide.fsdp.disable(model)
-        del model, optim
-        torch.cuda.empty_cache()
+    if tide_mode is not None:
+        tide.fsdp.disable(model)
     return rows
-
-
-def _graph_counters() -> dict:
-    """Push graphs built and copy nodes re-pointed so far, summed over this rank's arenas."""
-    from tide import transport
-
-    out = {"graphs_built": 0, "graph_node_updates": 0}
-    for arena in {id(a): a for a in transport.arenas().values()}.values():
-        c = arena.counters()
-        for k in out:
-            out[k] += c[k]
-    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="medium")
+    p.add_argument("--preset", default="llama8b", help="llama8b, moe, or a small preset of tide.models")
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--tokens", default=None, help="tokens per GPU per step, comma-separated (default by preset)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--ranks", type=int, default=None, help="default: the GPU count if >= 2, else 2")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
+    require_cuda("train_step.py")
     from tide.launch import CUDA_RANK_ENV, run_ranks
+    from tide.models import PRESETS
 
+    if args.preset not in PRESETS:
+        p.error(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    tokens = [int(t) for t in (args.tokens or DEFAULT_TOKENS.get(args.preset, "256")).split(",")]
+    variants = args.variants.split(",")
+    if bad := [v for v in variants if v not in VARIANTS]:
+        p.error(f"--variants: unknown {bad}; choose from {VARIANTS}")
+    if args.blocks < 1 or args.batch < 1 or any(t % args.batch for t in tokens):
+        p.error("--blocks and --batch must be >= 1 and every --tokens value a multiple of --batch")
     gpus = torch.cuda.device_count()
     ranks = args.ranks or (gpus if gpus >= 2 else 2)
     backend = "nccl" if gpus >= ranks else "gloo"
-    per_rank = run_ranks(_rank, ranks, args.model, args.steps, args.warmup, backend=backend, device_type="cuda",
-                         env=CUDA_RANK_ENV, timeout=540)
-    mode = "one GPU per rank" if gpus >= ranks else f"{ranks} ranks sharing {gpus} GPU (smoke, gloo stock path)"
-    meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, model=args.model, steps=args.steps,
-                    warmup=args.warmup, mode=mode)
-    rows = [{**r, "median_step_ms": max(pr[i]["median_step_ms"] for pr in per_rank), **meta}
-            for i, r in enumerate(per_rank[0])]
-    out = Path(args.out)
-    write_csv(out / "train_step.csv", rows)
-    plt = pyplot()
+    if "stock_nccl_ce" in variants:
+        import nccl_ce
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    names = [r["variant"] for r in rows]
-    axes[0].bar(names, [r["median_step_ms"] for r in rows])
-    axes[0].set_ylabel("median step (ms)")
-    axes[1].bar(names, [r["peak_mib"] for r in rows])
-    axes[1].set_ylabel("peak memory, rank 0 (MiB)")
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"{args.model}, {mode}, {meta['device']}, {meta['date']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "train_step.png", dpi=120)
-    print("SUMMARY train_step (" + mode + "): " +
-          ", ".join(f"{r['variant']} {r['median_step_ms']:.1f} ms {r['peak_mib']:.0f} MiB"
-                    + (f" ({r['graphs_built_per_step']:.1f} graphs built, {r['graph_node_updates_per_step']:.1f} nodes "
-                       "re-pointed per step)" if r["variant"] != "stock" else "") for r in rows))
+        why_not = nccl_ce.available() if backend == "nccl" else "ranks share a GPU"
+        if why_not is not None:
+            print(f"train_step.py: no stock_nccl_ce variant: {why_not}")
+            variants.remove("stock_nccl_ce")
+    rows = []
+    for variant in variants:
+        per_rank = run_ranks(_variant_rank, ranks, variant, args.preset, args.blocks, tokens, args.batch, args.steps,
+                             args.warmup, backend=backend, device_type="cuda", env=CUDA_RANK_ENV, timeout=580)
+        for i, r in enumerate(per_rank[0]):
+            rows.append({**r, "median_step_ms": max(pr[i]["median_step_ms"] for pr in per_rank)})
+    mode = "one GPU per rank" if gpus >= ranks else f"{ranks} ranks sharing {gpus} GPU (smoke, gloo stock path)"
+    meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, preset=args.preset, blocks=args.blocks, batch=args.batch,
+                    steps=args.steps, warmup=args.warmup, mode=mode)
+    rows = [{**{k: {**r, **meta}[k] for k in COLUMNS}, **r, **meta} for r in rows]
+    name = CSV_NAMES.get(args.preset, f"train_step_{args.preset}")
+    out = Path(args.out)
+    write_csv(out / f"{name}.csv", rows)
+    plt = pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for v in variants:
+            sel = [r for r in rows if r["variant"] == v]
+            axes[0].plot([r["tokens_per_gpu"] for r in sel], [r["median_step_ms"] for r in sel], marker="o", label=v)
+            axes[1].plot([r["tokens_per_gpu"] for r in sel], [r["peak_mib"] / 1024 for r in sel], marker="o", label=v)
+        for ax, label in zip(axes, ("median step (ms)", "peak memory, rank 0 (GiB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens per GPU")
+            ax.set_ylabel(label)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{args.preset} x{args.blocks} blocks, {mode}, {meta['device']}, {meta['date']}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=120)
+    stock = {r["tokens_per_gpu"]: r for r in rows if r["variant"] == "stock"}
+    print(f"SUMMARY train_step {args.preset} ({mode}): " + "; ".join(
+        f"{r['variant']} {r['tokens_per_gpu']} tok {r['median_step_ms']:.1f} ms"
+        + (f" ({(r['median_step_ms'] / stock[r['tokens_per_gpu']]['median_step_ms'] - 1) * 100:+.0f}%)"
+           if r["tokens_per_gpu"] in stock and r["variant"] != "stock" else "")
+        + f" {r['peak_mib'] / 1024:.2f} GiB g{r['graphs_built_per_step']}" for r in rows))
 
 
 if __name__ == "__main__":

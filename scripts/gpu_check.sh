@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One call on a bare H200 machine: build the CUDA extension, run tests/cuda and every GPU benchmark,
+# One call on a bare GPU machine: build the CUDA extension, run tests/cuda and every GPU benchmark,
 # print a summary table last. Usage:
-#   bash scripts/gpu_check.sh [--quick]      (--quick: build and tests only)
+#   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
+#     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
+#     tests_transport tests_fsdp_cuda tests_memory_model kernels collectives overlap host_time
+#     train_step_8b train_step_moe memory layout_conversion
+# The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
 # the environment in $OUT/env.txt and the summary in $OUT/summary.txt ($OUT: the device tool's output
 # folder, or ./out).
@@ -17,7 +21,16 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tide_torch_extensions}
 export MAX_JOBS=${MAX_JOBS:-16}
 PY=${PYTHON:-python3}
-quick=0; [ "${1:-}" = "--quick" ] && quick=1
+quick=0 only=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --quick) quick=1 ;;
+    --only) only=",$2,"; shift ;;
+    *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Whole-run budget (the device tool stops a command at 600 s): a stage gets at most what is left, and
 # is skipped (and reported) when under 20 s remain, so the archives and the summary are always written.
 budget=${GPU_CHECK_BUDGET_S:-560}
@@ -25,6 +38,8 @@ declare -a summary
 failed=0
 stage() {  # stage NAME TIMEOUT_S CMD...
   local name=$1 limit=$2; shift 2
+  if [ -n "$only" ] && [ "$name" != build ] && [[ "$only" != *",$name,"* ]]; then return 0; fi
+  if [ $quick = 1 ] && [[ "$name" != build && "$name" != tests_* ]]; then return 0; fi
   local t0=$SECONDS left=$((budget - SECONDS - 10))
   if [ $left -lt 20 ]; then summary+=("$(printf '%-18s %-7s' "$name" SKIPPED) (run budget spent)"); failed=1; return 1; fi
   [ $limit -gt $left ] && limit=$left
@@ -37,7 +52,9 @@ stage() {  # stage NAME TIMEOUT_S CMD...
 
 {
   date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+  git log -1 --format='commit: %H' 2>/dev/null
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -4
   $PY - <<'PY'
 import json
 from tide.transport import probe
@@ -46,21 +63,23 @@ PY
   nvcc --version | tail -1
 } >"$OUT/env.txt" 2>&1
 
+overlap_args=(--reps 10)
+[ "$gpus" -ge 2 ] && overlap_args+=(--xgpu)
 # Stages in priority order, each capped; what the run budget cannot fit is skipped and reported.
 stage build 240 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
-stage tests_transport 170 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=140 \
+stage tests_transport 200 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
   --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py
 stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
 stage tests_memory_model 90 $PY -m pytest tests/cuda/test_memory_model.py -q -rfEs -p no:cacheprovider --timeout=85
-if [ $quick = 0 ]; then
-  stage sum_kernel 30 $PY bench/bench_sum_kernel.py --out "$WORK/results"
-  stage host_time 90 $PY bench/bench_host_time.py --iters 40 --out "$WORK/results"
-  stage memory 180 $PY bench/bench_memory.py --ranks 8 --dims 2048,4096,6144 --out "$WORK/results"
-  stage overlap 50 $PY bench/overlap.py --reps 10 --out "$WORK/results"
-  stage layout_conversion 50 $PY bench/layout_conversion.py --reps 10 --out "$WORK/results"
-  stage collectives 70 $PY bench/collectives.py --sizes 1,16,256 --reps 5 --out "$WORK/results"
-  stage train_step 70 $PY bench/train_step.py --model small --out "$WORK/results"
-fi
+stage kernels 40 $PY bench/bench_kernels.py --reps 10 --out "$WORK/results"
+stage collectives 150 $PY bench/collectives.py --sizes 1,16,256,1024 --reps 5 --out "$WORK/results"
+stage overlap 90 $PY bench/overlap.py "${overlap_args[@]}" --out "$WORK/results"
+stage host_time 90 $PY bench/bench_host_time.py --iters 40 --out "$WORK/results"
+stage train_step_8b 280 $PY bench/train_step.py --preset llama8b --steps 10 --out "$WORK/results"
+stage train_step_moe 220 $PY bench/train_step.py --preset moe --steps 10 --out "$WORK/results"
+memory_ranks=8; [ "$gpus" -ge 2 ] && memory_ranks=$gpus
+stage memory 180 $PY bench/bench_memory.py --ranks $memory_ranks --dims 2048,4096,6144 --out "$WORK/results"
+stage layout_conversion 50 $PY bench/layout_conversion.py --reps 10 --out "$WORK/results"
 
 tar -czf "$OUT/results.tgz" -C "$WORK/results" .
 tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
@@ -68,7 +87,9 @@ tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
   echo "==================== environment"
   cat "$OUT/env.txt"
   echo "==================== tests (last lines)"
-  tail -n 12 "$WORK/logs/tests_transport.log" "$WORK/logs/tests_fsdp_cuda.log" "$WORK/logs/tests_memory_model.log"
+  for t in tests_transport tests_fsdp_cuda tests_memory_model; do
+    [ -f "$WORK/logs/$t.log" ] && tail -n 12 "$WORK/logs/$t.log"
+  done
   echo "==================== benchmark summaries"
   grep -h '^SUMMARY' "$WORK"/logs/*.log 2>/dev/null
   echo "==================== gpu_check summary"

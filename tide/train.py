@@ -34,7 +34,8 @@ def fsdp_model(cfg: LlamaConfig, *, device, mp_policy: MixedPrecisionPolicy | No
     ``prefetch`` sets explicit forward/backward prefetch of the next/previous block; ``before_shard(model)``
     may change the model before sharding."""
     torch.manual_seed(seed)
-    model = Llama(cfg).to(device)
+    with torch.device(device):  # built where it trains: no host copy of a large model
+        model = Llama(cfg)
     if before_shard is not None:
         before_shard(model)
     if mp_policy is not None:
@@ -55,14 +56,14 @@ def fsdp_model(cfg: LlamaConfig, *, device, mp_policy: MixedPrecisionPolicy | No
 
 
 def train_step(model, optim, cfg: LlamaConfig, step: int, rank: int, *, accum: int = 1, no_sync: bool = False,
-               device="cpu") -> torch.Tensor:
-    """One optimizer step over ``accum`` micro-batches (with ``no_sync``: only the last reduces).
-    Returns this rank's loss (mean over micro-batches), detached."""
+               device="cpu", batch_size: int = 2, seq_len: int | None = None) -> torch.Tensor:
+    """One optimizer step over ``accum`` micro-batches of ``batch_size`` x ``seq_len`` tokens (with
+    ``no_sync``: only the last reduces). Returns this rank's loss (mean over micro-batches), detached."""
     total = torch.zeros((), device=device)
     for a in range(accum):
         if no_sync:
             model.set_requires_gradient_sync(a == accum - 1)
-        tokens, targets = batch(cfg, step * accum + a, rank, device=device)
+        tokens, targets = batch(cfg, step * accum + a, rank, batch_size, device=device, seq_len=seq_len)
         loss = loss_fn(model(tokens), targets) / accum
         loss.backward()
         total += loss.detach()

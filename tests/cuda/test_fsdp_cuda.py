@@ -157,10 +157,9 @@ def _assert_parity(name: str, r: dict) -> None:
 
 def _assert_transport_ran(name: str, t: dict, rs_mode: str, raf: bool, ag_tide: bool = True) -> None:
     calls = t["transport"]
-    assert not any(":stock" in k for k in calls), f"{name}: a tide op took the reference backend: {calls}"
-    if ag_tide:
-        assert calls.get("all_gather_into_params_:tide", 0) > 0, (name, calls)
-    assert calls.get(f"reduce_scatter_params_:tide:{rs_mode}", 0) > 0, (name, calls)
+    direct = "all_gather_into_params_:stock:outputs_not_in_slot"
+    assert not any(":stock" in k for k in calls if k != direct), f"{name}: a tide op took the reference backend: {calls}"
+    assert calls.get(f"reduce_scatter_params_:tide:{rs_mode}", 0) > 0 or rs_mode == "slot_reuse", (name, calls)
     assert t["stats"]["reduce_scatter"] == {"tide": t["stats"]["reduce_scatter"].get("tide", 0)}, (name, t["stats"])
     assert t["stats"]["reduce_scatter"]["tide"] > 0, (name, t["stats"])
     arena = t["arena"]
@@ -169,21 +168,25 @@ def _assert_transport_ran(name: str, t: dict, rs_mode: str, raf: bool, ag_tide: 
         ag = t["stats"]["all_gather"]
         assert ag.get("tide", 0) > 0 and set(ag) <= {"tide", "stock:arena_busy"}, (name, ag)
         # Blocks that reshard after forward are gathered straight into their slot; the root (and
-        # reshard_after_forward=False blocks) are staged through a free slot.
-        assert arena.get("ag:staged", 0) > 0, (name, arena)
+        # reshard_after_forward=False blocks) keep stock's outputs, gathered in place by the op's
+        # reference path, with no slot-sized copy beside them.
+        assert arena.get("ag:direct", 0) > 0 and arena["ag:direct"] == calls.get(direct, 0), (name, arena, calls)
         if raf:
             assert arena.get("ag:bound", 0) > 0, (name, arena)
+            assert arena["ag:bound"] == calls.get("all_gather_into_params_:tide", 0), (name, arena, calls)
         else:
-            assert "ag:bound" not in arena, (name, arena)
-        assert arena.get("ag:bound", 0) + arena.get("ag:staged", 0) == calls["all_gather_into_params_:tide"]
-    # Every reduce ran the requested mode: Slot-Reuse always found a vacated slot here.
-    assert arena.get(f"rs:{rs_mode}", 0) == t["stats"]["reduce_scatter"]["tide"], (name, arena, t["stats"])
+            assert "ag:bound" not in arena and "all_gather_into_params_:tide" not in calls, (name, arena, calls)
+    # Every reduce ran the requested mode; Slot-Reuse only for groups bound in a slot (blocks resharded
+    # after forward), the others In-Place.
+    ran = {k: v for k, v in arena.items() if k.startswith("rs:") and k != "rs:grad_into_slot"}
+    allowed = {"rs:in_place"} if rs_mode == "in_place" else {"rs:slot_reuse", "rs:in_place_unbound_group"}
+    assert set(ran) <= allowed and sum(ran.values()) == t["stats"]["reduce_scatter"]["tide"], (name, arena, t["stats"])
     # Slot-Reuse hooks move the gradients of slot-bound blocks into their slot regions as autograd
     # finishes them; nothing is bound without reshard_after_forward, so nothing moves then.
     if rs_mode == "slot_reuse" and raf and ag_tide:
-        assert arena.get("rs:grad_into_slot", 0) > 0, (name, arena)
+        assert arena.get("rs:slot_reuse", 0) > 0 and arena.get("rs:grad_into_slot", 0) > 0, (name, arena)
     else:
-        assert "rs:grad_into_slot" not in arena, (name, arena)
+        assert "rs:grad_into_slot" not in arena and "rs:slot_reuse" not in arena, (name, arena)
 
 
 def _backend(world_size: int) -> str:

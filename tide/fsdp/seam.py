@@ -37,9 +37,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResul
 from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
+from tide import transport
 from tide.fsdp import compat
 from tide.meta.checks import FLOAT_DTYPES
 from tide.ops import reference
+from tide.transport import plans, records
 from tide.transport.arena import RS_MODES  # noqa: F401  (one definition of the modes)
 
 log = logging.getLogger("tide.fsdp")
@@ -72,6 +74,8 @@ class TideAllGather(AllGather):
         # (the group's fsdp_params list, its static fallback reason): FSDP passes the same list object on
         # every unshard, and the checked properties are fixed once FSDP's lazy init has set the dtypes.
         self.static_reason: tuple[list, str | None] | None = None
+        # (the fsdp_params list, whether the group fits an arena slot), once per list like static_reason.
+        self.slot_fit: tuple[list, bool] | None = None
 
     def allocate(self, size, *, dtype, device):
         return self.fallback.allocate(size, dtype=dtype, device=device)
@@ -140,12 +144,12 @@ _arena_counts: Counter = Counter()
 
 def arena_stats() -> dict[str, int]:
     """What the CUDA-transport wiring did since the last :func:`reset_stats`: ``ag:bound`` (outputs bound in
-    a slot, zero-copy), ``ag:staged`` (gathered through a free slot, copied out), ``ag:larger_than_slot`` (the
-    op's reference backend), ``rs:in_place``, ``rs:slot_reuse``, ``rs:in_place_slot_too_small`` (Slot-Reuse
-    asked, the group does not fit a slot), ``rs:in_place_grads_in_slot`` (Slot-Reuse asked, FSDP passed only
-    some params' gradients, read where the hooks put them), ``rs:slot_reuse_as_in_place:no_free_slot``, ``rs:grad_into_slot``
-    (gradients the Slot-Reuse hooks moved into their slot region), ``arena:created``. Empty without a
-    CUDA arena."""
+    a slot, zero-copy TIDE-AG), ``ag:direct`` (a group not bound in slots: the root, blocks that keep
+    their params after forward, groups larger than a slot; its outputs are allocated as stock does and
+    gathered in place by the op's reference backend), ``rs:<mode>`` for every reduce-scatter (what
+    ``Arena.reduce_scatter_params`` ran, or ``in_place_unbound_group``: Slot-Reuse asked by a group never
+    bound in a slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved into their slot
+    region), ``arena:created``. Empty without a CUDA arena."""
     return dict(_arena_counts)
 
 
@@ -282,15 +286,14 @@ def reduce_fallback_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, dev
 
 
 # ---------------------------------------------------------------------------------------------- CUDA transport wiring
-# Per set of ranks: the FSDP param groups enabled on it, and the seam's bookkeeping of the one transport
-# arena they share. Keyed by ranks, not by process-group name: FSDP2 may give every fully_shard call its
-# own process group over the same ranks (torch 2.11 does when the default group is gloo on a CUDA
-# machine), and FSDP issues all their collectives in one program order on every rank, so one arena
-# serves them all (registered under each group's name for the ops). Every decision below depends only
-# on host-side FSDP state that evolves identically on every rank (which groups are unsharded), never on
-# timing, so all ranks choose the same slot for every all-gather (the peers push into that slot index).
+# Per set of ranks: the FSDP param groups enabled on it, and the one transport arena they share. Keyed by
+# ranks, not by process-group name: FSDP2 may give every fully_shard call its own process group over the
+# same ranks (torch 2.11 does when the default group is gloo on a CUDA machine), and FSDP issues all their
+# collectives in one program order on every rank, so one arena serves them all (registered under each
+# group's name for the ops). The arena leases its slots (tide.transport.slots): every choice depends only
+# on host-side FSDP state that evolves identically on every rank, so all ranks pick the same slot.
 _GROUPS: dict[tuple, list] = {}
-_SLOTS: dict[tuple, "SlotState"] = {}
+_ARENAS: dict[tuple, tuple] = {}  # ranks -> (arena, whether the seam created it)
 
 
 def group_key(group: dist.ProcessGroup) -> tuple:
@@ -335,8 +338,6 @@ def _group_dtype(p) -> torch.dtype:
 
 def _slot_layout(fsdp_params, world_size: int):
     """The group's all-gather layout as the transport binds it (1-D padded shards, param-major)."""
-    from tide.transport import plans
-
     return plans.all_gather_layout([(p._sharded_param_data.numel(),) for p in fsdp_params],
                                    [_group_dtype(p) for p in fsdp_params], world_size)
 
@@ -345,139 +346,81 @@ def bindable(param_group) -> bool:
     """Groups whose unsharded params live only while their own module runs: FSDP modules with no FSDP
     module below them (blocks) that reshard after forward (``reshard_after_forward=True``/int). A parent
     (the root: embedding, final norm, head) holds its params across all its children's forward and
-    backward, and a ``reshard_after_forward=False`` group from forward to the end of backward: bound,
-    they would pin a slot for the whole step and leave the blocks one slot for current + prefetched."""
+    backward, and a ``reshard_after_forward=False`` group from forward to the end of backward: those keep
+    their outputs the way stock does (allocator memory, gathered in place), so slots are sized for the
+    blocks alone and stay free for the current and the prefetched block."""
     comm = getattr(param_group, "_all_gather_comm", None)
     return (isinstance(comm, TideAllGather) and comm.leaf
             and param_group.post_forward_mesh_info is not None)
 
 
-class SlotState:
-    """The seam's view of one arena's K all-gather slots.
-
-    ``owner[i]``: the (storage, address) pairs of the outputs bound in slot i, or None. A slot is free when
-    no bound storage still points at it (FSDP's reshard ``resize_(0)`` drops the slot pointer: the storage
-    was bound with a no-op deleter, so nothing is freed) - the unsharded params of that group are gone.
-    ``event[i]``: recorded after the last use of slot i on a stream other than the compute stream (the
-    all-gather that filled it, a Slot-Reuse pack): the next user of the slot waits for it, and for the
-    compute stream (the last reader of the previous occupant's params).
-    """
-
-    def __init__(self, arena, created: bool) -> None:
-        self.arena = arena
-        self.created = created
-        self.num_slots = arena.num_slots
-        self.owner: list = [None] * self.num_slots
-        self.event: list = [None] * self.num_slots
-        self.param_slot: dict[int, int] = {}  # id(FSDPParam) -> slot its outputs were last bound in
-        self.fits: dict[int, bool] = {}  # id(fsdp_params list) -> group fits a slot
-
-    def is_free(self, slot: int) -> bool:
-        owner = self.owner[slot]
-        return owner is None or all(st.data_ptr() != addr or st.nbytes() == 0 for st, addr in owner)
-
-    def free_slot(self, prefer: int | None = None) -> int | None:
-        start = self.arena.next_slot() if prefer is None else prefer
-        for k in range(self.num_slots):
-            slot = (start + k) % self.num_slots
-            if self.is_free(slot):
-                return slot
-        return None
-
-    def group_fits(self, fsdp_params, world_size: int) -> bool:
-        key = id(fsdp_params)
-        fits = self.fits.get(key)
-        if fits is None:
-            fits = self.fits[key] = _slot_layout(fsdp_params, world_size).slot_bytes <= self.arena.slot_bytes
-        return fits
-
-    def live_bound_groups(self) -> int:
-        return sum(1 for i in range(self.num_slots) if not self.is_free(i))
-
-
-def _create_arena(group: dist.ProcessGroup) -> SlotState:
+def _create_arena(group: dist.ProcessGroup):
     """Rendezvous the arena of ``group`` (collective: every rank reaches its group's first TIDE collective
     at the same point of the step; never under graph capture: that call took the stock path before).
-    Slots fit the largest :func:`bindable` group enabled on ``group`` (the ones bound in slots), or the
-    largest enabled group if none is (then slots only stage all-gathers)."""
-    from tide import transport
-
+    Slots fit the largest :func:`bindable` group enabled on ``group``; with none, the arena has no slots
+    (reduce-scatters only)."""
     arena = transport.get(group.group_name)
     if arena is not None:  # created by someone else (e.g. an op-level user): use it as it is
-        return SlotState(arena, created=False)
+        return arena, False
     W = group.size()
-    bound, others = [], []
-    for g in enabled_groups(group_key(group)):
-        ps = g.fsdp_params
-        if not ps or _static_all_gather_reason(ps) is not None:
-            continue
-        (bound if bindable(g) else others).append(_slot_layout(ps, W))
-    layouts = bound or others
-    if not layouts:
-        raise RuntimeError(f"tide.fsdp: no enabled param group to size the arena of group {group.group_name!r}")
+    layouts = [_slot_layout(g.fsdp_params, W) for g in enabled_groups(group_key(group))
+               if g.fsdp_params and bindable(g) and _static_all_gather_reason(g.fsdp_params) is None]
     arena = transport.enable(group, layouts=layouts)
     _arena_counts["arena:created"] += 1
     log.info("tide.fsdp: created %r for %d enabled param groups", arena, len(enabled_groups(group_key(group))))
-    return SlotState(arena, created=True)
+    return arena, True
 
 
-def slot_state(group: dist.ProcessGroup, device: torch.device, transport: str) -> SlotState | None:
-    """The arena bookkeeping of ``group`` (creating the arena on first use), or None: not CUDA, the
-    reference transport, or an arena that went away."""
-    if device.type != "cuda" or transport != "auto":
+def arena_for(group: dist.ProcessGroup, device: torch.device, comm_transport: str):
+    """The arena of ``group``'s ranks (created on first use), or None: not CUDA, or the reference transport."""
+    if device.type != "cuda" or comm_transport != "auto":
         return None
-    from tide import transport as _transport
-
     key = group_key(group)
-    state = _SLOTS.get(key)
-    if state is not None:
-        if _transport.get(state.arena.group_name) is state.arena:
-            if _transport.get(group.group_name) is not state.arena:
-                _transport.register(group.group_name, state.arena)  # another group over the same ranks
-            return state
-        _SLOTS.pop(key)  # dropped behind our back (tide.transport.disable): start over
-    state = _SLOTS[key] = _create_arena(group)
-    return state
+    entry = _ARENAS.get(key)
+    if entry is not None:
+        arena = entry[0]
+        if transport.get(arena.group_name) is arena:
+            if transport.get(group.group_name) is not arena:
+                transport.register(group.group_name, arena)  # another group over the same ranks
+            return arena
+        _ARENAS.pop(key)  # dropped behind our back (tide.transport.disable): start over
+    entry = _ARENAS[key] = _create_arena(group)
+    return entry[0]
 
 
 def check_arenas_idle(param_groups) -> None:
     """Raise (changing nothing) if an arena serving ``param_groups`` still holds unsharded params."""
     for key in {group_key(g._all_gather_process_group) for g in param_groups}:
-        state = _SLOTS.get(key)
-        if state is not None and state.live_bound_groups():
+        entry = _ARENAS.get(key)
+        if entry is not None and entry[0].slots.held():
             raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of "
                                f"ranks {list(key)}; call disable between steps (after backward / reshard)")
 
 
 def drop_arena(key: tuple) -> None:
-    """Forget the slot bookkeeping of the ranks ``key`` and drop the arena if the seam created it (after
+    """Forget the arena of the ranks ``key`` and release it if the seam created it (after
     :func:`check_arenas_idle`)."""
-    from tide import transport
-
-    state = _SLOTS.pop(key, None)
-    if state is not None and state.created and transport.get(state.arena.group_name) is state.arena:
-        transport.disable(state.arena.group_name)
+    entry = _ARENAS.pop(key, None)
+    if entry is not None and entry[1] and transport.get(entry[0].group_name) is entry[0]:
+        transport.disable(entry[0].group_name)
 
 
-def _plan_all_gather(state: SlotState | None, comm, fsdp_params, world_size: int) -> tuple[str, int | None]:
-    """(how this all-gather uses the arena, its slot): ``bound`` / ``staged`` (slot), ``large`` (the op
-    runs its reference backend; no slot touched), ``busy`` (no usable slot: stock), ``none`` (no arena)."""
-    if state is None:
+def _plan_all_gather(arena, comm, fsdp_params, world_size: int) -> tuple[str, int | None]:
+    """(how this all-gather uses the arena, its slot): ``bound`` (slot; outputs bound there, zero-copy),
+    ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups
+    that are not :func:`bindable` or larger than a slot), ``busy`` (outputs hold every slot: stock),
+    ``none`` (no arena)."""
+    if arena is None:
         return "none", None
-    if not state.group_fits(fsdp_params, world_size):
-        return "large", None
-    if bindable(comm.param_group):
-        slot = state.free_slot()
-        if slot is not None:
-            return "bound", slot
-    # Unbound outputs: the op gathers into the slot it takes next, then copies out.
-    slot = state.arena.next_slot()
-    if state.is_free(slot):
-        return "staged", slot
-    return "busy", None
+    if comm.slot_fit is None or comm.slot_fit[0] is not fsdp_params:  # FSDP passes the same list every time
+        comm.slot_fit = (fsdp_params, _slot_layout(fsdp_params, world_size).slot_bytes <= arena.slot_bytes)
+    if not bindable(comm.param_group) or not comm.slot_fit[1]:
+        return "direct", None
+    slot = arena.slots.acquire()
+    return ("busy", None) if slot is None else ("bound", slot)
 
 
-def _bind_into_slot(state: SlotState, fsdp_params, world_size: int, device: torch.device, slot: int) -> list:
+def _bind_into_slot(arena, fsdp_params, world_size: int, device: torch.device, slot: int) -> list:
     """FSDP's all-gather output tensors, their storages pointed into ``slot`` at param-major addresses.
 
     ``init_all_gather_outputs`` creates the tensors once (the first call allocates them, and binding frees
@@ -487,24 +430,17 @@ def _bind_into_slot(state: SlotState, fsdp_params, world_size: int, device: torc
     for p in fsdp_params:
         p.init_all_gather_outputs([p._sharded_param_data.numel()], [_group_dtype(p)], world_size, device)
         outs.append(p.all_gather_outputs[0])
-    state.arena.bind_outputs(outs, slot)
-    owner = []
-    for p, o in zip(fsdp_params, outs):
-        storage = o.untyped_storage()
-        owner.append((storage, storage.data_ptr()))
-        state.param_slot[id(p)] = slot
-    state.owner[slot] = owner
+    arena.bind_outputs(outs, slot, owners=fsdp_params)
     return outs
 
 # ---------------------------------------------------------------------------------------------- transport hooks
 def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
-                            compute_stream: torch.Stream, slot: int | None = None,
-                            state: SlotState | None = None) -> list[torch.Tensor]:
+                            compute_stream: torch.Stream, slot: int | None = None, arena=None) -> list[torch.Tensor]:
     """Each param's 1-D all-gather output (called on the all-gather copy-in stream).
 
-    With an arena slot (``state``, ``slot``): FSDP's own output tensors, their storages pointed into the
-    slot at their param-major addresses (:func:`_bind_into_slot`; the caller has made the copy-in stream
-    wait for the slot's previous users). Otherwise allocated exactly as FSDP's copy-out would (its own
+    With an arena slot: FSDP's own output tensors, their storages pointed into the slot at their
+    param-major addresses (:func:`_bind_into_slot`; the caller has made the copy-in stream wait for the
+    slot's previous users). Otherwise allocated exactly as FSDP's copy-out would (its own
     ``init_all_gather_outputs`` / ``alloc_all_gather_outputs``).
 
     Stream ownership of allocated outputs: stock allocates these on the compute stream after the
@@ -512,8 +448,8 @@ def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
     on the compute stream: its block is not reused before the compute stream's work on it (after reshard)
     has finished.
     """
-    if state is not None and slot is not None:
-        return _bind_into_slot(state, fsdp_params, world_size, device, slot)
+    if arena is not None and slot is not None:
+        return _bind_into_slot(arena, fsdp_params, world_size, device, slot)
     outs = []
     for p in fsdp_params:
         p.init_all_gather_outputs([p._sharded_param_data.numel()], [_group_dtype(p)], world_size,
@@ -529,7 +465,7 @@ def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
 def all_gather_into_outputs(shards, outs, world_size: int, group: dist.ProcessGroup, via_arena: bool = True) -> None:
     """Gather every rank's padded shard into each param's output (called on the all-gather stream).
     ``via_arena=False`` on CUDA (the reference transport) runs the reference backend directly: the op's
-    CUDA kernel would take any arena registered for the group, outside this seam's slot bookkeeping."""
+    CUDA kernel would take any arena registered for the group."""
     if not via_arena and outs and outs[0].is_cuda:
         reference.all_gather_into_params_(shards, outs, world_size, group.group_name)
         return
@@ -537,8 +473,7 @@ def all_gather_into_outputs(shards, outs, world_size: int, group: dist.ProcessGr
 
 
 def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: bool, world_size: int,
-                               group: dist.ProcessGroup, rs_mode: str, fsdp_params=None,
-                               state: SlotState | None = None) -> None:
+                               group: dist.ProcessGroup, rs_mode: str, fsdp_params=None, arena=None) -> None:
     """Reduce the unsharded ``grads`` into this rank's padded fp32 ``shard_grads`` (on the reduce-scatter
     stream, which has waited for the compute stream).
 
@@ -550,34 +485,33 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
     first), else from any free slot; none free means In-Place for this call (counted in
     :func:`arena_stats`). The next all-gather into that slot waits for this reduce.
     """
-    if state is None:
+    if arena is None:
         # On CUDA this is the reference transport: never the group's arena (see all_gather_into_outputs).
         run = reference.reduce_scatter_params_ if grads and grads[0].is_cuda else torch.ops.tide.reduce_scatter_params_
         run(grads, shard_grads, scale, accumulate, world_size, group.group_name)
         return
-    from tide.transport import records
-
+    mode, slot = rs_mode, None
+    own = arena.slots.last_slot(fsdp_params[0]) if fsdp_params else None
     stream = _get_device_handle(grads[0].device.type).current_stream()
-    mode, slot, own = rs_mode, None, None
     if rs_mode == "slot_reuse":
-        own = state.param_slot.get(id(fsdp_params[0])) if fsdp_params else None
-        slot = state.free_slot(prefer=own)
-        if slot is None:
+        # A group never bound in a slot has no vacated slot to reuse: its gradients live in autograd's
+        # memory either way, so copying them into a slot would only add traffic.
+        if own is None:
             mode = "in_place"
-            _arena_counts["rs:slot_reuse_as_in_place:no_free_slot"] += 1
-        elif state.event[slot] is not None:
-            stream.wait_event(state.event[slot])
-    ran = state.arena.reduce_scatter_params(grads, shard_grads, scale, accumulate, rs_mode=mode, reuse_slot=slot)
+        else:
+            slot = arena.slots.acquire(prefer=own)
+            if slot is not None:
+                arena.slots.wait(slot, stream)
+                if own != slot:
+                    arena.slots.wait(own, stream)
+    ran = arena.reduce_scatter_params(grads, shard_grads, scale, accumulate, rs_mode=mode, reuse_slot=slot)
+    if rs_mode == "slot_reuse" and own is None:
+        ran = "in_place_unbound_group"
     records.record("reduce_scatter_params_", "tide", ran)
     _arena_counts[f"rs:{ran}"] += 1
-    if rs_mode == "slot_reuse":
-        # The slot the pushes read, and the one the Slot-Reuse hooks placed gradients in: the next
-        # all-gather into either waits for this reduce.
-        event = stream.record_event()
-        for s in {slot, own} - {None}:
-            state.event[s] = event
-        if ran == "slot_reuse":
-            state.owner[slot] = None
+    if own is not None and rs_mode == "slot_reuse":
+        # The slot the Slot-Reuse hooks placed gradients in: the next all-gather into it waits for this reduce.
+        arena.slots.used(own, stream.record_event())
 
 
 # ---------------------------------------------------------------------------------------------- Slot-Reuse hooks
@@ -611,8 +545,8 @@ def _grad_into_slot(param_group, fsdp_param, key: tuple, param) -> None:
     backward no longer needs the parameter's values (their last readers produced this gradient). The
     copy goes through ``param`` itself, which bumps its version counter: a backward node that still
     held the values (say a second backward with ``retain_graph=True``) fails autograd's in-place check
-    instead of reading gradients. ``param.grad`` becomes a view of the arena buffer (not of the
-    all-gather output, whose storage FSDP's reshard empties before the reduce reads the gradients).
+    instead of reading gradients. ``param.grad`` becomes a view of the arena (not of the all-gather
+    output, whose storage FSDP's reshard empties before the reduce reads the gradients).
     Only when this backward reduces and reshards the group (``reduce_grads``, ``reshard_after_backward``;
     no gradient accumulated from an earlier no-sync backward), the reduce is fp32 (TIDE's), and the
     params are bound in a slot. Reentrant activation checkpointing (``use_reentrant=True``) accumulates a
@@ -629,43 +563,35 @@ def _grad_into_slot(param_group, fsdp_param, key: tuple, param) -> None:
             or fsdp_param.unsharded_accumulated_grad is not None or grad.dtype != param.dtype
             or grad.shape != param.shape or not grad.is_contiguous() or torch.cuda.is_current_stream_capturing()):
         return
-    state = _SLOTS.get(key)
-    if state is None:
-        return
-    arena = state.arena
+    entry = _ARENAS.get(key)
     out = fsdp_param.all_gather_outputs[0] if fsdp_param.all_gather_outputs else None
-    if out is None or out.untyped_storage().nbytes() == 0:
+    if entry is None or out is None or out.untyped_storage().nbytes() == 0 or grad.data_ptr() == out.data_ptr():
         return
-    offset = out.data_ptr() - arena.buffer.data_ptr()
-    nbytes = param.numel() * param.element_size()
-    if not arena.slots_off <= offset <= arena.ring_off - nbytes or grad.data_ptr() == out.data_ptr():
+    place = entry[0].view_at(out, param.shape, param.dtype)
+    if place is None:  # not bound in a slot
         return
     with torch.no_grad():
         param.detach().copy_(grad)
-    param.grad = arena.buffer[offset:offset + nbytes].view(param.dtype).view(param.shape)
+    param.grad = place
     _arena_counts["rs:grad_into_slot"] += 1
 
 
 # ---------------------------------------------------------------------------------------------- TIDE paths
-def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, device, state=None,
+def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, device, arena=None,
                      plan=("none", None)) -> TideAllGatherResult:
     handle = _get_device_handle(device.type)
     world_size = group.size()
     compute_stream = handle.current_stream()
     mode, slot = plan
     with handle.stream(copy_in_stream):
-        if slot is not None:
-            # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the
-            # host, its kernels may still run); a Slot-Reuse pack or a staging gather may still use it.
-            copy_in_stream.wait_stream(compute_stream)
-            if state.event[slot] is not None:
-                copy_in_stream.wait_event(state.event[slot])
         if mode == "bound":
-            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, state)
+            # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the
+            # host, its kernels may still run), and its last all-gather or Slot-Reuse reduce elsewhere.
+            copy_in_stream.wait_stream(compute_stream)
+            arena.slots.wait(slot, copy_in_stream)
+            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, arena)
         else:
             outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
-            if mode == "staged":
-                state.owner[slot] = None
     all_gather_stream.wait_stream(copy_in_stream)
     shards = [p._sharded_param_data for p in fsdp_params]
     # The unsharded params alias these outputs and autograd may have saved them (re-gather in
@@ -674,20 +600,14 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     with handle.stream(all_gather_stream):
         if preserved:
             with torch.autograd._unsafe_preserve_version_counter(preserved):
-                all_gather_into_outputs(shards, outs, world_size, group, state is not None)
+                all_gather_into_outputs(shards, outs, world_size, group, arena is not None)
         else:
-            all_gather_into_outputs(shards, outs, world_size, group, state is not None)
+            all_gather_into_outputs(shards, outs, world_size, group, arena is not None)
         event = all_gather_stream.record_event()
-    if slot is not None:
-        state.event[slot] = event
-        # The op takes the slot the outputs are bound in (or, unbound, its next slot) and moves its ring
-        # position just past it: anything else means the seam and the transport disagree on the slot.
-        if state.arena.next_slot() != (slot + 1) % state.num_slots:
-            raise RuntimeError(f"tide.fsdp: the transport did not gather into slot {slot} ({mode}); "
-                               f"its next slot is {state.arena.next_slot()}")
+    if mode == "bound":
+        arena.slots.used(slot, event)
+    if mode != "none":
         _arena_counts[f"ag:{mode}"] += 1
-    elif mode == "large":
-        _arena_counts["ag:larger_than_slot"] += 1
     return TideAllGatherResult(outs[0].new_empty(0), event, None, [], [], [])
 
 
@@ -712,7 +632,7 @@ def _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size: int) -> li
 
 
 def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_dtype, device, divide_factor,
-                 state=None):
+                 arena=None):
     handle = _get_device_handle(device.type)
     world_size = rs_group.size()
     # With an fp32 reduce and no all-reduce group, every branch of FSDP's _get_gradient_divide_factors
@@ -728,7 +648,7 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_d
         in_place = _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size)
         if in_place is not None:
             reduce_scatter_into_shards(grads, in_place, scale, True, world_size, rs_group, comm.rs_mode,
-                                       fsdp_params, state)
+                                       fsdp_params, arena)
             rs_event = rs_stream.record_event()
         else:
             # Stock's reduce-output layout: padded shards back to back, each (c, *rest) (dim-0 sharding,
@@ -742,7 +662,7 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_d
             shards = [as_strided(p.padded_sharded_param_size, p.contiguous_sharded_stride, o)
                       for p, o in zip(fsdp_params, offsets)]
             reduce_scatter_into_shards(grads, shards, scale, False, world_size, rs_group, comm.rs_mode,
-                                       fsdp_params, state)
+                                       fsdp_params, arena)
             rs_event = rs_stream.record_event()
             # Stock epilogue: cast to the orig dtype, view each unpadded shard, accumulate or assign.
             output = _to_dtype_if_needed(flat, orig_dtype)
@@ -772,17 +692,17 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
                        all_gather_comm, *args, **kwargs):
     reason = all_gather_fallback_reason(fsdp_params, group, async_op, device, all_gather_comm,
                                         bool(args or kwargs))
-    state, plan = None, ("none", None)
+    arena, plan = None, ("none", None)
     if reason is None:
-        state = slot_state(group, device, all_gather_comm.transport)
-        plan = _plan_all_gather(state, all_gather_comm, fsdp_params, group.size())
+        arena = arena_for(group, device, all_gather_comm.transport)
+        plan = _plan_all_gather(arena, all_gather_comm, fsdp_params, group.size())
         if plan[0] == "busy":
             reason = "arena_busy"
     _count("all_gather", reason)
     if reason is not None:
         return _ORIG["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                            all_gather_stream, device, all_gather_comm, *args, **kwargs)
-    result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, state, plan)
+    result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena, plan)
     param_group = all_gather_comm.param_group
     if plan[0] == "bound" and getattr(param_group._reduce_scatter_comm, "rs_mode", None) == "slot_reuse":
         install_slot_reuse_hooks(param_group)
@@ -814,9 +734,9 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
             all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms, *args, **kwargs)
         _order_slot_after_stock_reduce(fsdp_params, reduce_scatter_comm, reduce_scatter_group, reduce_scatter_stream)
         return out
-    state = slot_state(reduce_scatter_group, device, getattr(reduce_scatter_comm, "transport", "auto"))
+    arena = arena_for(reduce_scatter_group, device, getattr(reduce_scatter_comm, "transport", "auto"))
     return _tide_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                        reduce_scatter_comm, orig_dtype, device, gradient_divide_factor, state)
+                        reduce_scatter_comm, orig_dtype, device, gradient_divide_factor, arena)
 
 
 def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
@@ -825,10 +745,10 @@ def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
     gradients there, within the call)."""
     if not (isinstance(comm, TideReduceScatter) and comm.grad_hooks and fsdp_params and group is not None):
         return
-    state = _SLOTS.get(group_key(group))
-    own = state.param_slot.get(id(fsdp_params[0])) if state is not None else None
+    entry = _ARENAS.get(group_key(group))
+    own = entry[0].slots.last_slot(fsdp_params[0]) if entry is not None else None
     if own is not None:
-        state.event[own] = stream.record_event()
+        entry[0].slots.used(own, stream.record_event())
 
 
 _WRAPPERS = {
