@@ -1,8 +1,8 @@
 """Throughput of TIDE's two kernels on one GPU (local HBM): the TIDE-RS summing kernel against its CTA
 count, and the TIDE-AG own-shard cast.
 
-Summing kernel: K = 8 bf16 contributions of n = 32 Mi elements each (512 MiB, far beyond the 60 MB L2)
-summed in fp32 into an fp32 shard, on 1 to 132 CTAs. Bytes counted: every byte read plus every byte
+Summing kernel: K = 8 (and 2: TIDE-RS at W = 2) bf16 contributions of n = 32 Mi elements each (far beyond
+the 60 MB L2) summed in fp32 into an fp32 shard, on 1 to 132 CTAs. Bytes counted: every byte read plus every byte
 written, K*2n + 4n (+ 4n more when accumulating, a read-modify-write).
 
 Cast kernel: ``--cast-mib`` MiB of output (default 128) cast from fp32 to bf16 and copied bf16 to bf16
@@ -69,7 +69,7 @@ def cast_rows(ext, out_mib: int, reps: int) -> list[dict]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--k", default="8,2", help="contribution counts, comma-separated")
     p.add_argument("--n", type=int, default=32 << 20)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--ctas", default="1,2,4,8,12,16,20,24,32,48,66,132")
@@ -80,7 +80,8 @@ def main(argv=None):
     from tide.transport import build
 
     ext = build.load()
-    rows = sum_rows(ext, args.k, args.n, [int(c) for c in args.ctas.split(",")], args.reps)
+    rows = [r for k in args.k.split(",") for r in sum_rows(ext, int(k), args.n, [int(c) for c in args.ctas.split(",")],
+                                                           args.reps)]
     rows += cast_rows(ext, args.cast_mib, args.reps)
     meta = run_meta(gpus=torch.cuda.device_count())
     out = Path(args.out)
@@ -110,10 +111,12 @@ def main(argv=None):
         fig.tight_layout()
         fig.savefig(out / "kernels.png", dpi=120)
     by = {(r["kernel"], r["case"], r["ctas"]): r["tb_per_s"] for r in rows}
-    acc = f"K={args.k} bf16->fp32 accumulate"
+    acc = "K=8 bf16->fp32 accumulate"
+    w2 = "K=2 bf16->fp32 write"
     casts = ", ".join(f"{r['kernel']} {r['case']} {r['tb_per_s']:.2f} TB/s" for r in rows if r["kernel"] != "sum_contributions")
     print(f"SUMMARY kernels: sum 8 CTAs {by.get(('sum_contributions', acc, 8), float('nan')):.2f} TB/s, "
-          f"16 CTAs {by.get(('sum_contributions', acc, 16), float('nan')):.2f} TB/s (accumulate); {casts}")
+          f"16 CTAs {by.get(('sum_contributions', acc, 16), float('nan')):.2f} TB/s (accumulate); K=2 16 CTAs "
+          f"{by.get(('sum_contributions', w2, 16), float('nan')):.2f} TB/s (write); {casts}")
     return rows
 
 

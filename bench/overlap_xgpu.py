@@ -85,8 +85,12 @@ def _rank(rank, world_size, reps):
         gemm()
     gemms = 20
     gemm_alone = statistics.median(_per_call_ms(gemm, gemms, main) for _ in range(reps))
+    if rank == 0:
+        print(f"overlap_xgpu: GEMM alone {gemm_alone:.3f} ms", flush=True)
     rows = []
     for name, fn in variants.items():
+        if rank == 0:
+            print(f"overlap_xgpu: {name}", flush=True)
         for _ in range(3):
             with torch.cuda.stream(side):
                 fn()

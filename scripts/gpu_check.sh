@@ -73,7 +73,7 @@ stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p
 stage tests_memory_model 90 $PY -m pytest tests/cuda/test_memory_model.py -q -rfEs -p no:cacheprovider --timeout=85
 stage kernels 40 $PY bench/bench_kernels.py --reps 10 --out "$WORK/results"
 stage collectives 150 $PY bench/collectives.py --sizes 1,16,256,1024 --reps 5 --out "$WORK/results"
-stage overlap 90 $PY bench/overlap.py "${overlap_args[@]}" --out "$WORK/results"
+stage overlap 150 $PY bench/overlap.py "${overlap_args[@]}" --out "$WORK/results"
 stage host_time 90 $PY bench/bench_host_time.py --iters 40 --out "$WORK/results"
 stage train_step_8b 280 $PY bench/train_step.py --preset llama8b --steps 10 --out "$WORK/results"
 stage train_step_moe 220 $PY bench/train_step.py --preset moe --steps 10 --out "$WORK/results"

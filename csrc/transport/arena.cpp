@@ -293,25 +293,28 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
     writes.push_back(driver::MemOp{local_flag(f.ag_src(slot)), v});  // read by the "ready" copies
     memops(ag_push_, writes, waits);
   }
+  // Pipeline chunk c: one kernel writes its ranges of my shards into my slot i on S (cast to the output
+  // dtype, or copied); the pushes read cast ranges from my slot once "chunk c" is recorded, same-dtype
+  // ranges from the shard itself at once. A chunk with nothing to cast waits for nothing: its copies
+  // and its kernel segments join the next batch and launch, so an AG without casts is one batch.
+  CastArgs cast{};
   for (size_t c = 0; c < plan.chunks.size(); ++c) {
-    // The chunk's own ranges into my slot (cast, or copied bit for bit), one kernel on S; the pushes
-    // read the cast ranges from my slot after it, the same-dtype ranges from the shard at once.
-    CastArgs cast{};
-    bool pushes_wait = false;
+    bool casts = false;
     for (const ShardRange& r : plan.chunks[c]) {
       const at::Tensor& s = shards[r.param];
       const int32_t sd = dtype_code(s.scalar_type()), od = plan.out_dtype[r.param];
       const int64_t off = plan.own_off[r.param] + r.first * dtype_size(od);  // in the slot
       const auto* shard = static_cast<const char*>(s.data_ptr()) + r.first * dtype_size(sd);
-      cast.seg[cast.nseg++] = CastSegment{shard, reinterpret_cast<void*>(mine + off), r.n, sd, od};
       if (cast.nseg == kMaxSegments) launch_cast(cast, S);
-      pushes_wait = pushes_wait || sd != od;
+      cast.seg[cast.nseg++] = CastSegment{shard, reinterpret_cast<void*>(mine + off), r.n, sd, od};
+      casts = casts || sd != od;
       const uint64_t src = sd != od ? mine + off : reinterpret_cast<uint64_t>(shard);
       const size_t bytes = static_cast<size_t>(r.n * dtype_size(od));
       for (int64_t k = 1; k < world_; ++k) data_.add(slot_base((rank_ + k) % world_, slot) + off, src, bytes);
     }
+    if (!casts && c + 1 < plan.chunks.size()) continue;
     launch_cast(cast, S);
-    if (pushes_wait) join(ag_push_, S, ev_chunk_[c]);
+    if (casts) join(ag_push_, S, ev_chunk_[c]);
     HostTimer t(host_ns_[kCopy]);
     data_.issue(ag_push_, false, copied_);
   }

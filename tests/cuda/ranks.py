@@ -512,3 +512,34 @@ def fallbacks(rank: int, world_size: int) -> dict:
         "multicast_allowed": probe.multicast_allowed(),
         "env": {k: os.environ.get(k) for k in ENV},
     }
+
+
+def disable_frees(rank: int, world_size: int) -> dict:
+    """Device memory free before enable, after enable and after disable (every rank measures between
+    barriers, so on a shared GPU all ranks' arenas come and go together); twice, so a leak would grow."""
+    import gc
+
+    import tide  # noqa: F401
+    from tide import transport
+
+    group = dist.group.WORLD
+    free = []
+
+    def measure():
+        gc.collect()
+        torch.cuda.synchronize()
+        dist.barrier()
+        free.append(torch.cuda.mem_get_info()[0])
+        dist.barrier()
+
+    measure()
+    arena_bytes = 0
+    for _ in range(2):
+        arena = transport.enable(group, slot_bytes=256 << 20, rs_ring_bytes=64 << 20)
+        arena_bytes = arena.total_bytes
+        cuda_all_gather(arena, [torch.randn(64, 8)], [torch.bfloat16], world_size, group.group_name, bound=True)
+        del arena
+        measure()
+        transport.disable(group.group_name)
+        measure()
+    return {"free": free, "arena_bytes": arena_bytes, "gpus": torch.cuda.device_count()}

@@ -96,3 +96,17 @@ def test_fallbacks_no_arena_and_graph_capture(ext):
     assert "CUDA-graph capture" in r["rendezvous_in_capture"], r["rendezvous_in_capture"]
     assert r["multicast_allowed"] is False
     assert r["env"]["NCCL_NVLS_ENABLE"] == "0" and r["env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
+def test_disable_frees_the_arena(ext):
+    """disable() gives the symmetric memory back: after each enable/disable cycle the device's free memory
+    returns to one level (the first cycle may leave a little first-use driver state behind, once)."""
+    world_size = 2
+    for rank, r in enumerate(_run(ranks.disable_frees, world_size)):
+        before, on1, off1, on2, off2 = r["free"]
+        sharers = world_size if r["gpus"] < world_size else 1  # ranks whose arenas live on this GPU
+        arena = sharers * r["arena_bytes"]
+        slack = 16 << 20
+        assert before - on1 >= arena and off1 - on1 >= arena - slack, (rank, r)  # came and went
+        assert off2 - on2 >= arena - slack and abs(off2 - off1) <= slack, (rank, r)  # no growth per cycle
+        assert before - off1 <= 256 << 20, (rank, r)  # the one-time part stays small
