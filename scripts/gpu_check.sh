@@ -52,7 +52,6 @@ stage() {  # stage NAME TIMEOUT_S CMD...
 
 {
   date -u +"date: %Y-%m-%dT%H:%M:%SZ"
-  git log -1 --format='commit: %H' 2>/dev/null
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nvidia-smi topo -m 2>/dev/null | head -4
   $PY - <<'PY'
