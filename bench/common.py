@@ -15,7 +15,6 @@ from typing import Callable, Sequence
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def default_out() -> Path:

@@ -43,7 +43,8 @@ import tide.fsdp
 from tide.fsdp import seam
 from tide.launch import run_ranks
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import default_out, pyplot  # noqa: E402
 N_LAYERS = 30  # weight + bias each: 60 parameters in the group
 
 
@@ -170,14 +171,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--out", type=Path, default=default_out(), help="output folder")
     args = p.parse_args(argv)
     result = run_ranks(bench_rank, 2, args.dim, args.reps, timeout=900)[0]
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     cols = ("host_cpu_us", "host_wall_us", "collective_wall_us", "total_wall_us")
     rows = [(op, path, *(r[op][c] for c in cols)) for op in ("unshard", "reduce") for path, r in result.items()]
     meta = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{time.strftime('%Y-%m-%d')}, 2 ranks gloo, 60 params of {args.dim}x{args.dim}/{args.dim}, {args.reps} reps")
-    with open(RESULTS / "fsdp_host_overhead.csv", "w", newline="") as f:
+    with open(out / "fsdp_host_overhead.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["op", "path", *cols, "setup"])
         for row in rows:
@@ -187,10 +190,9 @@ def main(argv=None) -> int:
     for op, path, *vals in rows:
         print(f"{op:8s} {path:6s} " + " ".join(f"{v:{w}.1f}" for v, w in zip(vals, (9, 10, 11, 9))))
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return 0
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ops = ["unshard", "reduce"]
     width = 0.35
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
     ax.set_title("FSDP2 seam host time, 60-param group (CPU, gloo, 2 ranks)", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "fsdp_host_overhead.png", dpi=120)
+    fig.savefig(out / "fsdp_host_overhead.png", dpi=120)
     return 0
 
 

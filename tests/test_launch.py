@@ -21,6 +21,24 @@ def _hangs(rank, world_size):
     time.sleep(3600)
 
 
+class _FailingFlush:
+    """A stdout whose flush fails at exit: the process ends non-zero after handing its result over."""
+
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        raise SystemExit(5)
+
+
+def _dies_after_returning(rank, world_size):
+    import sys
+
+    if rank == 1:
+        sys.stdout = _FailingFlush()
+    return rank
+
+
 def test_results_come_back_in_rank_order():
     assert run_ranks(_rank_and_size, 3) == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
 
@@ -35,3 +53,8 @@ def test_an_exception_on_one_rank_fails_the_run_with_its_traceback():
 def test_a_hang_times_out():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 8 s"):
         run_ranks(_hangs, 2, timeout=8)
+
+
+def test_a_rank_dying_after_its_result_is_reported():
+    with pytest.raises(RankError, match=r"every rank returned its result, but rank 1 exited with code [1-9][0-9]*$"):
+        run_ranks(_dies_after_returning, 2, timeout=120)

@@ -1,4 +1,19 @@
-"""TIDE: layout-aware zero-copy collectives for PyTorch FSDP2."""
+"""TIDE: layout-aware zero-copy collectives for PyTorch FSDP2.
+
+``import tide`` registers the ``torch.ops.tide`` ops (``tide.ops``); ``tide.fsdp`` (the FSDP2 seam) and
+``tide.transport`` (the CUDA transport) are imported on first use, so neither FSDP2's private modules
+nor anything CUDA is needed to import the package.
+"""
+import importlib
+
 __version__ = "0.1.0"
 
-from tide import ops  # noqa: F401  (registers torch.ops.tide.*)
+from tide import ops  # noqa: F401,E402  (registers torch.ops.tide.*)
+
+_LAZY = ("fsdp", "transport", "meta", "train", "models", "launch")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return importlib.import_module(f"tide.{name}")
+    raise AttributeError(f"module 'tide' has no attribute {name!r}")

@@ -1,8 +1,13 @@
 """Run a function on N local ranks, each in its own spawned process with a process group.
 
 Used by the tests, the benchmarks and ``tide.train``. Every failure surfaces in the caller: an
-exception on any rank stops all ranks and is re-raised with that rank's traceback, and a run that
-outlives ``timeout`` is killed and reported (a hung collective never blocks the caller).
+exception on any rank stops all ranks and is re-raised with that rank's traceback, a rank that exits
+with a non-zero code is reported even after it has returned its result, and a run that outlives
+``timeout`` is killed and reported (a hung collective never blocks the caller).
+
+A rank ends with ``os._exit`` once its result is handed over and its process group destroyed: on torch
+2.13 the interpreter's own teardown aborts in gloo now and then (SIGABRT after a clean run, stock
+FSDP2 scripts alike), which would otherwise fail a run that succeeded.
 """
 from __future__ import annotations
 
@@ -61,6 +66,20 @@ def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, resu
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_cleanly(results)
+
+
+def exit_cleanly(results=None) -> None:
+    """Flush what this process hands over (stdout, stderr, a result queue) and end it with status 0,
+    skipping the interpreter teardown that aborts in gloo now and then on torch 2.13."""
+    import sys
+
+    if results is not None:
+        results.close()
+        results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(
@@ -122,8 +141,12 @@ def run_ranks(
             outs[rank] = payload
     finally:
         for p in procs:
-            p.join(timeout=5 if len(outs) == world_size else 0.1)
+            p.join(timeout=30 if len(outs) == world_size else 0.1)
             if p.is_alive():
                 p.kill()
                 p.join()
+    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise RankError("run_ranks: every rank returned its result, but " +
+                        ", ".join(f"rank {r} exited with code {c}" for r, c in failed))
     return [outs[r] for r in range(world_size)]

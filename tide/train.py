@@ -4,9 +4,12 @@
     torchrun --nproc-per-node 4 -m tide.train ...
 
 Without torchrun it spawns ``--ranks`` local ranks (CPU + gloo without a GPU; one rank per GPU with
-NCCL when GPUs exist). Under torchrun (RANK/WORLD_SIZE set) it runs in-process. Rank 0 prints a
-progress line per step and a final table: loss per step for both runs and their max difference,
-median step time, peak memory and the layout-conversion bytes TIDE removes per step.
+NCCL when GPUs exist), the stock run and the TIDE run each in processes of their own. Under torchrun
+(RANK/WORLD_SIZE set) both run in-process, one after the other. Rank 0 prints a progress line per step
+and a final table: loss per step for both runs and their max difference, median step time, peak memory
+(CUDA: the allocator's peak plus TIDE's arena; CPU: the processes' max RSS, which torchrun's single
+process cannot split between the two runs) and the layout-conversion bytes TIDE removed per step (0 when
+no collective took the TIDE path, e.g. with one rank).
 """
 from __future__ import annotations
 
@@ -122,46 +125,46 @@ def _run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device:
 
         peak += sum({id(a): a.total_bytes for a in transport.arenas().values()}.values())
         peak_kind += " + TIDE's symmetric arena"
+    stats = tide.fsdp.stats()
+    ran_tide = stats["all_gather"].get("tide", 0) + stats["reduce_scatter"].get("tide", 0) > 0
     return {"losses": losses, "median_step_s": statistics.median(times[1:] or times), "peak": peak,
-            "peak_kind": peak_kind, "stats": tide.fsdp.stats(),
-            "removed": removed_bytes_per_step(model) if use_tide else 0}
+            "peak_kind": peak_kind, "stats": stats, "removed": removed_bytes_per_step(model) if ran_tide else 0}
 
 
-def _table(stock: dict, tide_: dict, args, world_size: int, device: torch.device) -> str:
-    lines = [f"\nTIDE vs stock FSDP2: model={args.model} ranks={world_size} device={device.type} "
-             f"backend={dist.get_backend()} torch={torch.__version__} params={'bf16/fp32 reduce' if args.bf16 else 'fp32'}",
+def _table(stock: dict, tide_: dict, args, world_size: int, device_type: str, shared_process: bool) -> str:
+    lines = [f"\nTIDE vs stock FSDP2: model={args.model} ranks={world_size} device={device_type} "
+             f"backend={args.backend} torch={torch.__version__} params={'bf16/fp32 reduce' if args.bf16 else 'fp32'}",
              f"{'step':>5} {'stock loss':>12} {'tide loss':>12} {'|diff|':>10}"]
     diffs = []
     for i, (a, b) in enumerate(zip(stock["losses"], tide_["losses"])):
         diffs.append(abs(a - b))
         lines.append(f"{i + 1:>5} {a:>12.6f} {b:>12.6f} {diffs[-1]:>10.2e}")
     mib = 1 << 20
+    if device_type == "cpu" and shared_process:
+        peak = f"stock {stock['peak'] / mib:.1f} MiB; tide not measurable (one process ran both, max RSS only grows)"
+    else:
+        peak = f"stock {stock['peak'] / mib:.1f} MiB   tide {tide_['peak'] / mib:.1f} MiB   ({tide_['peak_kind']})"
+    removed = (f"{tide_['removed'] / mib:.3f} MiB per step per rank (GroupLayout plan)" if tide_["removed"]
+               else "0 (no collective took the TIDE path: see the path counts)")
     lines += [
         f"max |loss diff|            {max(diffs):.3e}",
         f"median step time           stock {stock['median_step_s'] * 1e3:.1f} ms   tide {tide_['median_step_s'] * 1e3:.1f} ms",
-        f"peak memory, rank 0        stock {stock['peak'] / mib:.1f} MiB   tide {tide_['peak'] / mib:.1f} MiB"
-        f"   ({tide_['peak_kind']})",
-        f"layout conversion removed  {tide_['removed'] / mib:.3f} MiB per step per rank (GroupLayout plan)",
+        f"peak memory, rank 0        {peak}",
+        f"layout conversion removed  {removed}",
         f"tide path counts           {tide_['stats']}",
     ]
-    if device.type == "cpu":
+    if device_type == "cpu":
         lines.append("note: on CPU the tide ops run the reference backend (one gloo collective per parameter), "
                      "so step times compare gloo call counts, not the CUDA transport")
     return "\n".join(lines)
 
 
-def worker(rank: int, world_size: int, args) -> str | None:
+def run(rank: int, world_size: int, args, label: str) -> dict:
+    """One training run (``label``: ``"stock"`` or ``"tide"``) on this rank."""
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    cfg = PRESETS[args.model]
-    stock = _run("stock", args, cfg, rank, world_size, device)
-    tide_ = _run("tide", args, cfg, rank, world_size, device)
-    if rank != 0:
-        return None
-    table = _table(stock, tide_, args, world_size, device)
-    print(table, flush=True)
-    return table
+    return _run(label, args, PRESETS[args.model], rank, world_size, device)
 
 
 def parse_args(argv=None):
@@ -185,10 +188,17 @@ def parse_args(argv=None):
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.backend == "nccl" and args.device != "cuda":
         p.error("--backend nccl needs --device cuda")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun decides the ranks
+        if args.ranks is not None and args.ranks != int(os.environ["WORLD_SIZE"]):
+            p.error(f"--ranks {args.ranks} under torchrun, which started {os.environ['WORLD_SIZE']} ranks: "
+                    "set the rank count with torchrun's --nproc-per-node")
+        args.ranks = int(os.environ["WORLD_SIZE"])
     if args.ranks is None:
         args.ranks = torch.cuda.device_count() if args.device == "cuda" else 4
     if args.ranks < 1 or args.steps < 1:
         p.error("--ranks and --steps must be >= 1")
+    if args.timeout <= 0:
+        p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.backend == "nccl" and args.ranks > torch.cuda.device_count():
         p.error(f"--backend nccl needs one GPU per rank: {args.ranks} ranks, {torch.cuda.device_count()} GPUs")
     return args
@@ -206,15 +216,25 @@ def main(argv=None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
         try:
-            worker(rank, world_size, args)
+            stock, tide_ = run(rank, world_size, args, "stock"), run(rank, world_size, args, "tide")
+            if rank == 0:
+                print(_table(stock, tide_, args, world_size, args.device, shared_process=True), flush=True)
         finally:
             dist.destroy_process_group()
-        return 0
-    from tide.launch import run_ranks
+        from tide.launch import exit_cleanly
+
+        exit_cleanly()  # torch 2.13's gloo teardown aborts now and then after a clean run
+    from tide.launch import RankError, run_ranks
 
     print(f"tide.train: spawning {args.ranks} ranks ({args.device}, {args.backend}), model={args.model}, "
           f"steps={args.steps}", flush=True)
-    run_ranks(worker, args.ranks, args, backend=args.backend, device_type=args.device, timeout=args.timeout)
+    try:
+        stock, tide_ = (run_ranks(run, args.ranks, args, label, backend=args.backend, device_type=args.device,
+                                  timeout=args.timeout)[0] for label in ("stock", "tide"))
+    except (RankError, TimeoutError) as e:
+        print(f"tide.train: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(_table(stock, tide_, args, args.ranks, args.device, shared_process=False), flush=True)
     return 0
 
 

@@ -13,17 +13,43 @@ def test_bad_rs_mode():
         tide.fsdp.enable(torch.nn.Linear(2, 2), rs_mode="bogus")
 
 
+@pytest.mark.parametrize("fn", [tide.fsdp.enable, tide.fsdp.disable])
+def test_not_a_module(fn):
+    with pytest.raises(TypeError, match=rf"tide.fsdp.{fn.__name__}: module must be a torch.nn.Module .* got str"):
+        fn("notamodule")
+
+
+@pytest.mark.parametrize("force", ["yes", 1, None])
+def test_force_must_be_a_bool(force):
+    with pytest.raises(TypeError, match="tide.fsdp.enable: force must be True or False"):
+        tide.fsdp.enable(torch.nn.Linear(2, 2), force=force)
+
+
 def test_no_fsdp_module():
     with pytest.raises(ValueError, match="tide.fsdp.enable: module \\(Linear\\) contains no FSDP2 module"):
         tide.fsdp.enable(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu", "2.14.1"])
-def test_tested_versions_pass(version):
-    compat.check_torch_version("f", False, version)
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu"])
+def test_tested_versions_pass(version, monkeypatch):
+    monkeypatch.delenv(compat.FORCE_ENV, raising=False)
+    assert compat.torch_version(version) in compat.TESTED_TORCH
+    assert compat.check_torch_version("f", False, version) is None
 
 
-@pytest.mark.parametrize("version", ["2.12.0", "2.15.0.dev20260926", "3.0.0"])
+def test_pyproject_allows_exactly_the_tested_versions():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    spec = re.search(r'dependencies = \["torch([^"]*)"\]', text).group(1)
+    from packaging.specifiers import SpecifierSet
+
+    allowed = {(2, m) for m in range(9, 20) if f"2.{m}.0" in SpecifierSet(spec)}
+    assert allowed == set(compat.TESTED_TORCH), (spec, allowed)
+
+
+@pytest.mark.parametrize("version", ["2.12.0", "2.14.1", "2.15.0.dev20260926", "3.0.0"])
 def test_untested_versions_raise_unless_forced(version, monkeypatch):
     monkeypatch.delenv(compat.FORCE_ENV, raising=False)
     with pytest.raises(RuntimeError, match=f"f: torch {version} is not a tested version"):
@@ -110,3 +136,13 @@ def test_group_hosts_come_from_every_rank():
     import socket
 
     assert run_ranks(_hosts, 3) == [[socket.gethostname()] * 3] * 3
+
+
+def test_import_tide_exposes_fsdp_and_ops():
+    import subprocess
+    import sys
+
+    code = ("import sys, tide; assert 'tide.fsdp' not in sys.modules; "
+            "assert hasattr(tide.ops, 'schemas') and tide.fsdp.enable; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

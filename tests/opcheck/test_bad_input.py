@@ -62,6 +62,15 @@ BAD_CALLS = {
     "rs_functional_out_dtype": (ops.reduce_scatter, lambda g: ([_f32(2)], 1.0, torch.int64, 1, g),
                                 TypeError, r"tide\.reduce_scatter: out_dtype torch\.int64"),
 }
+# Calls without any tensor reach no backend kernel (and no fake kernel): the ops' catch-all refuses them.
+EMPTY_CALLS = {
+    "ag_empty": (ops.all_gather_into_params_, lambda g: ([], [], 1, g),
+                 r"tide\.all_gather_into_params_: shards is empty"),
+    "rs_empty": (ops.reduce_scatter_params_, lambda g: ([], [], 1.0, False, 1, g),
+                 r"tide\.reduce_scatter_params_: grads is empty"),
+    "ag_functional_empty": (ops.all_gather, lambda g: ([], 1, g), r"tide\.all_gather: shards is empty"),
+    "rs_functional_empty": (ops.reduce_scatter, lambda g: ([], 1.0, None, 1, g), r"tide\.reduce_scatter: inputs is empty"),
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CALLS))
@@ -77,6 +86,13 @@ def test_bad_input_is_rejected_by_the_fake_kernel(case):
     with FakeTensorMode(allow_non_fake_inputs=True):
         with pytest.raises(exc, match=pattern):
             op(*build("no-group-needed-for-shape-checks"))
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY_CALLS))
+def test_empty_lists_are_rejected(case, group_name):
+    op, build, pattern = EMPTY_CALLS[case]
+    with pytest.raises(ValueError, match=pattern):
+        op(*build(group_name))
 
 
 def test_mixed_devices_are_rejected():

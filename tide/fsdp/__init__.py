@@ -15,6 +15,11 @@ from tide.fsdp.seam import RS_MODES, TRANSPORTS, arena_stats, reset_stats, stats
 __all__ = ["enable", "disable", "stats", "arena_stats", "reset_stats", "param_groups", "RS_MODES", "TRANSPORTS"]
 
 
+def _check_module(fn: str, module) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{fn}: module must be a torch.nn.Module (sharded with fully_shard), got {type(module).__name__}")
+
+
 def param_groups(module: nn.Module) -> list:
     """Every FSDP2 param group in ``module``'s tree (each ``fully_shard`` call contributes its groups)."""
     return [g for g, _ in _groups_and_leaf(module)]
@@ -46,8 +51,11 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
     Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
     path's comms.
     """
+    _check_module("tide.fsdp.enable", module)
     if rs_mode not in RS_MODES:
         raise ValueError(f"tide.fsdp.enable: rs_mode must be one of {RS_MODES}, got {rs_mode!r}")
+    if not isinstance(force, bool):
+        raise TypeError(f"tide.fsdp.enable: force must be True or False, got {force!r}")
     transport = transport or seam.default_transport()
     if transport not in TRANSPORTS:
         raise ValueError(f"tide.fsdp.enable: transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -74,6 +82,7 @@ def disable(module: nn.Module) -> nn.Module:
     """Return every param group in ``module``'s tree to the comms it had before :func:`enable`, and drop
     the transport arenas :func:`enable` created once no enabled group uses them (call it between steps:
     it refuses while unsharded parameters still live in an arena slot)."""
+    _check_module("tide.fsdp.disable", module)
     groups = [g for g in param_groups(module) if isinstance(g._all_gather_comm, seam.TideAllGather)]
     seam.check_arenas_idle(groups)  # refuse before changing anything
     emptied = [key for key in map(seam.unregister_group, groups) if key is not None]

@@ -34,6 +34,11 @@ def check_tensor_list(op: str, name: str, tensors: Sequence[torch.Tensor], dtype
             _fail(op, f"{name}[{i}] must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
 
 
+def check_nonempty(op: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
+    if len(tensors) == 0:
+        _fail(op, f"{name} is empty; pass at least one tensor")
+
+
 def check_same_length(op: str, a_name: str, a: Sequence, b_name: str, b: Sequence) -> None:
     if len(a) != len(b):
         _fail(op, f"{a_name} has {len(a)} tensors but {b_name} has {len(b)}")
@@ -55,6 +60,7 @@ def _shape(t: torch.Tensor) -> tuple:
 
 def check_all_gather_into_params(op, shards, outs, world_size) -> None:
     check_world_size(op, world_size)
+    check_nonempty(op, "shards", shards)
     check_same_length(op, "shards", shards, "outs", outs)
     check_tensor_list(op, "shards", shards)
     check_tensor_list(op, "outs", outs)
@@ -71,6 +77,7 @@ def check_all_gather_into_params(op, shards, outs, world_size) -> None:
 
 def check_reduce_scatter_params(op, grads, shard_grads, world_size) -> None:
     check_world_size(op, world_size)
+    check_nonempty(op, "grads", grads)
     check_same_length(op, "grads", grads, "shard_grads", shard_grads)
     check_tensor_list(op, "grads", grads)
     check_tensor_list(op, "shard_grads", shard_grads, (torch.float32,))
@@ -86,6 +93,7 @@ def check_reduce_scatter_params(op, grads, shard_grads, world_size) -> None:
 
 def check_all_gather(op, shards, world_size) -> None:
     check_world_size(op, world_size)
+    check_nonempty(op, "shards", shards)
     check_tensor_list(op, "shards", shards)
     check_same_device(op, (("shards", shards),))
     for i, s in enumerate(shards):
@@ -95,6 +103,7 @@ def check_all_gather(op, shards, world_size) -> None:
 
 def check_reduce_scatter(op, inputs, out_dtype, world_size) -> None:
     check_world_size(op, world_size)
+    check_nonempty(op, "inputs", inputs)
     check_tensor_list(op, "inputs", inputs)
     check_same_device(op, (("inputs", inputs),))
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:

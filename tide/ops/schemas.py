@@ -18,9 +18,12 @@ reduce_scatter(inputs, scale, out_dtype, world_size, group_name) -> outs
     Functional forms on padded shapes (``(c_i, *rest)`` <-> ``(W*c_i, *rest)``), each the other's
     backward. ``out_dtype=None`` keeps each input's dtype; the sum is fp32 either way.
 
-``group_name`` is a registered ``ProcessGroup.group_name``; ``world_size`` must equal its size.
+``group_name`` is a registered ``ProcessGroup.group_name``; ``world_size`` must equal its size. Every
+list must hold at least one tensor.
 """
 import torch
+
+from tide.meta import checks
 
 lib = torch.library.Library("tide", "DEF")
 
@@ -43,3 +46,27 @@ for _schema in SCHEMAS.values():
 # The mutating ops return nothing; keep them in traced graphs even when their outputs look unused.
 for _name in ("all_gather_into_params_", "reduce_scatter_params_"):
     torch.fx.node.has_side_effect(getattr(torch.ops.tide, _name).default)
+
+
+# A call without any tensor (empty lists) reaches no backend kernel: the dispatcher runs these catch-alls,
+# whose checks raise the tide.<op> error ("<list> is empty") the other kernels' checks would.
+def _ag_into_params_without_tensors(shards, outs, world_size, group_name):
+    checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, world_size)
+
+
+def _rs_params_without_tensors(grads, shard_grads, scale, accumulate, world_size, group_name):
+    checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, world_size)
+
+
+def _ag_without_tensors(shards, world_size, group_name):
+    checks.check_all_gather("all_gather", shards, world_size)
+
+
+def _rs_without_tensors(inputs, scale, out_dtype, world_size, group_name):
+    checks.check_reduce_scatter("reduce_scatter", inputs, out_dtype, world_size)
+
+
+for _name, _kernel in (("all_gather_into_params_", _ag_into_params_without_tensors),
+                       ("reduce_scatter_params_", _rs_params_without_tensors),
+                       ("all_gather", _ag_without_tensors), ("reduce_scatter", _rs_without_tensors)):
+    lib.impl(_name, _kernel, "CompositeExplicitAutograd")

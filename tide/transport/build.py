@@ -2,13 +2,16 @@
 
 The sources are read from the source checkout (``<repo>/csrc``): the CUDA backend needs a git
 checkout or an editable install (``pip install -e .``). The build is cached by torch in
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and rebuilt only when a source changes.
-Code for ``sm_90a`` (Hopper) is embedded, plus ``compute_90`` PTX for the driver to compile elsewhere.
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and rebuilt only when a source changes;
+a build prints one line first (it takes about 30 s). ``python -m tide.transport.build`` builds ahead of
+time. Code for ``sm_90a`` (Hopper) is embedded, plus ``compute_90`` PTX for the driver to compile
+elsewhere.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -47,6 +50,14 @@ def _nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+def _cached(cpp_extension) -> bool:
+    """Whether torch's build folder holds a module newer than every source (then load only loads it)."""
+    folder = Path(cpp_extension._get_build_directory(EXTENSION_NAME, verbose=False))
+    built = [p.stat().st_mtime for p in folder.glob(f"{EXTENSION_NAME}*.so")]
+    newest_source = max(p.stat().st_mtime for p in CSRC.rglob("*") if p.suffix in (".cu", ".cpp", ".h"))
+    return bool(built) and max(built) >= newest_source
+
+
 def load(verbose: bool | None = None):
     """The compiled extension module (built on first use). Raises ``RuntimeError`` with the reason
     when it cannot be built: no CUDA device, no ``csrc/`` checkout, or no CUDA toolchain."""
@@ -71,6 +82,9 @@ def load(verbose: bool | None = None):
 
         if verbose is None:
             verbose = os.environ.get("TIDE_BUILD_VERBOSE", "0") == "1"
+        if not _cached(cpp_extension):
+            print(f"tide.transport: building the CUDA extension from {CSRC} (about 30 s, once per source change)",
+                  file=sys.stderr, flush=True)
         _ext = cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(CSRC / s) for s in SOURCES],
@@ -80,3 +94,12 @@ def load(verbose: bool | None = None):
             verbose=verbose,
         )
         return _ext
+
+
+if __name__ == "__main__":
+    try:
+        load(verbose=True)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
+    print("tide.transport: the CUDA extension is built", file=sys.stderr)
