@@ -5,8 +5,8 @@ TIDE: ``torch.ops.tide.all_gather_into_params_`` into arena-bound outputs (FSDP'
 region, as the FSDP seam does at every unshard; ``ag_op_only`` uses slot views made beforehand), and
 ``torch.ops.tide.reduce_scatter_params_`` In-Place with the same gradient tensors every call, In-Place
 with gradients at new addresses every call (the transport keeps no per-address state, so this must
-cost the same), and Slot-Reuse with the gradients already in the slot (where FSDP's Slot-Reuse hooks
-leave them). Timed on rank 0 from the Python call to its return (the GPU is synchronised between
+cost the same), and Slot-Reuse: the gradients at their places in a slot (where FSDP's Slot-Reuse hooks
+leave them), which the op reads where they lie. Timed on rank 0 from the Python call to its return (the GPU is synchronised between
 iterations, outside the timed region); the arena's counters split the C++ part of a call by kind
 (kernel launches, stream memops, copy-API calls, events); the rest is Python and op dispatch.
 
@@ -94,12 +94,9 @@ def tide_times(world_size: int, iters: int) -> dict:
         calls[0] += 1
         rs(fresh[calls[0] % FRESH_SETS])
 
-    def rs_slot_reuse():
-        arena.reduce_scatter_params(in_slot, shard_grads, 1.0 / world_size, True, rs_mode="slot_reuse", reuse_slot=0)
-
     fns = {"ag_bind": ag_bind, "ag_op_only": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size,
                                                                                             name),
-           "rs_in_place": rs, "rs_in_place_fresh": rs_fresh, "rs_slot_reuse": rs_slot_reuse}
+           "rs_in_place": rs, "rs_in_place_fresh": rs_fresh, "rs_slot_reuse": lambda: rs(in_slot)}
     res = {}
     for variant in VARIANTS:
         _time(fns[variant], 3)

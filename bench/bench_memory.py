@@ -91,7 +91,7 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
         return out
 
     group.post_backward = post_backward
-    tide.fsdp.reset_stats()
+    tide.reset_stats()
     tokens, targets = batch(cfg, 1, rank, device=dev)
     loss = loss_fn(model(tokens), targets)
     torch.cuda.synchronize(dev)
@@ -114,7 +114,7 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
         arena_bytes, slot_bytes = arena.total_bytes, arena.num_slots * arena.slot_bytes
         ring_bytes = arena.total_bytes - arena.ring_off
         groups_sharing = len(tide.fsdp.param_groups(model))
-    stats, arena_stats = tide.fsdp.stats(), tide.fsdp.arena_stats()
+    stats, arena_stats = tide.stats()["fsdp"], tide.stats()["wiring"]
     if rs_mode is not None:
         tide.fsdp.disable(model)
     del model, optim, loss

@@ -150,7 +150,7 @@ def bench_rank(rank: int, world_size: int, dim: int, reps: int) -> dict:
     for name, fn in hooks.items():
         setattr(seam, name, paths["tide"].timer.wrap(fn))
     stream = torch.cpu.current_stream()
-    tide.fsdp.reset_stats()
+    tide.reset_stats()
     try:
         order = list(paths.values())
         for _ in range(reps):
@@ -160,7 +160,7 @@ def bench_rank(rank: int, world_size: int, dim: int, reps: int) -> dict:
     finally:
         for name, fn in hooks.items():
             setattr(seam, name, fn)
-    stats = tide.fsdp.stats()
+    stats = tide.stats()["fsdp"]
     # The stock group was never opted in: the seam hands every one of its calls to stock FSDP2.
     for kind in ("all_gather", "reduce_scatter"):
         assert stats[kind] == {"stock:not_enabled": reps, "tide": reps}, stats

@@ -77,7 +77,7 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
         def step(i):
             return train_step(model, optim, cfg, i, rank, device=device, batch_size=batch_size, seq_len=seq)
 
-        tide.fsdp.reset_stats()
+        tide.reset_stats()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         for i in range(warmup):
@@ -91,12 +91,12 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         graphs = graph_instantiations(lambda: step(warmup + steps))
-        arena_bytes = sum({id(a): a.total_bytes for a in transport.arenas().values()}.values())
+        arena_bytes = sum(a.total_bytes for a in transport.arenas())
         rows.append({"variant": variant, "tokens_per_gpu": tokens, "median_step_ms": statistics.median(times) * 1e3,
                      "peak_mib": (torch.cuda.max_memory_allocated(device) + arena_bytes) / 2**20,
                      "graphs_built_per_step": graphs, "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
-                     "arena_mib": arena_bytes / 2**20, "final_loss": float(loss), "stats": str(tide.fsdp.stats()),
-                     "arena_stats": str(tide.fsdp.arena_stats())})
+                     "arena_mib": arena_bytes / 2**20, "final_loss": float(loss), "stats": str(tide.stats()["fsdp"]),
+                     "arena_stats": str(tide.stats()["wiring"])})
         if rank == 0:
             r = rows[-1]
             print(f"{variant:16s} {tokens:6d} tok/GPU  median {r['median_step_ms']:8.2f} ms  peak {r['peak_mib']:9.1f} MiB"

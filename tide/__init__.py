@@ -2,13 +2,15 @@
 
 ``import tide`` registers the ``torch.ops.tide`` ops (``tide.ops``); ``tide.fsdp`` (the FSDP2 seam) and
 ``tide.transport`` (the CUDA transport) are imported on first use, so neither FSDP2's private modules
-nor anything CUDA is needed to import the package.
+nor anything CUDA is needed to import the package. ``tide.stats()`` reports what every layer did
+(``tide.counters``), ``tide.reset_stats()`` clears it.
 """
 import importlib
 
 __version__ = "0.1.0"
 
 from tide import ops  # noqa: F401,E402  (registers torch.ops.tide.*)
+from tide.counters import reset_stats, stats  # noqa: F401,E402
 
 _LAZY = ("fsdp", "transport", "meta", "train", "models", "launch")
 

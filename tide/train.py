@@ -105,7 +105,7 @@ def _run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device:
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    tide.fsdp.reset_stats()
+    tide.reset_stats()
     losses, times = [], []
     for step in range(args.steps):
         if device.type == "cuda":
@@ -123,9 +123,9 @@ def _run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device:
         # TIDE's symmetric arena is not in the caching allocator's counters: add it.
         from tide import transport
 
-        peak += sum({id(a): a.total_bytes for a in transport.arenas().values()}.values())
+        peak += sum(a.total_bytes for a in transport.arenas())
         peak_kind += " + TIDE's symmetric arena"
-    stats = tide.fsdp.stats()
+    stats = tide.stats()["fsdp"]
     ran_tide = stats["all_gather"].get("tide", 0) + stats["reduce_scatter"].get("tide", 0) > 0
     return {"losses": losses, "median_step_s": statistics.median(times[1:] or times), "peak": peak,
             "peak_kind": peak_kind, "stats": stats, "removed": removed_bytes_per_step(model) if ran_tide else 0}

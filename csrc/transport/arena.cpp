@@ -83,10 +83,6 @@ size_t PlanKeyHash::operator()(const PlanKey& k) const {
 const char* ran_name(Ran r) {
   switch (r) {
     case Ran::kTide: return "tide";
-    case Ran::kInPlace: return "in_place";
-    case Ran::kSlotReuse: return "slot_reuse";
-    case Ran::kInPlaceSlotTooSmall: return "in_place_slot_too_small";
-    case Ran::kInPlaceGradsInSlot: return "in_place_grads_in_slot";
     case Ran::kNotBound: return "not_bound";
     case Ran::kNoPlan: return "no_plan";
     case Ran::kBadArgs: return "bad_args";
@@ -144,8 +140,7 @@ void Arena::add_ag_plan(const std::vector<at::Tensor>& shards, const std::vector
 }
 
 void Arena::add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan) {
-  TORCH_CHECK(plan.grad_dtype.size() == grads.size() && plan.slot_off.size() == grads.size() &&
-                  static_cast<int64_t>(plan.rounds.size()) == world_,
+  TORCH_CHECK(plan.grad_dtype.size() == grads.size() && static_cast<int64_t>(plan.rounds.size()) == world_,
               "tide.add_rs_plan: the plan does not match the grads");
   plan.max_rounds = 0;
   for (const auto& per_dest : plan.rounds) plan.max_rounds = std::max<int64_t>(plan.max_rounds, per_dest.size());
@@ -205,32 +200,13 @@ Ran Arena::all_gather(const std::vector<at::Tensor>& shards, const std::vector<a
   return Ran::kTide;
 }
 
-// Slot-Reuse falls back to In-Place when the group does not fit a slot, or when some gradient already
-// lies in the slot away from its place in this plan (placing it could overwrite another gradient before
-// it is read: FSDP passes only the params that have gradients, so the hooks' places, those of the whole
-// group, may differ from this plan's).
 Ran Arena::reduce_scatter(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
-                          double scale, bool accumulate, int64_t reuse_slot) {
-  if (!rs_args_ok(grads, shard_grads) || reuse_slot >= layout_.flags.K) return Ran::kBadArgs;
+                          double scale, bool accumulate) {
+  if (!rs_args_ok(grads, shard_grads)) return Ran::kBadArgs;
   auto it = rs_plans_.find(rs_key(grads));
   if (it == rs_plans_.end()) return Ran::kNoPlan;
-  const RsPlan& plan = *it->second;
-  Ran ran = Ran::kInPlace;
-  if (reuse_slot >= 0) {
-    ran = Ran::kSlotReuse;
-    if (plan.slot_bytes > layout_.slot_bytes) {
-      ran = Ran::kInPlaceSlotTooSmall;
-    } else {
-      const uint64_t lo = slot_base(rank_, reuse_slot), hi = lo + static_cast<uint64_t>(layout_.slot_bytes);
-      for (size_t j = 0; j < grads.size() && ran == Ran::kSlotReuse; ++j) {
-        const uint64_t p = ptr_of(grads[j]);
-        if (p >= lo && p < hi && p != lo + static_cast<uint64_t>(plan.slot_off[j])) ran = Ran::kInPlaceGradsInSlot;
-      }
-    }
-    if (ran != Ran::kSlotReuse) reuse_slot = -1;
-  }
-  run_reduce_scatter(plan, grads, shard_grads, static_cast<float>(scale), accumulate, reuse_slot);
-  return ran;
+  run_reduce_scatter(*it->second, grads, shard_grads, static_cast<float>(scale), accumulate);
+  return Ran::kTide;
 }
 
 // ------------------------------------------------------------------------------------ streams, flags
@@ -336,28 +312,13 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
 
 // ------------------------------------------------------------------------------------ TIDE-RS
 void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                               const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate,
-                               int64_t reuse_slot) {
+                               const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate) {
   HostTimer total(host_ns_[kTotal]);
   ++rs_calls_;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cudaStream_t S = current_stream(device_, "reduce_scatter_params_");
   const FlagLayout& f = layout_.flags;
   const int64_t R = f.R;
-  src_.resize(grads.size());
-  for (size_t j = 0; j < grads.size(); ++j) {
-    src_[j] = ptr_of(grads[j]);
-    if (reuse_slot < 0) continue;
-    // Slot-Reuse: read every gradient at its param-major place in the slot, copied there (copy engine)
-    // unless the Slot-Reuse hooks already put it there.
-    const uint64_t place = slot_base(rank_, reuse_slot) + static_cast<uint64_t>(plan.slot_off[j]);
-    if (src_[j] != place) data_.add(place, src_[j], static_cast<size_t>(grads[j].numel() * grads[j].element_size()));
-    src_[j] = place;
-  }
-  {
-    HostTimer t(host_ns_[kCopy]);
-    data_.issue(S, false, copied_);
-  }
   join(rs_push_, S, ev_start_);
   TIDE_CUDA(cudaStreamWaitEvent(reduce_, ev_start_, 0));
   SumArgs a{};
@@ -385,7 +346,7 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
       writes.push_back(driver::MemOp{local_flag(f.rs_push_src(d, s)), g});
       for (const RsChunk& c : plan.rounds[d][j]) {
         const int sz = dtype_size(plan.grad_dtype[c.param]);
-        data_.add(entry(d, s, rank_) + c.entry_off, src_[c.param] + c.grad_off * sz, static_cast<size_t>(c.n * sz));
+        data_.add(entry(d, s, rank_) + c.entry_off, ptr_of(grads[c.param]) + c.grad_off * sz, static_cast<size_t>(c.n * sz));
       }
       flags_.add(peer_flag(d, f.rs_ready(s, rank_)), local_flag(f.rs_push_src(d, s)), 4);
     }
@@ -419,7 +380,7 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
       const int32_t dt = plan.grad_dtype[c.param];
       if ((dtype >= 0 && dt != dtype) || a.nseg == kMaxSegments) launch_sum(a);
       dtype = dt;
-      const void* own = reinterpret_cast<const void*>(src_[c.param] + c.grad_off * dtype_size(dt));
+      const void* own = static_cast<const char*>(grads[c.param].data_ptr()) + c.grad_off * dtype_size(dt);
       a.seg[a.nseg++] = SumSegment{shard_grads[c.param].data_ptr<float>() + c.shard_off, own, c.entry_off, c.n, dt, 0};
     }
     launch_sum(a);

@@ -10,9 +10,9 @@
 //                        slot after "chunk c" (cast ranges) or from the shard itself (same dtype); then
 //                        post ag_ready[i][r] = v with 4-B copies (they follow the data on P);
 //   S:                   wait ag_ready[i][p] >= v for every peer; wait for P.
-// TIDE-RS, rank r (In-Place: pieces read from autograd's gradients; Slot-Reuse: from their param-major
-// places in a leased slot, each gradient copied there first unless already there); round j, destination
-// d, g = rounds done for d + 1, ring slot s = (g - 1) % R:
+// TIDE-RS, rank r, every gradient read where it lies (autograd's memory, or its param-major place in a
+// slot where FSDP's Slot-Reuse hooks moved it); round j, destination d, g = rounds done for d + 1, ring
+// slot s = (g - 1) % R:
 //   Q (RS push stream): wait rs_free[d][s] >= g - R (d has summed what last used ring slot s);
 //                       rs_push_src[d][s] = g; one batch of my round-j pieces for every d into their
 //                       entries (s, r); then one batch of 4-B flags rs_ready[s][r] = g into every d;
@@ -49,8 +49,8 @@ struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const;
 };
 
-// What an op call did: ran (with the mode for a reduce-scatter), or why nothing was issued.
-enum class Ran { kTide, kInPlace, kSlotReuse, kInPlaceSlotTooSmall, kInPlaceGradsInSlot, kNotBound, kNoPlan, kBadArgs };
+// What an op call did: ran, or why nothing was issued.
+enum class Ran { kTide, kNotBound, kNoPlan, kBadArgs };
 const char* ran_name(Ran r);
 
 class Arena {
@@ -64,9 +64,9 @@ class Arena {
   // TIDE-AG of `shards` into `outs` bound in a slot: kTide, kNotBound (outs lie in no slot at their
   // plan's addresses), kNoPlan or kBadArgs (nothing issued).
   Ran all_gather(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs);
-  // TIDE-RS; reuse_slot >= 0 asks for Slot-Reuse from that slot: the mode that ran, kNoPlan or kBadArgs.
+  // TIDE-RS: kTide, kNoPlan or kBadArgs (nothing issued).
   Ran reduce_scatter(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads, double scale,
-                     bool accumulate, int64_t reuse_slot);
+                     bool accumulate);
   void add_ag_plan(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs, AgPlan plan);
   void add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan);
 
@@ -87,7 +87,7 @@ class Arena {
   bool rs_args_ok(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads) const;
   void run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& shards, int64_t slot);
   void run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                          const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate, int64_t reuse_slot);
+                          const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate);
   void memops(cudaStream_t stream, const std::vector<driver::MemOp>& writes, const std::vector<driver::MemOp>& waits);
   void join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t ev);
   void launch_cast(CastArgs& a, cudaStream_t stream);
@@ -103,7 +103,6 @@ class Arena {
   std::vector<cudaEvent_t> ev_chunk_;
   std::unordered_map<PlanKey, std::shared_ptr<AgPlan>, PlanKeyHash> ag_plans_;
   std::unordered_map<PlanKey, std::shared_ptr<RsPlan>, PlanKeyHash> rs_plans_;
-  std::vector<uint64_t> src_;  // where the current reduce-scatter reads each gradient
   CopyList data_, flags_;
   CopyCounters copied_;
   int64_t kernels_ = 0, memop_calls_ = 0, ag_calls_ = 0, rs_calls_ = 0;

@@ -9,7 +9,6 @@
 
 #include "kernels.h"
 #include "transport/arena.h"
-#include "transport/driver.h"
 #include "transport/flags.h"
 
 namespace tide {
@@ -46,8 +45,7 @@ AgPlan make_ag_plan(std::vector<int64_t> own_off, std::vector<int64_t> out_off, 
 }
 
 RsPlan make_rs_plan(const std::vector<std::vector<std::vector<std::array<int64_t, 5>>>>& rounds,
-                    const std::vector<std::array<int64_t, 3>>& pads, std::vector<int32_t> grad_dtype,
-                    std::vector<int64_t> slot_off, int64_t slot_bytes) {
+                    const std::vector<std::array<int64_t, 3>>& pads, std::vector<int32_t> grad_dtype) {
   RsPlan p;
   for (const auto& per_dest : rounds) {
     std::vector<std::vector<RsChunk>> rs;
@@ -60,8 +58,6 @@ RsPlan make_rs_plan(const std::vector<std::vector<std::vector<std::array<int64_t
   }
   for (const auto& x : pads) p.pads.push_back(ShardRange{x[0], x[1], x[2]});
   p.grad_dtype = std::move(grad_dtype);
-  p.slot_off = std::move(slot_off);
-  p.slot_bytes = slot_bytes;
   return p;
 }
 
@@ -144,8 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&make_ag_plan), py::arg("own_off"), py::arg("out_off"), py::arg("out_numel"), py::arg("out_dtype"),
            py::arg("chunks"), py::arg("slot_bytes"));
   py::class_<RsPlan, std::shared_ptr<RsPlan>>(m, "RsPlan")
-      .def(py::init(&make_rs_plan), py::arg("rounds"), py::arg("pads"), py::arg("grad_dtype"), py::arg("slot_off"),
-           py::arg("slot_bytes"));
+      .def(py::init(&make_rs_plan), py::arg("rounds"), py::arg("pads"), py::arg("grad_dtype"));
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("rank"), py::arg("world"), py::arg("bases"), py::arg("device"), py::arg("num_slots"),
@@ -154,9 +149,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return std::string(ran_name(a.all_gather(shards, outs)));
            }, py::arg("shards"), py::arg("outs"))
       .def("reduce_scatter", [](Arena& a, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
-                                double scale, bool accumulate, int64_t reuse_slot) {
-             return std::string(ran_name(a.reduce_scatter(grads, shard_grads, scale, accumulate, reuse_slot)));
-           }, py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"), py::arg("reuse_slot"))
+                                double scale, bool accumulate) {
+             return std::string(ran_name(a.reduce_scatter(grads, shard_grads, scale, accumulate)));
+           }, py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"))
       .def("add_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
                              const AgPlan& plan) { a.add_ag_plan(shards, outs, plan); },
            py::arg("shards"), py::arg("outs"), py::arg("plan"))
@@ -168,5 +163,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_into", &cast_into, py::arg("dst"), py::arg("src"), py::arg("max_ctas"));
   m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("base"), py::arg("offsets"),
         py::arg("nbytes"));
-  m.def("driver_available", &driver::available);
 }

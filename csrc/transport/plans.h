@@ -35,10 +35,6 @@ struct RsPlan {
   std::vector<std::vector<std::vector<RsChunk>>> rounds;  // rounds[d][j]: rank d's j-th round
   std::vector<ShardRange> pads;  // this rank's padding: (param, shard element, n), zero unless accumulating
   std::vector<int32_t> grad_dtype;
-  // Slot-Reuse: bytes from a slot's start to param j's gradient (the all-gather output address of the
-  // same param), and the bytes the group needs in a slot.
-  std::vector<int64_t> slot_off;
-  int64_t slot_bytes = 0;
   int64_t max_rounds = 0;
 };
 

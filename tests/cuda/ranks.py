@@ -116,11 +116,17 @@ def cuda_all_gather(arena, shards_cpu, out_dtypes, world_size, group_name, bound
     return [o.clone() for o in outs] if bound else outs  # a bound slot is reused K calls later
 
 
-def cuda_reduce_scatter(arena, grads_cpu, shards_cpu, scale, accumulate, world_size, group_name, mode):
+def cuda_reduce_scatter(arena, grads_cpu, shards_cpu, scale, accumulate, world_size, group_name, where):
+    """The op on gradients in fresh tensors (``where="autograd"``) or at their places in a free arena slot
+    (``"slot"``, where FSDP's Slot-Reuse hooks put them)."""
     dev = arena.device
-    grads = [g.to(dev) for g in grads_cpu]
+    if where == "slot":
+        grads = arena.grad_views([g.shape for g in grads_cpu], [g.dtype for g in grads_cpu], arena.slots.acquire())
+        for g, c in zip(grads, grads_cpu):
+            g.copy_(c)
+    else:
+        grads = [g.to(dev) for g in grads_cpu]
     outs = [s.to(dev) if accumulate else torch.full(s.shape, float("nan"), device=dev) for s in shards_cpu]
-    arena.rs_mode = mode
     torch.ops.tide.reduce_scatter_params_(grads, outs, scale, accumulate, world_size, group_name)
     return outs
 
@@ -132,11 +138,11 @@ def _enable(group, slot_bytes, ring_bytes):
 
 
 def bitexact(rank: int, world_size: int, seed: int, trials: int) -> dict:
-    """Random all-gathers (bound and unbound outputs) and reduce-scatters (both modes), each checked."""
-    import tide  # noqa: F401
-    from tide import transport
+    """Random all-gathers (bound and unbound outputs) and reduce-scatters (gradients in fresh tensors or in
+    a slot), each checked."""
+    import tide
 
-    transport.reset_stats()
+    tide.reset_stats()
     group = dist.group.WORLD
     name = group.group_name
     arena = _enable(group, 4 << 20, 64 << 10)  # a tiny ring: chunks span several rounds and wrap it
@@ -150,31 +156,33 @@ def bitexact(rank: int, world_size: int, seed: int, trials: int) -> dict:
         for i, (g, w) in enumerate(zip(got, want)):
             assert_bits(f"rank {rank} trial {t} all_gather param {i} (bound={bound})", g, w)
         grads, init, scale, acc = rs_case(rng, world_size, rank, seed + t, rng.randint(1, 14))
-        mode = rng.choice(("in_place", "slot_reuse"))
-        got = cuda_reduce_scatter(arena, grads, init, scale, acc, world_size, name, mode)
+        where = rng.choice(("autograd", "slot"))
+        got = cuda_reduce_scatter(arena, grads, init, scale, acc, world_size, name, where)
         want = ref_reduce_scatter(grads, init, scale, acc, world_size, name)
         for i, (g, w) in enumerate(zip(got, want)):
-            assert_bits(f"rank {rank} trial {t} reduce_scatter param {i} (mode={mode}, acc={acc})", g, w)
+            assert_bits(f"rank {rank} trial {t} reduce_scatter param {i} (grads in {where}, acc={acc})", g, w)
         checked += 2
     torch.cuda.synchronize()
-    return {"checked": checked, "stats": transport.stats()["calls"]}
+    return {"checked": checked, "stats": tide.stats()["ops"]}
 
 
 def stress(rank: int, world_size: int, seed: int, steps: int) -> dict:
-    """A random sequence of AG/RS calls over several groups (world, a duplicate of it, pairs), both RS
-    modes, bound and unbound outputs, issued back to back and checked at the end."""
-    import tide  # noqa: F401
+    """A random sequence of AG/RS calls over several groups (the world, whose duplicate shares its arena,
+    and pairs), gradients in fresh tensors or in a slot, bound and unbound outputs, issued back to back and
+    checked at the end."""
+    import tide
     from tide import transport
 
-    transport.reset_stats()
+    tide.reset_stats()
     groups = [dist.group.WORLD, dist.new_group(backend="gloo")]
     pairs = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, world_size - 1, 2)] if world_size >= 4 else []
     if pairs:
         groups.append(pairs[rank // 2] if rank // 2 < len(pairs) else None)
-    arenas = {}
-    for i, g in enumerate(groups):
-        if g is not None:
-            arenas[i] = _enable(g, 2 << 20, (16 << 10) * g.size() * (i + 1))
+    arenas = {0: _enable(groups[0], 2 << 20, (16 << 10) * world_size)}
+    arenas[1] = transport.get(groups[1].group_name)  # the same ranks in the same order: the same arena
+    assert arenas[1] is arenas[0]
+    if len(groups) > 2 and groups[2] is not None:
+        arenas[2] = _enable(groups[2], 2 << 20, (16 << 10) * 2 * 3)
     rng = random.Random(seed)
     pending = []
     for step in range(steps):
@@ -193,29 +201,29 @@ def stress(rank: int, world_size: int, seed: int, steps: int) -> dict:
             pending.append((f"step {step} ag group {gi}", got, (shards, out_dtypes, W, name), "ag"))
         else:
             grads, init, scale, acc = rs_case(case_rng, W, r, seed * 7 + step, n_params)
-            mode = "slot_reuse" if flavour < 0.5 else "in_place"
-            got = cuda_reduce_scatter(arena, grads, init, scale, acc, W, name, mode)
-            pending.append((f"step {step} rs group {gi} {mode}", got, (grads, init, scale, acc, W, name), "rs"))
+            where = "slot" if flavour < 0.5 else "autograd"
+            got = cuda_reduce_scatter(arena, grads, init, scale, acc, W, name, where)
+            pending.append((f"step {step} rs group {gi} grads in {where}", got, (grads, init, scale, acc, W, name), "rs"))
     torch.cuda.synchronize()
     # References in issue order (each group's ranks issue the same sequence of reference collectives).
     for what, got, args, op in pending:
         want = ref_all_gather(*args) if op == "ag" else ref_reduce_scatter(*args)
         for i, (gt, w) in enumerate(zip(got, want)):
             assert_bits(f"rank {rank} {what} param {i}", gt, w)
-    return {"checked": len(pending), "stats": transport.stats()["calls"]}
+    return {"checked": len(pending), "stats": tide.stats()["ops"]}
 
 
 def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
     """The same plans called again and again on one arena (a duplicate of the world group): all-gathers
-    alternating over both slots (bound outputs) and into unbound outputs (the reference path), In-Place
-    reduce-scatters with the same gradient tensors and with fresh ones, Slot-Reuse from either slot; a
-    small ring of depth 2, so the pushes wrap it and wait for its flow control. Every result is checked
-    bit for bit."""
-    import tide  # noqa: F401
+    alternating over both slots (bound outputs) and into unbound outputs (the reference path),
+    reduce-scatters of the same gradient tensors, of fresh ones and of gradients in either slot; a small
+    ring of depth 2, so the pushes wrap it and wait for its flow control. Every result is checked bit for
+    bit."""
+    import tide
     from tide import transport
     from tide.transport import plans
 
-    transport.reset_stats()
+    tide.reset_stats()
     group = dist.new_group(backend="gloo")
     name = group.group_name
     arena = transport.enable(group, slot_bytes=1 << 20, rs_ring_bytes=(8 << 10) * world_size, ring_depth=2)
@@ -248,36 +256,35 @@ def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
         want = ref_all_gather(new, out_dtypes, world_size, name)
         for i, (g, w) in enumerate(zip(got, want)):
             assert_bits(f"rank {rank} repeat {t} all_gather param {i} (bound={bound})", g, w)
-        # Reduce-scatter: the same tensors refilled (t even) or fresh tensors (t odd), both modes,
-        # accumulate or not; Slot-Reuse alternates its slot.
+        # Reduce-scatter: the same tensors refilled (t % 3 == 0), fresh tensors (1) or the gradients in a
+        # slot (2, alternating slots); accumulate or not.
         new = [torch.randn(g.shape, generator=gen).to(g.dtype) for g in grads_cpu]
-        if t % 2 == 0:
+        where = ("same tensors", "fresh tensors", f"slot {t % 2}")[t % 3]
+        if t % 3 == 0:
             for d, n in zip(grads_d, new):
                 d.copy_(n)
+            grads = grads_d
+        elif t % 3 == 1:
+            grads = [n.to(dev) for n in new]
         else:
-            grads_d = [n.to(dev) for n in new]
-        rs_mode = ("in_place", "in_place", "slot_reuse")[t % 3]
+            grads = arena.grad_views([g.shape for g in new], [g.dtype for g in new], t % 2)
+            for d, n in zip(grads, new):
+                d.copy_(n)
         acc = t % 4 == 1
         outs = [s.to(dev) if acc else torch.full(s.shape, float("nan"), device=dev) for s in init]
-        if rs_mode == "slot_reuse":
-            arena.reduce_scatter_params(grads_d, outs, scale, acc, rs_mode="slot_reuse", reuse_slot=t % 2)
-        else:
-            arena.rs_mode = rs_mode
-            torch.ops.tide.reduce_scatter_params_(grads_d, outs, scale, acc, world_size, name)
+        torch.ops.tide.reduce_scatter_params_(grads, outs, scale, acc, world_size, name)
         want = ref_reduce_scatter(new, init, scale, acc, world_size, name)
         for i, (g, w) in enumerate(zip(outs, want)):
-            assert_bits(f"rank {rank} repeat {t} reduce_scatter param {i} ({rs_mode}, acc={acc})", g, w)
+            assert_bits(f"rank {rank} repeat {t} reduce_scatter param {i} (grads: {where}, acc={acc})", g, w)
         checked += 2
     torch.cuda.synchronize()
-    return {"checked": checked, "slots": sorted(slots), "counters": arena.counters(), "stats": transport.stats()["calls"]}
+    return {"checked": checked, "slots": sorted(slots), "counters": arena.counters(), "stats": tide.stats()["ops"]}
 
 
-def slot_reuse_sources(rank: int, world_size: int, seed: int) -> dict:
-    """Where Slot-Reuse reads gradients (ring depth 1: every round waits for the one before): from the
-    slot places the FSDP hooks fill, it issues exactly In-Place's copies; from autograd's tensors, one
-    placement copy more per gradient; a partial group whose gradients lie at the whole group's slot
-    places is read where it lies. Every call is checked bit for bit; the counters' deltas per call are
-    returned."""
+def grads_in_slot(rank: int, world_size: int, seed: int) -> dict:
+    """A reduce-scatter of gradients at their places in a slot (where the FSDP hooks put them) issues
+    exactly the copies and kernels of one from autograd's tensors (ring depth 1: every round waits for
+    the one before), and leaves the slot busy until it has read them. Every call is checked bit for bit."""
     import tide  # noqa: F401
     from tide import transport
 
@@ -289,37 +296,25 @@ def slot_reuse_sources(rank: int, world_size: int, seed: int) -> dict:
     grads_cpu, init, scale, _ = rs_case(rng, world_size, rank, seed, 7)
     grads_cpu = [g.to(torch.bfloat16) for g in grads_cpu]
     sets = {"autograd": [g.to(dev) for g in grads_cpu],
-            "slot": arena.grad_views([g.shape for g in grads_cpu], [g.dtype for g in grads_cpu], 0)}
+            "slot": arena.grad_views([g.shape for g in grads_cpu], [g.dtype for g in grads_cpu], 1)}
     gen = torch.Generator().manual_seed(seed * 17 + rank)
     keys = ("ce_copies", "kernels", "flags")
-    deltas = []
-    for step, (which, mode) in enumerate([("slot", "in_place"), ("slot", "slot_reuse"), ("autograd", "in_place"),
-                                          ("autograd", "slot_reuse")]):
+    deltas, busy = [], []
+    for step, which in enumerate(["autograd", "slot", "autograd", "slot"]):
         new = [torch.randn(g.shape, generator=gen).to(g.dtype) for g in grads_cpu]
         for d, n in zip(sets[which], new):
             d.copy_(n)
         outs = [torch.full(s.shape, float("nan"), device=dev) for s in init]
-        before = arena.counters()
-        ran = arena.reduce_scatter_params(sets[which], outs, scale, False, rs_mode=mode, reuse_slot=0)
+        before, event_before = arena.counters(), arena.slots.event(1)
+        torch.ops.tide.reduce_scatter_params_(sets[which], outs, scale, False, world_size, name)
         after = arena.counters()
         want = ref_reduce_scatter(new, init, scale, False, world_size, name)
         for i, (g, w) in enumerate(zip(outs, want)):
-            assert_bits(f"rank {rank} step {step} ({which}, {mode}) reduce_scatter param {i}", g, w)
-        deltas.append({"set": which, "mode": mode, "ran": ran, **{k: after[k] - before[k] for k in keys}})
-    # FSDP passes only the params that have gradients: with one left out, the others lie in the slot at
-    # the whole group's places, not at this call's. Slot-Reuse must then read them where they lie.
-    keep = [i for i in range(len(grads_cpu)) if i != 1]
-    new = [torch.randn(grads_cpu[i].shape, generator=gen).to(grads_cpu[i].dtype) for i in keep]
-    for i, n in zip(keep, new):
-        sets["slot"][i].copy_(n)
-    outs = [torch.full(init[i].shape, float("nan"), device=dev) for i in keep]
-    partial_ran = arena.reduce_scatter_params([sets["slot"][i] for i in keep], outs, scale, False, rs_mode="slot_reuse",
-                                              reuse_slot=0)
-    want = ref_reduce_scatter(new, [init[i] for i in keep], scale, False, world_size, name)
-    for i, (g, w) in enumerate(zip(outs, want)):
-        assert_bits(f"rank {rank} partial group from the slot, param {i}", g, w)
+            assert_bits(f"rank {rank} step {step} (grads in {which}) reduce_scatter param {i}", g, w)
+        deltas.append({"where": which, **{k: after[k] - before[k] for k in keys}})
+        busy.append(arena.slots.event(1) is not event_before)
     torch.cuda.synchronize()
-    return {"deltas": deltas, "partial_ran": partial_ran, "n_grads": len(grads_cpu)}
+    return {"deltas": deltas, "slot_marked_busy": busy}
 
 
 def bad_input(rank: int, world_size: int) -> dict:
@@ -444,7 +439,6 @@ def profile_zero_sm(rank: int, world_size: int, trace_dir: str) -> dict:
             torch.cuda.synchronize()
         dist.barrier()
         out[case] = _chrome_kernels(prof, os.path.join(trace_dir, f"{case}_rank{rank}.json"))
-    arena.rs_mode = "in_place"
     for _ in range(2):
         torch.ops.tide.reduce_scatter_params_(grads_d, shard_out, 1.0, False, world_size, name)
     torch.cuda.synchronize()
@@ -460,11 +454,11 @@ def profile_zero_sm(rank: int, world_size: int, trace_dir: str) -> dict:
 
 def fallbacks(rank: int, world_size: int) -> dict:
     """One NCCL rank: TIDE path, stock path without an arena, stock path under CUDA-graph capture."""
-    import tide  # noqa: F401
+    import tide
     from tide import transport
     from tide.transport import probe
 
-    transport.reset_stats()
+    tide.reset_stats()
     group = dist.group.WORLD
     name = group.group_name
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -508,7 +502,7 @@ def fallbacks(rank: int, world_size: int) -> dict:
         "tide_ok": tide_ok,
         "graph_ok": graph_ok,
         "rendezvous_in_capture": rendezvous_in_capture,
-        "stats": transport.stats()["calls"],
+        "stats": tide.stats()["ops"],
         "multicast_allowed": probe.multicast_allowed(),
         "env": {k: os.environ.get(k) for k in ENV},
     }

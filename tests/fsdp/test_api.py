@@ -4,7 +4,7 @@ import torch
 
 import tide.fsdp
 from tests.fsdp import workers
-from tide.fsdp import compat
+from tide.fsdp import compat, fallbacks
 from tide.launch import run_ranks
 
 
@@ -64,8 +64,8 @@ def test_reduce_arity_matches_this_torch():
 
 
 def test_stats_shape():
-    tide.fsdp.reset_stats()
-    assert tide.fsdp.stats() == {"all_gather": {}, "reduce_scatter": {}}
+    tide.reset_stats()
+    assert tide.stats() == {"fsdp": {"all_gather": {}, "reduce_scatter": {}}, "wiring": {}, "ops": {}, "arenas": {}}
 
 
 def test_enable_twice_then_disable():
@@ -83,9 +83,7 @@ def test_enable_twice_then_disable():
     (["a", "a"], None), (["a"] * 8, None), (["a"] * 9, "nvlink_domain"), (["a", "a", "b", "b"], "nvlink_domain"),
 ])
 def test_nvlink_domain_contract(hosts, reason):
-    from tide.fsdp import seam
-
-    assert seam.nvlink_domain_reason(hosts) == reason
+    assert fallbacks.contract_reason(9, hosts) == reason
 
 
 def test_install_twice_keeps_a_later_patcher_chained_without_a_cycle():
@@ -115,21 +113,17 @@ def test_fallback_table_lists_every_reason():
     import pathlib
     import re
 
-    from tide.fsdp import seam
-
     doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "fsdp.md").read_text()
     table = doc[doc.index("## Fallbacks"):]
     table = table[:table.index("\n\n", table.index("| reason"))]
     documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M))
-    assert documented == set(seam.REASONS)
+    assert documented == set(fallbacks.REASONS)
 
 
 def _hosts(rank, world_size):
     import torch.distributed as dist
 
-    from tide.fsdp import seam
-
-    return seam.group_hosts(dist.group.WORLD)
+    return fallbacks.group_hosts(dist.group.WORLD)
 
 
 def test_group_hosts_come_from_every_rank():
@@ -146,3 +140,23 @@ def test_import_tide_exposes_fsdp_and_ops():
             "assert hasattr(tide.ops, 'schemas') and tide.fsdp.enable; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_seam_matches_fsdp2s_signatures():
+    from tide.fsdp import seam
+
+    assert compat.check_signatures(seam._WRAPPERS) is None  # this torch: the names agree
+
+
+def test_a_reordered_fsdp2_signature_is_refused(monkeypatch):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from tide.fsdp import seam
+
+    def foreach_all_gather_copy_out(fsdp_params, all_gather_result, group):  # two arguments swapped upstream
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(_fsdp_collectives, "foreach_all_gather_copy_out", foreach_all_gather_copy_out)
+    with pytest.raises(RuntimeError, match=r"FSDP2 foreach_all_gather_copy_out takes \(fsdp_params, all_gather_result, "
+                                           r"group\), but TIDE's seam expects \(all_gather_result, fsdp_params, group\)"):
+        compat.check_signatures(seam._WRAPPERS)

@@ -1,7 +1,7 @@
 """Rank functions of the FSDP2 tests (spawned by ``tide.launch.run_ranks``; importable by module path).
 
 Each run trains the same model twice in one process, stock FSDP2 then TIDE, from the same seed and
-data, and returns what the test compares: losses, final full parameters, ``tide.fsdp.stats()`` and
+data, and returns what the test compares: losses, final full parameters, ``tide.stats()["fsdp"]`` and
 the calls to FSDP2's layout-conversion ops.
 
 Tolerance (used by the tests): TIDE's reduce sums the W contributions in fp32 in rank order and
@@ -59,7 +59,7 @@ def _train(cfg, rank, *, use_tide, steps, mp=None, accum=1, no_sync=False, prefe
     if setup is not None:
         setup(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tide.fsdp.reset_stats()
+    tide.reset_stats()
     counter = CopyOpCounter()
     losses = []
     for step in range(steps):
@@ -68,7 +68,7 @@ def _train(cfg, rank, *, use_tide, steps, mp=None, accum=1, no_sync=False, prefe
                 losses.append(train_step(model, optim, cfg, step, rank, accum=accum, no_sync=no_sync).item())
         else:
             losses.append(train_step(model, optim, cfg, step, rank, accum=accum, no_sync=no_sync).item())
-    stats = tide.fsdp.stats()
+    stats = tide.stats()["fsdp"]
     # One more backward without an optimizer step: AdamW is blind to a uniformly mis-scaled gradient,
     # so the test also compares the reduced gradients themselves.
     tokens, targets = batch(cfg, steps * accum, rank)
@@ -109,12 +109,12 @@ def _state_dict_roundtrip(cfg, rank, ckpt_dir: str) -> dict:
     dcp.load(state, checkpoint_id=ckpt_dir)
     set_state_dict(fresh, fresh_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded_equal = all((a == b).all() for a, b in zip(_full_params(model), _full_params(fresh)))
-    tide.fsdp.reset_stats()
+    tide.reset_stats()
     cont = train_step(model, optim, cfg, 3, rank).item()
     cont_fresh = train_step(fresh, fresh_optim, cfg, 3, rank).item()
     return {"loaded_equal": loaded_equal, "continued": (cont, cont_fresh),
             "params_equal": all((a == b).all() for a, b in zip(_full_params(model), _full_params(fresh))),
-            "stats": tide.fsdp.stats()}
+            "stats": tide.stats()["fsdp"]}
 
 
 def parity(rank: int, world_size: int, ckpt_dir: str) -> dict:
@@ -176,14 +176,14 @@ def _unknown_args(cfg, rank) -> dict:
     model, _, _ = _train(cfg, rank, use_tide=True, steps=1)
     group = tide.fsdp.param_groups(model)[0]
     stream = torch.cpu.current_stream()
-    tide.fsdp.reset_stats()
+    tide.reset_stats()
     try:
         _pg.foreach_all_gather(group.fsdp_params, group._all_gather_process_group, False, stream, stream,
                                group.device, group._all_gather_comm, future_flag=True)
         error = None
     except TypeError as e:
         error = str(e)
-    return {"error": error, "stats": tide.fsdp.stats()}
+    return {"error": error, "stats": tide.stats()["fsdp"]}
 
 
 def fallbacks_2(rank: int, world_size: int) -> dict:
@@ -229,13 +229,13 @@ def enable_disable(rank: int, world_size: int) -> dict:
     once = all(type(g._all_gather_comm.fallback) is DefaultAllGather
                and type(g._reduce_scatter_comm.fallback) is DefaultReduceScatter
                and g._reduce_scatter_comm.rs_mode == "slot_reuse" for g in groups)
-    tide.fsdp.reset_stats()
+    tide.reset_stats()
     train_step(model, optim, cfg, 1, rank)
-    slot_reuse = tide.fsdp.stats()
+    slot_reuse = tide.stats()["fsdp"]
     tide.fsdp.disable(model)
     restored = all(type(g._all_gather_comm) is DefaultAllGather and type(g._reduce_scatter_comm) is DefaultReduceScatter
                    for g in groups)
-    tide.fsdp.reset_stats()
+    tide.reset_stats()
     train_step(model, optim, cfg, 2, rank)
     return {"first": first["stats"], "once": once, "slot_reuse": slot_reuse, "restored": restored,
-            "after_disable": tide.fsdp.stats(), "groups": len(groups)}
+            "after_disable": tide.stats()["fsdp"], "groups": len(groups)}

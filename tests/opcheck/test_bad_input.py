@@ -129,3 +129,20 @@ def test_one_rank_group_is_an_identity(group_name):
     grad, sg = _bf16(3, 2), torch.full((3, 2), float("nan"))
     ops.reduce_scatter_params_([grad], [sg], 0.5, False, 1, group_name)
     assert torch.equal(sg, grad.float() * 0.5)
+
+
+def test_typed_wrappers_call_the_ops(group_name):
+    """tide.ops' typed entry points: the same results as the ops they call (one rank: identities)."""
+    group = dist.group.WORLD
+    shard, out = _f32(3, 2), torch.full((3, 2), float("nan"), dtype=torch.bfloat16)
+    tide.ops.all_gather_into_params([shard], [out], group)
+    assert torch.equal(out, shard.to(torch.bfloat16))
+    grad, sg = _bf16(3, 2), torch.full((3, 2), float("nan"))
+    tide.ops.reduce_scatter_params([grad], [sg], group, scale=0.5)
+    assert torch.equal(sg, grad.float() * 0.5)
+    tide.ops.reduce_scatter_params([grad], [sg], group, scale=0.5, accumulate=True)
+    assert torch.equal(sg, grad.float())
+    (gathered,) = tide.ops.all_gather([shard], group)
+    assert torch.equal(gathered, shard)
+    (reduced,) = tide.ops.reduce_scatter([grad], group, scale=2.0, out_dtype=torch.float32)
+    assert reduced.dtype == torch.float32 and torch.equal(reduced, grad.float() * 2)

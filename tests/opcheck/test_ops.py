@@ -19,7 +19,10 @@ WORLD_SIZES = (2, 3)
 
 
 def _seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
+    """A fresh seed per test run, printed (pytest shows it with a failure) so the run can be repeated."""
+    seed = random.SystemRandom().randrange(1 << 30)
+    print(f"random seed {seed}")
+    return seed
 
 
 def _ag_args(ws, rank, seed, shard_dtype, out_dtype, flat_outs):

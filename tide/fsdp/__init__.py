@@ -1,18 +1,35 @@
 """TIDE for FSDP2: ``enable(module)`` routes every opted-in param group's unshard and gradient
 reduce through ``tide::all_gather_into_params_`` / ``tide::reduce_scatter_params_`` (no flat
-rank-major buffers); unsupported cases take the original FSDP2 path per call (see docs/fsdp.md).
-On CUDA the groups run on the CUDA transport: one symmetric arena per set of ranks, all-gather
-outputs bound in its slots (docs/fsdp.md, "CUDA transport wiring").
+rank-major buffers); unsupported cases take the original FSDP2 path per call (see docs/fsdp.md), and
+``tide.stats()`` counts both. On CUDA the groups run on the CUDA transport: one symmetric arena per set
+of ranks, block all-gather outputs bound in its slots (docs/fsdp.md, "CUDA transport wiring").
+
+Modules: ``comms`` (the opt-in markers), ``fallbacks`` (why a call takes stock), ``seam`` (the three
+wrappers and their install), ``wiring`` (arena and slots), ``hooks`` (Slot-Reuse), ``compat`` (torch
+versions).
 """
 from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from tide.fsdp import compat, seam
-from tide.fsdp.seam import RS_MODES, TRANSPORTS, arena_stats, reset_stats, stats
+import os
 
-__all__ = ["enable", "disable", "stats", "arena_stats", "reset_stats", "param_groups", "RS_MODES", "TRANSPORTS"]
+from tide.fsdp import compat, hooks, seam, wiring
+from tide.fsdp.comms import TideAllGather, TideReduceScatter
+
+__all__ = ["enable", "disable", "param_groups", "RS_MODES", "TRANSPORTS"]
+
+RS_MODES = ("in_place", "slot_reuse")
+TRANSPORTS = ("auto", "reference")
+TRANSPORT_ENV = "TIDE_FSDP_TRANSPORT"
+
+
+def default_transport() -> str:
+    value = os.environ.get(TRANSPORT_ENV, "auto") or "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"tide.fsdp: {TRANSPORT_ENV} must be one of {TRANSPORTS}, got {value!r}")
+    return value
 
 
 def _check_module(fn: str, module) -> None:
@@ -56,7 +73,7 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
         raise ValueError(f"tide.fsdp.enable: rs_mode must be one of {RS_MODES}, got {rs_mode!r}")
     if not isinstance(force, bool):
         raise TypeError(f"tide.fsdp.enable: force must be True or False, got {force!r}")
-    transport = transport or seam.default_transport()
+    transport = transport or default_transport()
     if transport not in TRANSPORTS:
         raise ValueError(f"tide.fsdp.enable: transport must be one of {TRANSPORTS}, got {transport!r}")
     compat.check_torch_version("tide.fsdp.enable", force)
@@ -68,13 +85,13 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
         )
     seam.install()
     for g, leaf in groups:
-        if isinstance(g._all_gather_comm, seam.TideAllGather):
+        if isinstance(g._all_gather_comm, TideAllGather):
             g._reduce_scatter_comm.rs_mode = rs_mode
             g._reduce_scatter_comm.transport = g._all_gather_comm.transport = transport
             continue
-        g._all_gather_comm = seam.TideAllGather(g._all_gather_comm, g, transport, leaf)
-        g._reduce_scatter_comm = seam.TideReduceScatter(g._reduce_scatter_comm, rs_mode, transport)
-        seam.register_group(g)
+        g._all_gather_comm = TideAllGather(g._all_gather_comm, g, transport, leaf)
+        g._reduce_scatter_comm = TideReduceScatter(g._reduce_scatter_comm, rs_mode, transport)
+        wiring.register_group(g)
     return module
 
 
@@ -83,14 +100,14 @@ def disable(module: nn.Module) -> nn.Module:
     the transport arenas :func:`enable` created once no enabled group uses them (call it between steps:
     it refuses while unsharded parameters still live in an arena slot)."""
     _check_module("tide.fsdp.disable", module)
-    groups = [g for g in param_groups(module) if isinstance(g._all_gather_comm, seam.TideAllGather)]
-    seam.check_arenas_idle(groups)  # refuse before changing anything
-    emptied = [key for key in map(seam.unregister_group, groups) if key is not None]
+    groups = [g for g in param_groups(module) if isinstance(g._all_gather_comm, TideAllGather)]
+    wiring.check_arenas_idle(groups)  # refuse before changing anything
+    emptied = [key for key in map(wiring.unregister_group, groups) if key is not None]
     for key in emptied:
-        seam.drop_arena(key)
+        wiring.drop_arena(key)
     for g in groups:
-        seam.remove_slot_reuse_hooks(g)
+        hooks.remove(g)
         g._all_gather_comm = g._all_gather_comm.fallback
-        if isinstance(g._reduce_scatter_comm, seam.TideReduceScatter):
+        if isinstance(g._reduce_scatter_comm, TideReduceScatter):
             g._reduce_scatter_comm = g._reduce_scatter_comm.fallback
     return module

@@ -5,6 +5,10 @@ Differences handled here (from the FSDP2 sources of those versions):
 * param groups: 2.13+ ``FSDPState._fsdp_param_groups`` (a list); 2.11 ``_fsdp_param_group`` (one or None);
 * ``foreach_reduce`` returns 6 values on 2.11 and 7 on 2.13+ (``post_reduce_stream`` at index 2);
 * 2.11 traceable FSDP2 (compiled autograd) is detected with ``_fsdp_common.compiled_autograd_enabled``.
+
+The seam's wrappers take FSDP2's arguments by position, so :func:`check_signatures` compares their
+parameter names with the stock functions' at install: a reordering upstream fails loudly instead of
+binding arguments wrong.
 """
 from __future__ import annotations
 
@@ -79,3 +83,17 @@ def reduce_result(keep_alive, rs_event, rs_stream, post_event) -> tuple:
     if REDUCE_ARITY == 7:
         return keep_alive, rs_event, rs_stream, post_event, None, None, None
     return keep_alive, rs_event, post_event, None, None, None
+
+
+def check_signatures(wrappers: dict, fn: str = "tide.fsdp.enable") -> None:
+    """Raise unless every wrapper's named positional parameters are the stock ``_fsdp_collectives``
+    function's, in order (the wrapper may name fewer: a newer FSDP2's extra arguments reach it in
+    ``*args`` / ``**kwargs`` and send that call to stock)."""
+    for name, wrapper in wrappers.items():
+        stock = list(inspect.signature(getattr(_fsdp_collectives, name)).parameters)
+        ours = [p.name for p in inspect.signature(wrapper).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if stock[:len(ours)] != ours:
+            raise RuntimeError(
+                f"{fn}: torch {torch.__version__}'s FSDP2 {name} takes ({', '.join(stock)}), but TIDE's seam expects "
+                f"({', '.join(ours)}); this torch is not supported")

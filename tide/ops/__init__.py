@@ -1,8 +1,11 @@
-"""The ``tide`` torch.library ops. Importing this package registers them; call them as
-``torch.ops.tide.<name>`` (schemas and semantics: :mod:`tide.ops.schemas`)."""
+"""The ``tide`` torch.library ops, every piece in this package: ``schemas`` (the contract), ``fake`` (one
+fake kernel per op), ``autograd`` (the functional pair's backward), ``reference`` (CPU kernels over
+``torch.distributed``), ``cuda`` (CUDA kernels: the TIDE transport, else the reference), ``api`` (typed
+Python entry points). Importing this package registers them; call ``torch.ops.tide.<name>`` or the
+functions below.
+"""
 from tide.ops import schemas  # noqa: F401  (defines the ops first)
-from tide.meta import fake  # noqa: F401
-from tide.ops import reference, autograd  # noqa: F401
-from tide.ops import cuda  # noqa: F401  (CUDA kernels: the TIDE transport, after the reference's)
+from tide.ops import autograd, cuda, fake, reference  # noqa: F401
+from tide.ops.api import all_gather, all_gather_into_params, reduce_scatter, reduce_scatter_params
 
-__all__ = ["schemas", "reference"]
+__all__ = ["all_gather_into_params", "reduce_scatter_params", "all_gather", "reduce_scatter"]

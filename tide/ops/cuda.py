@@ -3,30 +3,27 @@
 For a CUDA call: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``) and
 the current stream is not capturing a CUDA graph, the transport runs (the all-gather when its outputs
 are bound in an arena slot: zero-copy); otherwise the reference backend runs (the stock collectives,
-layout-aware), and :func:`tide.transport.stats` records why. The extension checks the
+layout-aware), and ``tide.stats()["ops"]`` counts why. The extension checks the
 arguments (the messages of :mod:`tide.meta.checks`) and finds the plan in one C++ call, so the Python
-part of a call is this module's few lines. The functional ``all_gather`` / ``reduce_scatter`` keep the
-reference registration: they call these two ops.
+part of a call is this module's few lines. The functional ``all_gather`` / ``reduce_scatter`` are the
+reference's compositions on CUDA too: they call these two ops.
 """
 from __future__ import annotations
 
-import inspect
-import warnings
-
 import torch
 
+from tide import counters
 from tide.ops import reference
 from tide.transport import arena as _arena
-from tide.transport import records
 
 
 def _arena_for(op: str, group_name: str, world_size: int):
     a = _arena.get(group_name)
     if a is None:
-        records.record(op, "stock", "no_arena")
+        counters.count_op(op, "no_arena")
         return None
     if torch.cuda.is_current_stream_capturing():
-        records.record(op, "stock", "cuda_graph_capture")
+        counters.count_op(op, "cuda_graph_capture")
         return None
     if a.world_size != world_size:
         raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has {a.world_size} ranks")
@@ -38,9 +35,9 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     a = _arena_for(op, group_name, world_size)
     if a is not None:
         if a.all_gather_into_params(shards, outs) == "tide":
-            records.record(op, "tide")
+            counters.count_op(op)
             return
-        records.record(op, "stock", "outputs_not_in_slot")
+        counters.count_op(op, "outputs_not_in_slot")
     reference.all_gather_into_params_(shards, outs, world_size, group_name)
 
 
@@ -50,17 +47,14 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     if a is None:
         reference.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)
         return
-    records.record(op, "tide", a.reduce_scatter_params(grads, shard_grads, scale, accumulate))
+    a.reduce_scatter_params(grads, shard_grads, scale, accumulate)
+    counters.count_op(op)
 
 
-# Replaces the reference's CUDA kernel (tide/ops/reference.py registers ("CPU", "CUDA")). torch 2.11's
-# Library.impl refuses a second Python kernel for a key unless allowed to override.
-_lib = torch.library.Library("tide", "IMPL")
-_OVERRIDE = {"allow_override": True} if "allow_override" in inspect.signature(_lib.impl).parameters else {}
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)  # torch warns about any override; this one is intended
-    for _name, _fn in (("all_gather_into_params_", all_gather_into_params_),
-                       ("reduce_scatter_params_", reduce_scatter_params_)):
-        if not _OVERRIDE:
-            getattr(torch.library, "_impls", set()).discard(f"tide/{_name}/CUDA")
-        _lib.impl(_name, _fn, "CUDA", **_OVERRIDE)
+for _name, _fn in (
+    ("all_gather_into_params_", all_gather_into_params_),
+    ("reduce_scatter_params_", reduce_scatter_params_),
+    ("all_gather", reference.all_gather),
+    ("reduce_scatter", reference.reduce_scatter),
+):
+    torch.library.impl(f"tide::{_name}", "CUDA", _fn)

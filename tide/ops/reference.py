@@ -112,4 +112,4 @@ for _name, _fn in (
     ("all_gather", all_gather),
     ("reduce_scatter", reduce_scatter),
 ):
-    torch.library.impl(f"tide::{_name}", ("CPU", "CUDA"), _fn)
+    torch.library.impl(f"tide::{_name}", "CPU", _fn)

@@ -1,19 +1,16 @@
-"""TIDE's CUDA transport inside one NVLink domain: a symmetric arena per TIDE group, zero-SM TIDE-AG
-(copy-engine copies + stream-memop flags) and TIDE-RS (copy-engine pushes into a bounded staging ring,
-a bounded-grid fp32 summing kernel). See docs/design.md ("CUDA transport").
+"""TIDE's CUDA transport inside one NVLink domain: a symmetric arena per set of ranks, TIDE-AG (copy-engine
+copies + stream-memop flags, one kernel for the own shard) and TIDE-RS (copy-engine pushes into a bounded
+staging ring, a bounded-grid fp32 summing kernel). See docs/design.md ("CUDA transport").
 
 Importing this package builds nothing and needs no GPU: the extension is compiled on first use
-(:func:`tide.transport.build.load`).
+(:func:`tide.transport.build.load`, or ahead of time with ``python -m tide.transport.build``).
 
-Functions for the FSDP2 seam:
-    enable(group, slot_bytes=... | layouts=[...])  -> Arena   (collective, once, outside graph capture)
-    get(group_name) -> Arena | None
-    Arena.bind_outputs(outs, slot=None) -> slot               (points FSDP's all-gather outputs into a slot)
-    Arena.next_slot()                                         (the slot the next all-gather takes)
-    Arena.reduce_scatter_params(..., rs_mode="slot_reuse")    (packs into the just-vacated slot first)
+    enable(group, slot_bytes=... | layouts=[...]) -> Arena    (collective, once per set of ranks)
+    get(group_name) -> Arena | None                            (what the tide ops consult)
+    Arena.bind_outputs(outs, slot)                             (FSDP's all-gather outputs into a slot)
+    Arena.slots                                                (the slot leases)
+    disable(group_name)                                        (releases the arena's memory)
 """
-from tide.transport.arena import Arena, arenas, disable, enable, get, register  # noqa: F401
-from tide.transport.records import reset as reset_stats  # noqa: F401
-from tide.transport.records import stats  # noqa: F401
+from tide.transport.arena import Arena, arenas, disable, enable, get  # noqa: F401
 
-__all__ = ["Arena", "enable", "disable", "get", "register", "arenas", "stats", "reset_stats"]
+__all__ = ["Arena", "enable", "disable", "get", "arenas"]

@@ -1,4 +1,5 @@
-"""The symmetric arena of one set of ranks, and the registry the ``tide`` ops consult.
+"""The symmetric arena of one set of ranks, and the registry the ``tide`` ops consult (by ranks: every
+process group over the same ranks, in the same order, finds the same arena).
 
 One arena per set of ranks, rendezvoused once (never inside CUDA-graph capture) through torch symmetric
 memory (CUDA backend; several processes may share one GPU with
@@ -13,7 +14,9 @@ Sizes: K = ``num_slots`` (default 2: FSDP2 holds the current and the prefetched 
 is bound in slots), ``slot_bytes`` the largest group bound in a slot; the staging ring is
 ``rs_ring_bytes`` in all (``TIDE_RS_RING_BYTES``, default 64 MiB, independent of the model), R =
 ``ring_depth`` (``TIDE_RS_RING_DEPTH``, default 4) slots of W entries. The arena alone leases its slots
-(:class:`tide.transport.slots.SlotLeases`) and hands out views of its memory.
+(:class:`tide.transport.slots.SlotLeases`) and hands out views of its memory; a reduce-scatter that
+reads gradients lying in a slot (where FSDP's Slot-Reuse hooks put them) keeps that slot busy until it
+has read them.
 """
 from __future__ import annotations
 
@@ -36,9 +39,9 @@ DEFAULT_RS_RING_BYTES = 64 << 20
 DEFAULT_RING_DEPTH = 4
 DEFAULT_SUM_CTAS = 16
 CAST_CTAS_PER_SM = 4
-RS_MODES = ("in_place", "slot_reuse")
 
-_ARENAS: dict[str, "Arena"] = {}
+_ARENAS: dict[tuple, "Arena"] = {}  # global ranks, in group-rank order -> arena
+_RANKS: dict[str, tuple] = {}  # process-group name -> its ranks (resolved once)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -58,12 +61,11 @@ class Arena:
         ring_depth: R, staging slots per destination, each of W entries (``TIDE_RS_RING_DEPTH``): up to R
             rounds of a reduce-scatter are in flight.
         sum_ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
-        rs_mode: ``"in_place"`` or ``"slot_reuse"`` for op-level calls (``TIDE_RS_MODE``).
     """
 
     def __init__(self, group: dist.ProcessGroup, slot_bytes: int, *, num_slots: int = 2,
-                 rs_ring_bytes: int | None = None, ring_depth: int | None = None, sum_ctas: int | None = None,
-                 rs_mode: str | None = None) -> None:
+                 rs_ring_bytes: int | None = None, ring_depth: int | None = None,
+                 sum_ctas: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
@@ -75,10 +77,8 @@ class Arena:
         self.group_name = group.group_name
         self.world_size = W = group.size()
         self.rank = group.rank()
+        self.ranks = tuple(dist.get_process_group_ranks(group))
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.rs_mode = rs_mode or os.environ.get("TIDE_RS_MODE", "in_place")
-        if self.rs_mode not in RS_MODES:
-            raise ValueError(f"tide.transport.Arena: rs_mode must be one of {RS_MODES}, got {self.rs_mode!r}")
         self.slot_bytes = align_up(int(slot_bytes), 4096)
         self.num_slots = num_slots if self.slot_bytes > 0 else 0
         self.ring_depth = ring_depth or _env_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
@@ -146,8 +146,7 @@ class Arena:
     def _add_rs_plan(self, grads: Sequence[torch.Tensor]) -> None:
         dtypes = [g.dtype for g in grads]
         info = plans.rs_plan_info([g.shape for g in grads], dtypes, self.world_size, self.rank, self.entry_bytes)
-        plan = self.ext.RsPlan(rounds=info.rounds, pads=info.pads, grad_dtype=[plans.DTYPE_CODES[d] for d in dtypes],
-                               slot_off=[p.slot_offset for p in info.layout.params], slot_bytes=info.layout.slot_bytes)
+        plan = self.ext.RsPlan(rounds=info.rounds, pads=info.pads, grad_dtype=[plans.DTYPE_CODES[d] for d in dtypes])
         self._c.add_rs_plan(grads=grads, plan=plan)
         self._log_once()
 
@@ -165,26 +164,11 @@ class Arena:
         return ran
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
-                              accumulate: bool, rs_mode: str | None = None, reuse_slot: int | None = None) -> str:
-        """TIDE-RS into this rank's fp32 ``shard_grads``. ``rs_mode="slot_reuse"`` pushes from slot
-        ``reuse_slot`` (default: a slot no outputs hold), each gradient at its param's all-gather output
-        address there, copied in first unless it already lies there. Returns what ran: ``"in_place"``,
-        ``"slot_reuse"``, ``"in_place_slot_too_small"`` (Slot-Reuse asked, the group does not fit a
-        slot), ``"in_place_no_free_slot"`` (Slot-Reuse asked, outputs hold every slot) or
-        ``"in_place_grads_in_slot"`` (Slot-Reuse asked, some gradient already lies in that slot away from
-        its place in this call's layout: read where it lies)."""
-        mode = rs_mode or self.rs_mode
-        if mode not in RS_MODES:
-            raise ValueError(f"tide.transport.reduce_scatter_params: rs_mode must be one of {RS_MODES}, got {mode!r}")
-        slot = -1
-        if mode == "slot_reuse":
-            if reuse_slot is None:
-                reuse_slot = self.slots.acquire()
-                if reuse_slot is not None:
-                    self.slots.wait(reuse_slot, torch.cuda.current_stream(self.device))
-            if reuse_slot is not None:
-                slot = self._check_slot("reduce_scatter_params", reuse_slot)
-        kw = dict(grads=grads, shard_grads=shard_grads, scale=float(scale), accumulate=bool(accumulate), reuse_slot=slot)
+                              accumulate: bool) -> None:
+        """TIDE-RS into this rank's fp32 ``shard_grads``, reading every gradient where it lies. A slot that
+        holds some of them (FSDP's Slot-Reuse hooks put gradients at their parameters' places there) is
+        busy until the reduce-scatter has read them."""
+        kw = dict(grads=grads, shard_grads=shard_grads, scale=float(scale), accumulate=bool(accumulate))
         ran = self._c.reduce_scatter(**kw)
         if ran == "no_plan":
             self._add_rs_plan(grads)
@@ -192,11 +176,11 @@ class Arena:
         if ran == "bad_args":
             checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
             self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
-        if ran == "slot_reuse":
-            self.slots.used(slot, torch.cuda.current_stream(self.device).record_event())
-        if mode == "slot_reuse" and slot < 0:
-            return "in_place_no_free_slot"
-        return ran
+        read = {s for s in map(self.slot_of, grads) if s is not None}
+        if read:
+            event = torch.cuda.current_stream(self.device).record_event()
+            for slot in read:
+                self.slots.used(slot, event)
 
     def _raise_device_error(self, op: str, *named_lists) -> None:
         """The one condition the extension checks beyond tide.meta.checks: every tensor on the arena's device."""
@@ -215,6 +199,13 @@ class Arena:
 
     def _slot_base(self, slot: int) -> int:
         return self.slots_off + slot * self.slot_bytes
+
+    def slot_of(self, tensor: torch.Tensor) -> int | None:
+        """The slot whose bytes ``tensor`` starts in, or None."""
+        offset = tensor.data_ptr() - self.buffer.data_ptr()
+        if self.num_slots == 0 or not self.slots_off <= offset < self.ring_off:
+            return None
+        return (offset - self.slots_off) // self.slot_bytes
 
     def slot_views(self, layout: GroupLayout, dtypes: Sequence[torch.dtype], slot: int) -> list[torch.Tensor]:
         """1-D views of this rank's slot ``slot`` at every param's all-gather output (param-major)."""
@@ -240,12 +231,10 @@ class Arena:
     def view_at(self, tensor: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor of ``shape`` and ``dtype`` over the arena bytes where ``tensor`` starts, or None when
         those bytes do not lie inside one slot."""
+        slot = self.slot_of(tensor)
         offset = tensor.data_ptr() - self.buffer.data_ptr()
         nbytes = math.prod(shape) * dtype.itemsize
-        if self.num_slots == 0 or not self.slots_off <= offset < self.ring_off:
-            return None
-        slot_end = self._slot_base((offset - self.slots_off) // self.slot_bytes) + self.slot_bytes
-        if offset + nbytes > slot_end:
+        if slot is None or offset + nbytes > self._slot_base(slot) + self.slot_bytes:
             return None
         return self.buffer[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
@@ -285,45 +274,43 @@ class Arena:
 
 
 # ---------------------------------------------------------------------------------------- registry
+def group_ranks(group_name: str) -> tuple:
+    """The global ranks of the process group ``group_name``, in group-rank order (resolved once)."""
+    ranks = _RANKS.get(group_name)
+    if ranks is None:
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        ranks = _RANKS[group_name] = tuple(dist.get_process_group_ranks(group))
+    return ranks
+
+
 def enable(group: dist.ProcessGroup, *, slot_bytes: int | None = None, layouts: Sequence[GroupLayout] = (),
            **kwargs) -> Arena:
-    """Create (collectively) and register the arena of ``group``; its slots fit ``slot_bytes`` or the
-    largest of ``layouts`` (neither: an arena without slots). Must be called by every rank of ``group``,
-    outside CUDA-graph capture; a group that already has an arena is refused (``disable`` it first), on
-    every rank alike."""
+    """Create (collectively) the arena of ``group``'s ranks; its slots fit ``slot_bytes`` or the largest of
+    ``layouts`` (neither: an arena without slots). Every process group over the same ranks then uses it.
+    Must be called by every rank of ``group``, outside CUDA-graph capture; ranks that already have an
+    arena are refused (``disable`` it first), on every rank alike."""
     need = max([slot_bytes or 0] + [l.slot_bytes for l in layouts])
-    if group.group_name in _ARENAS:
-        raise ValueError(f"tide.transport.enable: group {group.group_name!r} already has an arena; "
+    ranks = group_ranks(group.group_name)
+    if ranks in _ARENAS:
+        raise ValueError(f"tide.transport.enable: ranks {list(ranks)} already have an arena; "
                          "tide.transport.disable it first")
     arena = Arena(group, need, **kwargs)
-    _ARENAS[group.group_name] = arena
+    _ARENAS[ranks] = arena
     return arena
 
 
-def register(group_name: str, arena: Arena) -> None:
-    """Serve another process group over the same ranks (in the same order) with ``arena``: its ops then
-    use the arena too. Safe when every rank issues the collectives of all those groups in one order, as
-    FSDP2 does for the groups of one model."""
-    ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))
-    if ranks != dist.get_process_group_ranks(arena.group):
-        raise ValueError(f"tide.transport.register: group {group_name!r} has ranks {ranks}, the arena serves "
-                         f"{dist.get_process_group_ranks(arena.group)}")
-    _ARENAS[group_name] = arena
-
-
 def disable(group_name: str) -> None:
-    """Unregister the arena of ``group_name`` under every group name it serves and release its memory;
-    their ops take the stock path afterwards."""
-    arena = _ARENAS.pop(group_name, None)
+    """Release the arena of ``group_name``'s ranks (for every group over them); their ops take the stock
+    path afterwards."""
+    arena = _ARENAS.pop(group_ranks(group_name), None)
     if arena is not None:
-        for name in [n for n, a in _ARENAS.items() if a is arena]:
-            del _ARENAS[name]
         arena.close()
 
 
 def get(group_name: str) -> Arena | None:
-    return _ARENAS.get(group_name)
+    """The arena of ``group_name``'s ranks, or None."""
+    return _ARENAS.get(group_ranks(group_name)) if _ARENAS else None
 
 
-def arenas() -> dict[str, Arena]:
-    return dict(_ARENAS)
+def arenas() -> list[Arena]:
+    return list(_ARENAS.values())

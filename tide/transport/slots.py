@@ -61,6 +61,10 @@ class SlotLeases:
         """``event`` completes the latest use of ``slot`` off the compute stream."""
         self._event[slot] = event
 
+    def event(self, slot: int):
+        """The event of ``slot``'s latest use off the compute stream (None before any)."""
+        return self._event[slot]
+
     def last_slot(self, owner) -> int | None:
         """The slot ``owner``'s outputs were last bound in."""
         return self._last_slot.get(id(owner))

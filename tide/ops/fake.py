@@ -1,4 +1,5 @@
-"""Fake (meta) kernels of the ``tide`` ops, one per op: shapes and checks only, no data, no collective."""
+"""Fake (meta) kernels of the ``tide`` ops, one per op: shapes and checks only, no data, no collective
+(FakeTensor tracing and ``torch.compile`` run these)."""
 import torch
 
 from tide.meta import checks

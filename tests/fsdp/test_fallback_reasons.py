@@ -1,0 +1,134 @@
+"""Every reason a collective takes the stock path, triggered on CPU through the pure predicates of
+tide.fsdp.fallbacks (with stand-ins for FSDP2's param and group objects); tests/fsdp/test_fallbacks.py
+trains through the cases FSDP2 can build on CPU."""
+import types
+
+import pytest
+import torch
+from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+from tide.fsdp import compat, fallbacks
+from tide.fsdp.comms import TideAllGather, TideReduceScatter
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def _param(**kw):
+    p = types.SimpleNamespace(fsdp_placement=types.SimpleNamespace(dim=0), offload_to_cpu=False, is_dtensor=False,
+                              _sharded_local_tensor=torch.empty(1), param_dtype=torch.bfloat16,
+                              orig_dtype=torch.float32, sharded_state=ShardedState.SHARDED)
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
+class _Group:
+    def __init__(self, size=2):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+class _Extension(torch.Tensor):
+    """A shard type with FSDP2's all-gather extension hook."""
+
+    def fsdp_pre_all_gather(self, *args):
+        raise AssertionError("not called")
+
+
+@pytest.fixture(autouse=True)
+def _no_capture(monkeypatch):
+    """No CUDA here: the CUDA-device cases ask a capture query that answers "not capturing"."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+# contract: the CUDA contract's verdict for the group (as looked up once per group); ... = not looked up
+def _ag(params=None, group=None, async_op=False, device=CPU, comm="tide", extra=False, contract=...):
+    comm = TideAllGather(None) if comm == "tide" else comm
+    if contract is not ...:
+        comm.contract = (contract,)
+    return fallbacks.all_gather_reason(params or [_param()], group or _Group(), async_op, device, comm, extra)
+
+
+def _rs(params=None, grads=None, group=None, reduce_dtype=torch.float32, device=CPU, all_reduce_group=None,
+        hook=None, comm="tide", extra=False, contract=...):
+    comm = TideReduceScatter(None, "in_place") if comm == "tide" else comm
+    if contract is not ...:
+        comm.contract = (contract,)
+    grads = grads if grads is not None else [torch.randn(4, 2).bfloat16()]
+    return fallbacks.reduce_reason(params or [_param()], grads, group or _Group(), comm, reduce_dtype, device,
+                                   all_reduce_group, hook, extra)
+
+
+CASES = {
+    # reason: (all-gather call or None, reduce-scatter call or None), each made to take that path
+    "not_enabled": (lambda: _ag(comm=object()), lambda: _rs(comm=object())),
+    "unknown_args": (lambda: _ag(extra=True), lambda: _rs(extra=True)),
+    "async_op": (lambda: _ag(async_op=True), None),
+    "world_size_1": (lambda: _ag(group=_Group(1)), lambda: _rs(group=_Group(1))),
+    "compute_capability": (lambda: _ag(device=CUDA, contract=fallbacks.contract_reason(8, ["h", "h"])),
+                           lambda: _rs(device=CUDA, contract=fallbacks.contract_reason(8, ["h", "h"]))),
+    "nvlink_domain": (lambda: _ag(device=CUDA, contract=fallbacks.contract_reason(9, ["h1", "h2"])),
+                      lambda: _rs(device=CUDA, contract=fallbacks.contract_reason(9, ["h"] * 9))),
+    "post_forward_mesh": (lambda: _ag(params=[_param(sharded_state=ShardedState.SHARDED_POST_FORWARD)]), None),
+    "shard_dim": (lambda: _ag(params=[_param(fsdp_placement=types.SimpleNamespace(dim=1))]),
+                  lambda: _rs(params=[_param(fsdp_placement=types.SimpleNamespace(dim=1))])),
+    "cpu_offload": (lambda: _ag(params=[_param(offload_to_cpu=True)]), lambda: _rs(params=[_param(offload_to_cpu=True)])),
+    "dtensor_param": (lambda: _ag(params=[_param(is_dtensor=True)]), lambda: _rs(params=[_param(is_dtensor=True)])),
+    "all_gather_extension": (lambda: _ag(params=[_param(_sharded_local_tensor=torch.empty(1).as_subclass(_Extension))]),
+                             None),
+    "mixed_param_dtypes": (lambda: _ag(params=[_param(), _param(param_dtype=torch.float16)]), None),
+    "unsupported_dtype": (lambda: _ag(params=[_param(param_dtype=torch.int8)]),
+                          lambda: _rs(grads=[torch.ones(4, 2, dtype=torch.int32)], reduce_dtype=torch.float32)),
+    "mixed_grad_dtypes": (None, lambda: _rs(grads=[torch.randn(2).bfloat16(), torch.randn(2)])),
+    "noncontiguous_grad": (None, lambda: _rs(grads=[torch.randn(3, 4).bfloat16().t()])),
+    "reduce_dtype": (None, lambda: _rs(reduce_dtype=torch.bfloat16)),
+    "hsdp": (None, lambda: _rs(all_reduce_group=_Group(2))),
+    "all_reduce_hook": (None, lambda: _rs(hook=lambda g: g)),
+    "arena_busy": (lambda: fallbacks.arena_reason("busy"), None),
+}
+
+
+def test_every_reason_has_a_case():
+    assert set(CASES) | {"cuda_graph_capture", "compiling", "functorch"} == set(fallbacks.REASONS)
+
+
+@pytest.mark.parametrize("reason", sorted(CASES))
+def test_reason_is_triggered(reason):
+    ag, rs = CASES[reason]
+    for call in (ag, rs):
+        if call is not None:
+            assert call() == reason
+
+
+def test_supported_calls_take_tide():
+    assert _ag() is None and _rs() is None
+    verdict = fallbacks.contract_reason(9, ["h"] * 8)  # Hopper, 8 GPUs on one host
+    assert verdict is None and _ag(device=CUDA, contract=verdict) is None and _rs(device=CUDA, contract=verdict) is None
+    assert fallbacks.arena_reason("bound") is None and fallbacks.arena_reason("direct") is None
+
+
+@pytest.mark.parametrize("reason, patch", [
+    ("compiling", ("is_tracing", lambda: True)),
+    ("functorch", ("functorch_active", lambda: True)),
+])
+def test_tracing_reasons(reason, patch, monkeypatch):
+    monkeypatch.setattr(compat, patch[0], patch[1])
+    assert _ag() == reason and _rs() == reason
+
+
+def test_cuda_graph_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert _ag(device=CUDA, contract=None) == "cuda_graph_capture"
+    assert _rs(device=CUDA, contract=None) == "cuda_graph_capture"
+    assert _ag() is None  # a CPU group is never capturing
+
+
+def test_static_reason_is_remembered_per_params_list():
+    comm = TideAllGather(None)
+    params = [_param()]
+    assert fallbacks.all_gather_reason(params, _Group(), False, CPU, comm, False) is None
+    params[0].param_dtype = torch.int8  # fixed after lazy init: the verdict for this list is kept
+    assert fallbacks.all_gather_reason(params, _Group(), False, CPU, comm, False) is None
+    assert fallbacks.all_gather_reason(list(params), _Group(), False, CPU, comm, False) == "unsupported_dtype"

@@ -1,0 +1,61 @@
+"""Counters of every decision TIDE takes, read through the one stats API: ``tide.stats()``.
+
+- ``fsdp``: per FSDP2 collective kind (``all_gather``, ``reduce_scatter``), calls per path, ``"tide"`` or
+  ``"stock:<reason>"`` (docs/fsdp.md has the reasons);
+- ``wiring``: what FSDP2 on the CUDA transport did: ``ag:bound`` (outputs bound in an arena slot, zero-copy
+  TIDE-AG), ``ag:direct`` (a group not bound in slots, gathered in place by the op's reference backend),
+  ``rs:in_place`` / ``rs:slot_reuse`` (reduce-scatters; Slot-Reuse when the group's gradients were read
+  from its slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved), ``arena:created``;
+- ``ops``: calls of the ``torch.ops.tide`` ops on CUDA, ``"<op>:tide"`` or ``"<op>:stock:<reason>"``;
+- ``arenas``: each live arena's own counters (copies, bytes, kernels, host time), by its ranks.
+
+A path other than TIDE's is logged once per reason (INFO for op calls, WARNING for FSDP2 fallbacks of an
+opted-in group).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+log = logging.getLogger("tide")
+
+_fsdp: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
+_wiring: Counter = Counter()
+_ops: Counter = Counter()
+_logged: set = set()
+
+
+def count_fsdp(kind: str, reason: str | None) -> None:
+    """One FSDP2 collective of ``kind``: on TIDE (``reason`` None) or stock for ``reason``."""
+    _fsdp[kind]["tide" if reason is None else f"stock:{reason}"] += 1
+    if reason is not None and ("fsdp", kind, reason) not in _logged:
+        _logged.add(("fsdp", kind, reason))
+        # A group that never opted in is not a fallback worth a warning.
+        level = logging.DEBUG if reason == "not_enabled" else logging.WARNING
+        log.log(level, "tide.fsdp: %s takes the stock FSDP2 path (reason: %s); logged once", kind, reason)
+
+
+def count_wiring(key: str, n: int = 1) -> None:
+    _wiring[key] += n
+
+
+def count_op(op: str, reason: str | None = None) -> None:
+    """One call of ``torch.ops.tide.<op>`` on CUDA: on the transport (``reason`` None) or its reference."""
+    _ops[f"{op}:tide" if reason is None else f"{op}:stock:{reason}"] += 1
+    if reason is not None and ("op", op, reason) not in _logged:
+        _logged.add(("op", op, reason))
+        log.info("tide.transport: %s takes the stock path (%s)", op, reason)
+
+
+def stats() -> dict:
+    """Every counter since the last :func:`reset_stats` (see the module docstring)."""
+    from tide.transport import arena
+
+    return {"fsdp": {kind: dict(c) for kind, c in _fsdp.items()}, "wiring": dict(_wiring), "ops": dict(sorted(_ops.items())),
+            "arenas": {a.ranks: a.counters() for a in arena.arenas()}}
+
+
+def reset_stats() -> None:
+    """Clear the counters (the arenas' own counters only grow)."""
+    for c in (*_fsdp.values(), _wiring, _ops):
+        c.clear()

@@ -1,0 +1,169 @@
+"""Why an FSDP2 collective takes the stock path: one predicate per call kind, each a function of the
+call's arguments and of facts fixed per group (docs/fsdp.md has the table of reasons).
+
+Every input is host-side state that is identical on every rank, so all ranks decide alike (a rank that
+took another path than its peers would leave them waiting in a collective). The only facts that need the
+machine, the CUDA contract (compute capability, NVLink domain), are looked up once per group and kept on
+its marker comm.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+from tide.fsdp import compat
+from tide.fsdp.comms import TideAllGather, TideReduceScatter
+from tide.meta.checks import FLOAT_DTYPES
+
+# Every reason a call takes the stock path.
+REASONS = (
+    "not_enabled", "unknown_args", "cuda_graph_capture", "compiling", "functorch", "async_op",
+    "world_size_1", "compute_capability", "nvlink_domain", "post_forward_mesh", "shard_dim", "cpu_offload",
+    "all_gather_extension", "dtensor_param", "mixed_param_dtypes", "mixed_grad_dtypes", "unsupported_dtype",
+    "reduce_dtype", "hsdp", "all_reduce_hook", "noncontiguous_grad", "arena_busy",
+)
+
+# The CUDA contract: Hopper (compute capability 9.0) or newer, and one NVLink domain: at most 8 GPUs,
+# all on one host.
+MIN_COMPUTE_CAPABILITY = 9
+MAX_NVLINK_DOMAIN = 8
+
+
+def group_dtype(p) -> torch.dtype:
+    """The dtype a param is gathered in (its mixed-precision param dtype, else its own)."""
+    return p.param_dtype or p.orig_dtype
+
+
+def common_reason(device: torch.device) -> str | None:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "cuda_graph_capture"
+    if compat.is_tracing():
+        return "compiling"
+    if compat.functorch_active():
+        return "functorch"
+    return None
+
+
+def contract_reason(compute_capability_major: int, hosts: Sequence[str]) -> str | None:
+    """The CUDA contract for a group on GPUs of this compute capability, its ranks on these hosts (in
+    rank order)."""
+    if compute_capability_major < MIN_COMPUTE_CAPABILITY:
+        return "compute_capability"
+    if len(hosts) > MAX_NVLINK_DOMAIN or len(set(hosts)) > 1:
+        return "nvlink_domain"
+    return None
+
+
+def group_hosts(group) -> list[str]:
+    """Host names of ``group``'s ranks, in group-rank order, exchanged once through the default store
+    (no device collective: a CUDA collective on ranks that share a GPU may not be possible). Every rank
+    asks at its group's first TIDE collective, the same point of FSDP's schedule on all of them."""
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"tide/hosts/{group.group_name}/"
+    store.set(prefix + str(dist.get_rank()), socket.gethostname())
+    return [store.get(prefix + str(r)).decode() for r in dist.get_process_group_ranks(group)]
+
+
+def _device_reason(device: torch.device, group, comm) -> str | None:
+    if device.type != "cuda":
+        return None
+    if comm.contract is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        comm.contract = (contract_reason(torch.cuda.get_device_capability(index)[0], group_hosts(group)),)
+    return comm.contract[0]
+
+
+def param_reason(p) -> str | None:
+    if p.fsdp_placement.dim != 0:
+        return "shard_dim"
+    if p.offload_to_cpu:
+        return "cpu_offload"
+    if p.is_dtensor:
+        return "dtensor_param"
+    return None
+
+
+def static_all_gather_reason(fsdp_params) -> str | None:
+    """The reasons fixed for a group once FSDP's lazy init has set its dtypes."""
+    dtype = None
+    for p in fsdp_params:
+        if (reason := param_reason(p)) is not None:
+            return reason
+        if hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"):
+            return "all_gather_extension"
+        d = group_dtype(p)
+        if dtype is not None and d != dtype:
+            return "mixed_param_dtypes"
+        if d not in FLOAT_DTYPES:
+            return "unsupported_dtype"
+        dtype = d
+    return None
+
+
+def all_gather_reason(fsdp_params, group, async_op, device, comm, extra: bool) -> str | None:
+    """Why this ``foreach_all_gather`` call must take the stock path, or None for TIDE."""
+    if extra:
+        return "unknown_args"
+    if not isinstance(comm, TideAllGather):
+        return "not_enabled"
+    if (reason := common_reason(device)) is not None:
+        return reason
+    if async_op:
+        return "async_op"
+    if group.size() == 1:
+        return "world_size_1"
+    if (reason := _device_reason(device, group, comm)) is not None:
+        return reason
+    for p in fsdp_params:
+        if p.sharded_state != ShardedState.SHARDED:
+            return "post_forward_mesh"
+    if comm.static_reason is None or comm.static_reason[0] is not fsdp_params:
+        comm.static_reason = (fsdp_params, static_all_gather_reason(fsdp_params))
+    return comm.static_reason[1]
+
+
+def arena_reason(plan_mode: str) -> str | None:
+    """``"arena_busy"`` when the all-gather found no usable arena slot (``tide.fsdp.wiring.plan_all_gather``
+    answered ``"busy"``: outputs hold every slot), else None."""
+    return "arena_busy" if plan_mode == "busy" else None
+
+
+def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, all_reduce_group, all_reduce_hook,
+                  extra: bool) -> str | None:
+    """Why this ``foreach_reduce`` call must take the stock path, or None for TIDE."""
+    if extra:
+        return "unknown_args"
+    if not isinstance(comm, TideReduceScatter):
+        return "not_enabled"
+    if (reason := common_reason(device)) is not None:
+        return reason
+    if rs_group is None or rs_group.size() == 1:
+        return "world_size_1"
+    if (reason := _device_reason(device, rs_group, comm)) is not None:
+        return reason
+    if all_reduce_group is not None:
+        return "hsdp"
+    if all_reduce_hook is not None:
+        return "all_reduce_hook"
+    grad_dtype = grads[0].dtype
+    for g in grads:
+        if g.dtype != grad_dtype:
+            return "mixed_grad_dtypes"  # stock raises its own uniform-dtype error
+        if not g.is_contiguous():
+            return "noncontiguous_grad"
+    if grad_dtype not in FLOAT_DTYPES:
+        return "unsupported_dtype"
+    # TIDE sums in fp32 into fp32 shards; a bf16/fp16 reduce (and fp16's pre/post-divide) stays stock.
+    if (reduce_dtype or grad_dtype) != torch.float32:
+        return "reduce_dtype"
+    checked = comm.checked_params
+    for p in fsdp_params:
+        if id(p) not in checked:
+            if (reason := param_reason(p)) is not None:
+                return reason
+            checked.add(id(p))
+    return None

@@ -1,0 +1,144 @@
+"""FSDP2 on the CUDA transport: which arena serves a group, which groups are bound into its slots, and
+how their all-gather outputs are pointed there (docs/fsdp.md, "CUDA transport wiring").
+
+Per set of ranks: the FSDP param groups enabled on it and the one transport arena they share. Keyed by
+ranks, not by process-group name: FSDP2 may give every fully_shard call its own process group over the
+same ranks (torch 2.11 does when the default group is gloo on a CUDA machine), and FSDP issues all their
+collectives in one program order on every rank, so one arena serves them all. The arena leases its slots
+(tide.transport.slots): every choice depends only on host-side FSDP state that evolves identically on
+every rank, so all ranks pick the same slot.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from tide import counters, transport
+from tide.fsdp.comms import TideAllGather
+from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
+from tide.transport import plans
+
+log = logging.getLogger("tide.fsdp")
+
+_GROUPS: dict[tuple, list] = {}  # ranks -> weak references to the param groups enabled on them
+_CREATED: dict[tuple, str] = {}  # ranks whose arena the seam created -> a group name over them
+
+
+def group_key(group: dist.ProcessGroup) -> tuple:
+    """The global ranks of ``group``, in group-rank order: the key of its arena."""
+    return transport.arena.group_ranks(group.group_name)
+
+
+def register_group(param_group) -> None:
+    """Remember (weakly) that ``param_group`` is enabled on its shard process group (arena sizing)."""
+    groups = _GROUPS.setdefault(group_key(param_group._all_gather_process_group), [])
+    if not any(r() is param_group for r in groups):
+        groups.append(weakref.ref(param_group))
+
+
+def enabled_groups(key: tuple) -> list:
+    refs = _GROUPS.get(key, [])
+    refs[:] = [r for r in refs if r() is not None]
+    return [r() for r in refs]
+
+
+def unregister_group(param_group) -> tuple | None:
+    """Forget ``param_group``; returns its ranks' key when no enabled group is left on them."""
+    key = group_key(param_group._all_gather_process_group)
+    refs = _GROUPS.get(key, [])
+    refs[:] = [r for r in refs if r() is not None and r() is not param_group]
+    if refs:
+        return None
+    _GROUPS.pop(key, None)
+    return key
+
+
+def slot_layout(fsdp_params, world_size: int):
+    """The group's all-gather layout as the transport binds it (1-D padded shards, param-major)."""
+    return plans.all_gather_layout([(p._sharded_param_data.numel(),) for p in fsdp_params],
+                                   [group_dtype(p) for p in fsdp_params], world_size)
+
+
+def bindable(param_group) -> bool:
+    """Groups whose unsharded params live only while their own module runs: FSDP modules with no FSDP
+    module below them (blocks) that reshard after forward (``reshard_after_forward=True``/int). A parent
+    (the root: embedding, final norm, head) holds its params across all its children's forward and
+    backward, and a ``reshard_after_forward=False`` group from forward to the end of backward: those keep
+    their outputs the way stock does (allocator memory, gathered in place), so slots are sized for the
+    blocks alone and stay free for the current and the prefetched block."""
+    comm = getattr(param_group, "_all_gather_comm", None)
+    return (isinstance(comm, TideAllGather) and comm.leaf
+            and param_group.post_forward_mesh_info is not None)
+
+
+def _create_arena(group: dist.ProcessGroup):
+    """Rendezvous the arena of ``group``'s ranks (collective: every rank reaches its group's first TIDE
+    collective at the same point of the step; never under graph capture: that call took the stock path
+    before). Slots fit the largest :func:`bindable` group enabled on those ranks; with none, the arena has
+    no slots (reduce-scatters only)."""
+    W = group.size()
+    key = group_key(group)
+    layouts = [slot_layout(g.fsdp_params, W) for g in enabled_groups(key)
+               if g.fsdp_params and bindable(g) and static_all_gather_reason(g.fsdp_params) is None]
+    arena = transport.enable(group, layouts=layouts)
+    _CREATED[key] = group.group_name
+    counters.count_wiring("arena:created")
+    log.info("tide.fsdp: created %r for %d enabled param groups", arena, len(enabled_groups(key)))
+    return arena
+
+
+def arena_for(group: dist.ProcessGroup, device: torch.device, comm_transport: str):
+    """The arena of ``group``'s ranks (created on first use, unless an op-level user made one), or None:
+    not CUDA, or the reference transport."""
+    if device.type != "cuda" or comm_transport != "auto":
+        return None
+    arena = transport.get(group.group_name)
+    return arena if arena is not None else _create_arena(group)
+
+
+def check_arenas_idle(param_groups) -> None:
+    """Raise (changing nothing) if an arena serving ``param_groups`` still holds unsharded params."""
+    for g in param_groups:
+        arena = transport.get(g._all_gather_process_group.group_name)
+        if arena is not None and arena.slots.held():
+            raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of "
+                               f"ranks {list(arena.ranks)}; call disable between steps (after backward / reshard)")
+
+
+def drop_arena(key: tuple) -> None:
+    """Release the arena of the ranks ``key`` if the seam created it (after :func:`check_arenas_idle`)."""
+    name = _CREATED.pop(key, None)
+    if name is not None:
+        transport.disable(name)
+
+
+def plan_all_gather(arena, comm, fsdp_params, world_size: int) -> tuple[str, int | None]:
+    """(how this all-gather uses the arena, its slot): ``bound`` (slot; outputs bound there, zero-copy),
+    ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups
+    that are not :func:`bindable` or larger than a slot), ``busy`` (outputs hold every slot: stock),
+    ``none`` (no arena)."""
+    if arena is None:
+        return "none", None
+    if comm.slot_fit is None or comm.slot_fit[0] is not fsdp_params:  # FSDP passes the same list every time
+        comm.slot_fit = (fsdp_params, slot_layout(fsdp_params, world_size).slot_bytes <= arena.slot_bytes)
+    if not bindable(comm.param_group) or not comm.slot_fit[1]:
+        return "direct", None
+    slot = arena.slots.acquire()
+    return ("busy", None) if slot is None else ("bound", slot)
+
+
+def bind_into_slot(arena, fsdp_params, world_size: int, device: torch.device, slot: int) -> list:
+    """FSDP's all-gather output tensors, their storages pointed into ``slot`` at param-major addresses.
+
+    ``init_all_gather_outputs`` creates the tensors once (the first call allocates them, and binding frees
+    that memory); later unshards find them resharded (storage ``resize_(0)``: the slot pointer is dropped,
+    nothing freed) and re-bind them instead of ``alloc_all_gather_outputs`` (which would allocate)."""
+    outs = []
+    for p in fsdp_params:
+        p.init_all_gather_outputs([p._sharded_param_data.numel()], [group_dtype(p)], world_size, device)
+        outs.append(p.all_gather_outputs[0])
+    arena.bind_outputs(outs, slot, owners=fsdp_params)
+    return outs
