@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+from tide.transport import arena
+
 log = logging.getLogger("tide")
 
 _fsdp: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
@@ -49,8 +51,6 @@ def count_op(op: str, reason: str | None = None) -> None:
 
 def stats() -> dict:
     """Every counter since the last :func:`reset_stats` (see the module docstring)."""
-    from tide.transport import arena
-
     return {"fsdp": {kind: dict(c) for kind, c in _fsdp.items()}, "wiring": dict(_wiring), "ops": dict(sorted(_ops.items())),
             "arenas": {a.ranks: a.counters() for a in arena.arenas()}}
 

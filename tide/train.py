@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tide.fsdp
+from tide import transport
+from tide.launch import CUDA_RANK_ENV, RankError, exit_cleanly, run_ranks
 from tide.meta.layout import GroupLayout
 from tide.models import PRESETS, Llama, LlamaConfig, batch, loss_fn
 
@@ -121,8 +123,6 @@ def _run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device:
     peak, peak_kind = _peak_memory(device)
     if use_tide and device.type == "cuda":
         # TIDE's symmetric arena is not in the caching allocator's counters: add it.
-        from tide import transport
-
         peak += sum(a.total_bytes for a in transport.arenas())
         peak_kind += " + TIDE's symmetric arena"
     stats = tide.stats()["fsdp"]
@@ -209,8 +209,6 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if args.device == "cuda":
-            from tide.launch import CUDA_RANK_ENV
-
             for key, value in CUDA_RANK_ENV.items():  # multicast off before NCCL reads its environment
                 os.environ.setdefault(key, value)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
@@ -221,11 +219,7 @@ def main(argv=None) -> int:
                 print(_table(stock, tide_, args, world_size, args.device, shared_process=True), flush=True)
         finally:
             dist.destroy_process_group()
-        from tide.launch import exit_cleanly
-
         exit_cleanly()  # torch 2.13's gloo teardown aborts now and then after a clean run
-    from tide.launch import RankError, run_ranks
-
     print(f"tide.train: spawning {args.ranks} ranks ({args.device}, {args.backend}), model={args.model}, "
           f"steps={args.steps}", flush=True)
     try:

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
 
-from tide import counters
+from tide import counters, transport
 from tide.fsdp import compat, hooks, wiring
 from tide.fsdp.comms import TideAllGather, TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
@@ -132,8 +132,7 @@ def _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size: int) -> li
     return locals_
 
 
-def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, comm, orig_dtype, device, divide_factor,
-                 arena=None):
+def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, device, divide_factor, arena=None):
     handle = _get_device_handle(device.type)
     world_size = rs_group.size()
     # With an fp32 reduce and no all-reduce group, every branch of FSDP's _get_gradient_divide_factors
@@ -232,8 +231,8 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         _order_slot_after_stock_reduce(fsdp_params, reduce_scatter_comm, reduce_scatter_group, reduce_scatter_stream)
         return out
     arena = wiring.arena_for(reduce_scatter_group, device, getattr(reduce_scatter_comm, "transport", "auto"))
-    return _tide_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                        reduce_scatter_comm, orig_dtype, device, gradient_divide_factor, arena)
+    return _tide_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, orig_dtype, device,
+                        gradient_divide_factor, arena)
 
 
 def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
@@ -242,8 +241,6 @@ def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
     gradients there, within the call)."""
     if not (isinstance(comm, TideReduceScatter) and comm.grad_hooks and fsdp_params and group is not None):
         return
-    from tide import transport
-
     arena = transport.get(group.group_name)
     own = arena.slots.last_slot(fsdp_params[0]) if arena is not None else None
     if own is not None:

@@ -308,8 +308,14 @@ def disable(group_name: str) -> None:
 
 
 def get(group_name: str) -> Arena | None:
-    """The arena of ``group_name``'s ranks, or None."""
-    return _ARENAS.get(group_ranks(group_name)) if _ARENAS else None
+    """The arena of ``group_name``'s ranks, or None (also for a name that is no process group: the
+    reference backend then raises the op's error)."""
+    if not _ARENAS:
+        return None
+    try:
+        return _ARENAS.get(group_ranks(group_name))
+    except (RuntimeError, ValueError, KeyError):
+        return None
 
 
 def arenas() -> list[Arena]:
