@@ -17,6 +17,7 @@ import queue
 import socket
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -150,3 +151,53 @@ def run_ranks(
         raise RankError("run_ranks: every rank returned its result, but " +
                         ", ".join(f"rank {r} exited with code {c}" for r, c in failed))
     return [outs[r] for r in range(world_size)]
+
+
+@dataclass
+class Outcome:
+    """How one rank of :func:`run_ranks_outcomes` ended: ``"ok"`` (``detail``: its result), ``"error"`` (its
+    traceback), ``"exited"`` (its exit code, nothing reported) or ``"hung"`` (killed at the deadline);
+    ``seconds`` from the start of the run until it reported or ended."""
+
+    rank: int
+    status: str
+    detail: Any
+    seconds: float
+
+
+def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                       device_type: str = "cpu", timeout: float = 120.0, pg_timeout: float = 10.0,
+                       env: dict[str, str] | None = None) -> list[Outcome]:
+    """Run ``fn(rank, world_size, *args)`` like :func:`run_ranks`, but let ranks fail or die on their own
+    and report how every rank ended (fault tests: a rank that exits must not stop its peers from showing
+    what they do). Ranks still running after ``timeout`` seconds are killed and reported ``"hung"``; the
+    process groups' own timeout is ``pg_timeout``."""
+    if device_type == "cuda":
+        env = {**CUDA_RANK_ENV, **(env or {})}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world_size, port, backend, device_type, dict(env or {}), fn, args, results,
+                               pg_timeout))
+             for r in range(world_size)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    outcomes: dict[int, Outcome] = {}
+    while len(outcomes) < world_size and time.monotonic() - start < timeout:
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+            outcomes[rank] = Outcome(rank, status, payload, time.monotonic() - start)
+        except queue.Empty:
+            for r, p in enumerate(procs):
+                if r not in outcomes and p.exitcode is not None:
+                    outcomes[r] = Outcome(r, "exited", p.exitcode, time.monotonic() - start)
+    for r, p in enumerate(procs):
+        if r not in outcomes:
+            outcomes[r] = Outcome(r, "hung", None, time.monotonic() - start)
+        p.join(timeout=0.5 if outcomes[r].status != "hung" else 0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [outcomes[r] for r in range(world_size)]

@@ -8,8 +8,16 @@ buffer is built; the only staging is one bf16 receive buffer per parameter (this
 W ranks) while its exchange is in flight.
 
 Its results define the ops' semantics: the CUDA transport must match them bit for bit.
+
+On CPU every call first exchanges a fingerprint of itself (the op, the tensors' shapes and dtypes, and the
+group's call count) in one small all-gather: ranks that issue different calls (a skipped collective,
+another op, another layout) get an error that names the disagreement instead of mismatched data. (On
+CUDA that check would stall the host on the GPU every call; the CUDA path has none.)
 """
 from __future__ import annotations
+
+import zlib
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -33,10 +41,35 @@ def resolve_group(op: str, group_name: str, world_size: int) -> dist.ProcessGrou
     return group
 
 
+_calls: Counter = Counter()  # process-group name -> reference calls issued on it
+
+
+def check_same_call(op: str, group: dist.ProcessGroup, tensor_lists, flags=()) -> None:
+    """Every rank of ``group`` (CPU: gloo) is issuing this call: the same op on the same shapes and dtypes
+    with the same flags, as the group's same numbered call. Raises ``RuntimeError`` on every rank
+    otherwise, naming what differs."""
+    if tensor_lists[0][0].device.type != "cpu":
+        return
+    _calls[group.group_name] += 1
+    seq = _calls[group.group_name]
+    desc = repr((op, [[(tuple(t.shape), str(t.dtype)) for t in ts] for ts in tensor_lists], tuple(flags)))
+    mine = torch.tensor([zlib.crc32(desc.encode()), seq], dtype=torch.int64)
+    every = torch.empty(group.size() * 2, dtype=torch.int64)
+    _all_gather_single(every, mine, group=group)
+    prints, seqs = every[0::2].tolist(), every[1::2].tolist()
+    if len(set(seqs)) > 1:
+        raise RuntimeError(f"tide.{op}: ranks of group {group.group_name!r} are at different calls (calls issued "
+                           f"per rank: {seqs}): a rank skipped or added a collective")
+    if len(set(prints)) > 1:
+        raise RuntimeError(f"tide.{op}: ranks of group {group.group_name!r} issued different calls at call {seq} "
+                           f"(another op, layout or dtype; fingerprints per rank: {prints}); this rank's: {desc}")
+
+
 def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
     checks.check_all_gather_into_params(op, shards, outs, world_size)
     group = resolve_group(op, group_name, world_size)
+    check_same_call(op, group, (shards, outs))
     rank = group.rank()
     works = []
     for shard, out in zip(shards, outs):
@@ -70,6 +103,7 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     op = "reduce_scatter_params_"
     checks.check_reduce_scatter_params(op, grads, shard_grads, world_size)
     group = resolve_group(op, group_name, world_size)
+    check_same_call(op, group, (grads, shard_grads), (accumulate,))
     rank = group.rank()
     pending = []
     for grad, shard in zip(grads, shard_grads):
