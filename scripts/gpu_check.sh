@@ -3,8 +3,8 @@
 # print a summary table last. Usage:
 #   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
 #     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
-#     tests_transport tests_fsdp_cuda tests_memory_model kernels collectives overlap host_time
-#     train_step_8b train_step_moe memory layout_conversion
+#     tests_transport tests_fsdp_cuda tests_memory_model tests_faults fault_campaign kernels collectives
+#     overlap host_time train_step_8b train_step_moe memory layout_conversion
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
 # the environment in $OUT/env.txt and the summary in $OUT/summary.txt ($OUT: the device tool's output
@@ -67,9 +67,11 @@ overlap_args=(--reps 10)
 # Stages in priority order, each capped; what the run budget cannot fit is skipped and reported.
 stage build 240 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
 stage tests_transport 200 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
-  --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py
+  --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py
 stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
 stage tests_memory_model 90 $PY -m pytest tests/cuda/test_memory_model.py -q -rfEs -p no:cacheprovider --timeout=85
+stage tests_faults 330 $PY -m pytest tests/cuda/test_faults.py -q -rfEs -p no:cacheprovider --timeout=120
+stage fault_campaign 420 $PY bench/fault_campaign.py --device cuda --runs 50 --parallel 4 --timeout 5 --out "$WORK/results"
 stage kernels 40 $PY bench/bench_kernels.py --reps 10 --out "$WORK/results"
 stage collectives 150 $PY bench/collectives.py --sizes 1,16,256,1024 --reps 5 --out "$WORK/results"
 stage overlap 150 $PY bench/overlap.py "${overlap_args[@]}" --out "$WORK/results"
@@ -86,7 +88,7 @@ tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
   echo "==================== environment"
   cat "$OUT/env.txt"
   echo "==================== tests (last lines)"
-  for t in tests_transport tests_fsdp_cuda tests_memory_model; do
+  for t in tests_transport tests_fsdp_cuda tests_memory_model tests_faults; do
     [ -f "$WORK/logs/$t.log" ] && tail -n 12 "$WORK/logs/$t.log"
   done
   echo "==================== benchmark summaries"

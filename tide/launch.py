@@ -157,12 +157,14 @@ def run_ranks(
 class Outcome:
     """How one rank of :func:`run_ranks_outcomes` ended: ``"ok"`` (``detail``: its result), ``"error"`` (its
     traceback), ``"exited"`` (its exit code, nothing reported) or ``"hung"`` (killed at the deadline);
-    ``seconds`` from the start of the run until it reported or ended."""
+    ``seconds`` from the start of the run until it reported or ended, ``ended_at`` the same moment on the
+    wall clock (``time.time()``)."""
 
     rank: int
     status: str
     detail: Any
     seconds: float
+    ended_at: float
 
 
 def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
@@ -181,21 +183,26 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, back
                          args=(r, world_size, port, backend, device_type, dict(env or {}), fn, args, results,
                                pg_timeout))
              for r in range(world_size)]
-    start = time.monotonic()
+    start, start_wall = time.monotonic(), time.time()
+
+    def outcome(rank: int, status: str, detail: Any) -> Outcome:
+        seconds = time.monotonic() - start
+        return Outcome(rank, status, detail, seconds, start_wall + seconds)
+
     for p in procs:
         p.start()
     outcomes: dict[int, Outcome] = {}
     while len(outcomes) < world_size and time.monotonic() - start < timeout:
         try:
             rank, status, payload = results.get(timeout=0.2)
-            outcomes[rank] = Outcome(rank, status, payload, time.monotonic() - start)
+            outcomes[rank] = outcome(rank, status, payload)
         except queue.Empty:
             for r, p in enumerate(procs):
                 if r not in outcomes and p.exitcode is not None:
-                    outcomes[r] = Outcome(r, "exited", p.exitcode, time.monotonic() - start)
+                    outcomes[r] = outcome(r, "exited", p.exitcode)
     for r, p in enumerate(procs):
         if r not in outcomes:
-            outcomes[r] = Outcome(r, "hung", None, time.monotonic() - start)
+            outcomes[r] = outcome(r, "hung", None)
         p.join(timeout=0.5 if outcomes[r].status != "hung" else 0)
         if p.is_alive():
             p.kill()

@@ -256,7 +256,11 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cudaStream_t S = current_stream(device_, "all_gather_into_params_");
   const FlagLayout& f = layout_.flags;
-  const uint32_t v = ++ag_uses_[slot];
+  uint32_t v;
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    v = ++ag_uses_[slot];
+  }
   const uint64_t mine = slot_base(rank_, slot);
   join(ag_push_, S, ev_start_);
   if (world_ > 1) {  // my slot may be written: post "free" into every peer, then wait for every peer's
@@ -389,9 +393,22 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
     for (int64_t k = 1; k < world_; ++k) handed_back.push_back(driver::MemOp{peer_flag((rank_ + k) % world_, f.rs_free(rank_, s)), g});
   }
   memops(reduce_, handed_back, {});
-  for (int64_t d = 0; d < world_; ++d) rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    for (int64_t d = 0; d < world_; ++d) rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
+  }
   join(S, rs_push_, ev_rs_push_);
   join(S, reduce_, ev_reduce_);
+}
+
+std::vector<int64_t> Arena::ag_uses() const {
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  return {ag_uses_.begin(), ag_uses_.end()};
+}
+
+std::vector<int64_t> Arena::rs_rounds() const {
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  return rs_rounds_;
 }
 
 std::vector<std::pair<std::string, int64_t>> Arena::counters() const {

@@ -30,6 +30,7 @@
 
 #include <array>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -71,6 +72,11 @@ class Arena {
   void add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan);
 
   const ArenaLayout& layout() const { return layout_; }
+  // What this rank has issued (the flag values its waits expect): all-gathers per slot, reduce-scatter
+  // rounds per destination.
+  // Safe from another thread (the watchdog's) while an op runs: the ops release the GIL.
+  std::vector<int64_t> ag_uses() const;
+  std::vector<int64_t> rs_rounds() const;
   std::vector<std::pair<std::string, int64_t>> counters() const;
 
  private:
@@ -98,6 +104,7 @@ class Arena {
   std::vector<uint64_t> bases_;
   std::vector<uint32_t> ag_uses_;   // per slot: all-gathers so far (the flag value of the next is + 1)
   std::vector<int64_t> rs_rounds_;  // per destination: reduce-scatter rounds so far
+  mutable std::mutex progress_mu_;  // guards the two above against the readers of ag_uses() / rs_rounds()
   cudaStream_t ag_push_ = nullptr, rs_push_ = nullptr, reduce_ = nullptr;
   cudaEvent_t ev_start_ = nullptr, ev_ag_push_ = nullptr, ev_rs_push_ = nullptr, ev_reduce_ = nullptr;
   std::vector<cudaEvent_t> ev_chunk_;

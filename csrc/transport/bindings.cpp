@@ -24,6 +24,41 @@ py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int6
   d["slots_off"] = l.slots_off();
   d["ring_off"] = l.ring_off();
   d["total_bytes"] = l.total_bytes();
+  // Every flag word's index by name (the watchdog reads a host copy of the words; the formula stays here).
+  const FlagLayout& f = l.flags;
+  py::list ag_free, ag_ready, ag_src, rs_ready, rs_free, rs_push_src;
+  for (int64_t i = 0; i < f.K; ++i) {
+    py::list free_i, ready_i;
+    for (int64_t p = 0; p < f.W; ++p) {
+      free_i.append(f.ag_free(i, p));
+      ready_i.append(f.ag_ready(i, p));
+    }
+    ag_free.append(free_i);
+    ag_ready.append(ready_i);
+    ag_src.append(f.ag_src(i));
+  }
+  for (int64_t s = 0; s < f.R; ++s) {
+    py::list ready_s;
+    for (int64_t q = 0; q < f.W; ++q) ready_s.append(f.rs_ready(s, q));
+    rs_ready.append(ready_s);
+  }
+  for (int64_t dst = 0; dst < f.W; ++dst) {
+    py::list free_d, src_d;
+    for (int64_t s = 0; s < f.R; ++s) {
+      free_d.append(f.rs_free(dst, s));
+      src_d.append(f.rs_push_src(dst, s));
+    }
+    rs_free.append(free_d);
+    rs_push_src.append(src_d);
+  }
+  py::dict index;
+  index["ag_free"] = ag_free;
+  index["ag_ready"] = ag_ready;
+  index["ag_src"] = ag_src;
+  index["rs_ready"] = rs_ready;
+  index["rs_free"] = rs_free;
+  index["rs_push_src"] = rs_push_src;
+  d["flag_index"] = index;
   return d;
 }
 
@@ -147,17 +182,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"), py::arg("cast_ctas"))
       .def("all_gather", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
              return std::string(ran_name(a.all_gather(shards, outs)));
-           }, py::arg("shards"), py::arg("outs"))
+           }, py::arg("shards"), py::arg("outs"), py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", [](Arena& a, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
                                 double scale, bool accumulate) {
              return std::string(ran_name(a.reduce_scatter(grads, shard_grads, scale, accumulate)));
-           }, py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"))
+           }, py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"),
+           py::call_guard<py::gil_scoped_release>())
       .def("add_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
                              const AgPlan& plan) { a.add_ag_plan(shards, outs, plan); },
            py::arg("shards"), py::arg("outs"), py::arg("plan"))
       .def("add_rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads, const RsPlan& plan) { a.add_rs_plan(grads, plan); },
            py::arg("grads"), py::arg("plan"))
-      .def("counters", &counters);
+      .def("counters", &counters)
+      .def("progress", [](const Arena& a) {
+             py::dict d;
+             d["ag_uses"] = a.ag_uses();
+             d["rs_rounds"] = a.rs_rounds();
+             return d;
+           });
   m.def("sum_strided", &sum_strided, py::arg("out"), py::arg("base"), py::arg("k"), py::arg("stride_bytes"), py::arg("n"),
         py::arg("scale"), py::arg("accumulate"), py::arg("ctas"));
   m.def("cast_into", &cast_into, py::arg("dst"), py::arg("src"), py::arg("max_ctas"));

@@ -537,3 +537,55 @@ def disable_frees(rank: int, world_size: int) -> dict:
         transport.disable(group.group_name)
         measure()
     return {"free": free, "arena_bytes": arena_bytes, "gpus": torch.cuda.device_count()}
+
+
+def recover_after_error(rank: int, world_size: int) -> dict:
+    """After a desynchronisation error (rank 1 issues another layout as the arena's first plan: both ranks
+    raise before anything is issued), the arena is released without hanging, and a fresh group gets a
+    new arena whose ops agree with the reference."""
+    import tide  # noqa: F401
+    from tide import transport
+
+    W = world_size
+    dev = torch.device("cuda", torch.cuda.current_device())
+    first = dist.new_group(backend="gloo")
+    arena = transport.enable(first, slot_bytes=1 << 20)
+    rows = 5 if rank == 1 else 4
+    shards = [torch.randn(rows, 3, device=dev)]
+    outs = arena.slot_views(plans_layout([s.shape for s in shards], [torch.float32], W), [torch.float32],
+                            arena.slots.acquire())
+    try:
+        torch.ops.tide.all_gather_into_params_(shards, outs, W, first.group_name)
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    first_bytes = arena.total_bytes
+    del arena, outs
+
+    def free_memory():
+        torch.cuda.synchronize()
+        dist.barrier()  # on a shared GPU every rank's arena goes at once
+        free = torch.cuda.mem_get_info()[0]
+        dist.barrier()
+        return free
+
+    before = free_memory()
+    transport.disable(first.group_name)
+    dist.destroy_process_group(first)
+    freed = free_memory() - before
+    second = dist.new_group(backend="gloo")
+    arena = transport.enable(second, slot_bytes=1 << 20)
+    cpu = [torch.randn(4, 3)]
+    outs = arena.slot_views(plans_layout([s.shape for s in cpu], [torch.float32], W), [torch.float32],
+                            arena.slots.acquire())
+    torch.ops.tide.all_gather_into_params_([c.to(dev) for c in cpu], outs, W, second.group_name)
+    want = ref_all_gather(cpu, [torch.float32], W, second.group_name)
+    torch.cuda.synchronize()
+    return {"error": error, "freed": freed, "arena_bytes": first_bytes, "gpus": torch.cuda.device_count(),
+            "after_ok": all(bits_equal(o, w) for o, w in zip(outs, want))}
+
+
+def plans_layout(shapes, dtypes, world_size):
+    from tide.transport import plans
+
+    return plans.all_gather_layout(shapes, dtypes, world_size)

@@ -6,7 +6,8 @@ up at call time (whatever was bound there before is kept and called for the stoc
 patchers chain). A param group is opted in by carrying TIDE's marker comm objects (``tide.fsdp.comms``);
 every call decides on its own (``tide.fsdp.fallbacks``): the TIDE path when the group is opted in and the
 case is supported, else the original function, counted in ``tide.stats()["fsdp"]`` under
-``"stock:<reason>"`` and logged once per reason.
+``"stock:<reason>"`` and logged once per reason. Both collectives first raise the transport watchdog's
+error if a TIDE op has timed out (``tide.transport.watchdog``), stock path included.
 
 Everything else FSDP2 owns (streams, events, prefetch, reshard, keep-alives, state) stays stock. Both
 collectives go through the ``torch.ops.tide`` ops on every backend; on CUDA the op finds the arena of the
@@ -30,6 +31,7 @@ from tide import counters, transport
 from tide.fsdp import compat, hooks, wiring
 from tide.fsdp.comms import TideAllGather, TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
+from tide.transport.watchdog import WATCHDOG
 
 
 # ---------------------------------------------------------------------------------------------- transport hooks
@@ -188,6 +190,7 @@ _ORIG: dict[str, object] = {}
 @torch.no_grad()
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
                        all_gather_comm, *args, **kwargs):
+    WATCHDOG.check()
     reason = all_gather_reason(fsdp_params, group, async_op, device, all_gather_comm, bool(args or kwargs))
     arena, plan = None, ("none", None)
     if reason is None:
@@ -220,6 +223,7 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                    reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
                    all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
                    force_sum_reduction_for_comms=False, *args, **kwargs):
+    WATCHDOG.check()
     reason = reduce_reason(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_comm, reduce_dtype,
                            device, all_reduce_group, all_reduce_hook, bool(args or kwargs))
     counters.count_fsdp("reduce_scatter", reason)

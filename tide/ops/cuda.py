@@ -3,7 +3,8 @@
 For a CUDA call: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``) and
 the current stream is not capturing a CUDA graph, the transport runs (the all-gather when its outputs
 are bound in an arena slot: zero-copy); otherwise the reference backend runs (the stock collectives,
-layout-aware), and ``tide.stats()["ops"]`` counts why. The extension checks the
+layout-aware), and ``tide.stats()["ops"]`` counts why. Every call first raises the transport watchdog's
+error if an earlier TIDE op timed out (``tide.transport.watchdog``). The extension checks the
 arguments (the messages of :mod:`tide.meta.checks`) and finds the plan in one C++ call, so the Python
 part of a call is this module's few lines. The functional ``all_gather`` / ``reduce_scatter`` are the
 reference's compositions on CUDA too: they call these two ops.
@@ -15,9 +16,11 @@ import torch
 from tide import counters
 from tide.ops import reference
 from tide.transport import arena as _arena
+from tide.transport.watchdog import WATCHDOG
 
 
 def _arena_for(op: str, group_name: str, world_size: int):
+    WATCHDOG.check()
     a = _arena.get(group_name)
     if a is None:
         counters.count_op(op, "no_arena")

@@ -25,6 +25,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tide.meta import checks
 from tide.meta.layout import rank_row_range, rows_and_row_numel
+from tide.transport.agreement import call_desc
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,7 +53,7 @@ def check_same_call(op: str, group: dist.ProcessGroup, tensor_lists, flags=()) -
         return
     _calls[group.group_name] += 1
     seq = _calls[group.group_name]
-    desc = repr((op, [[(tuple(t.shape), str(t.dtype)) for t in ts] for ts in tensor_lists], tuple(flags)))
+    desc = call_desc(op, tensor_lists, flags)
     mine = torch.tensor([zlib.crc32(desc.encode()), seq], dtype=torch.int64)
     every = torch.empty(group.size() * 2, dtype=torch.int64)
     _all_gather_single(every, mine, group=group)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Sequence
 
 import torch
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from tide.meta import checks
 from tide.meta.layout import GroupLayout, align_up
-from tide.transport import plans
+from tide.transport import agreement, flag_report, plans, watchdog
 from tide.transport.slots import SlotLeases
 
 log = logging.getLogger("tide.transport")
@@ -42,6 +43,7 @@ CAST_CTAS_PER_SM = 4
 
 _ARENAS: dict[tuple, "Arena"] = {}  # global ranks, in group-rank order -> arena
 _RANKS: dict[str, tuple] = {}  # process-group name -> its ranks (resolved once)
+_GENERATIONS: dict[tuple, int] = {}  # global ranks -> arenas created for them (names their store keys)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -90,6 +92,13 @@ class Arena:
         layout = self.ext.arena_layout(num_slots=self.num_slots, ring_depth=self.ring_depth, world=W,
                                        slot_bytes=self.slot_bytes, entry_bytes=self.entry_bytes)
         self.flags_bytes, self.slots_off = layout["flags_bytes"], layout["slots_off"]
+        self.flag_words, self.flag_index = layout["flag_words"], layout["flag_index"]
+        self.timeout_s = watchdog.timeout_for(group)
+        self._label = f"{self.group_name!r} (ranks {list(self.ranks)}, this rank {self.rank})"
+        _GENERATIONS[self.ranks] = generation = _GENERATIONS.get(self.ranks, 0) + 1
+        self._store = dist.distributed_c10d._get_default_store()
+        self._store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{generation}"
+        self._plans = 0  # plans agreed on so far (tide/transport/agreement.py)
         self.ring_off, self.total_bytes = layout["ring_off"], layout["total_bytes"]
 
         self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
@@ -115,9 +124,12 @@ class Arena:
                 f"sum_ctas={self.sum_ctas})")
 
     def close(self) -> None:
-        """Wait for this arena's work and release its memory and streams (after :func:`disable`)."""
+        """Wait for this arena's work and release its memory and streams (after :func:`disable`). After a
+        TIDE op timed out this raises the watchdog's error at once instead: that work never completes, and
+        the process is about to end."""
         if self._c is None:
             return
+        watchdog.WATCHDOG.check()
         torch.cuda.synchronize(self.device)
         self._c = None  # destroys the streams and events
         self.handle = None
@@ -133,7 +145,14 @@ class Arena:
             self._logged = True
             log.info("tide.transport: %r, %d bytes of symmetric memory", self, self.total_bytes)
 
+    def _agree(self, op: str, desc: str) -> None:
+        """Every rank reaches its next new plan with the same call (one store round trip per plan)."""
+        self._plans += 1
+        agreement.agree(self._store, f"{self._store_prefix}/plan{self._plans}", self.rank, self.world_size, desc,
+                        self.timeout_s, f"tide.{op} (group {self._label}, new plan #{self._plans})")
+
     def _add_ag_plan(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        self._agree("all_gather_into_params_", agreement.call_desc("all_gather_into_params_", (shards, outs)))
         out_dtypes = [o.dtype for o in outs]
         layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, self.world_size)
         info = plans.ag_plan_info(layout, self.rank)
@@ -144,6 +163,7 @@ class Arena:
         self._log_once()
 
     def _add_rs_plan(self, grads: Sequence[torch.Tensor]) -> None:
+        self._agree("reduce_scatter_params_", agreement.call_desc("reduce_scatter_params_", (grads,)))
         dtypes = [g.dtype for g in grads]
         info = plans.rs_plan_info([g.shape for g in grads], dtypes, self.world_size, self.rank, self.entry_bytes)
         plan = self.ext.RsPlan(rounds=info.rounds, pads=info.pads, grad_dtype=[plans.DTYPE_CODES[d] for d in dtypes])
@@ -161,6 +181,8 @@ class Arena:
         if ran == "bad_args":
             checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, self.world_size)
             self._raise_device_error("all_gather_into_params_", ("shards", shards), ("outs", outs))
+        if ran == "tide":
+            self._watch("all_gather_into_params_", torch.cuda.current_stream(self.device).record_event())
         return ran
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
@@ -176,11 +198,30 @@ class Arena:
         if ran == "bad_args":
             checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
             self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
-        read = {s for s in map(self.slot_of, grads) if s is not None}
-        if read:
-            event = torch.cuda.current_stream(self.device).record_event()
-            for slot in read:
-                self.slots.used(slot, event)
+        event = torch.cuda.current_stream(self.device).record_event()
+        self._watch("reduce_scatter_params_", event)
+        for slot in {s for s in map(self.slot_of, grads) if s is not None}:
+            self.slots.used(slot, event)
+
+    def _watch(self, op: str, done: torch.cuda.Event) -> None:
+        watchdog.WATCHDOG.track(done, op, self._label, self.timeout_s, self.flag_report)
+
+    def flag_report(self, wait_s: float = 2.0) -> str:
+        """Which peers' flag words are behind this rank's issued work (tide/transport/flag_report.py), from
+        a host copy of the words taken on a side stream (never behind the stalled streams); called by the
+        watchdog."""
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
+            with torch.cuda.stream(stream):
+                host.copy_(self.buffer[:4 * self.flag_words].view(torch.int32), non_blocking=True)
+                copied = stream.record_event()
+            deadline = time.monotonic() + wait_s
+            while not copied.query():
+                if time.monotonic() > deadline:
+                    return f"  flag words unreadable: their copy to the host did not finish in {wait_s:g} s"
+                time.sleep(0.01)
+        return flag_report.describe(host.tolist(), self.flag_index, self._c.progress(), self.rank, self.ranks)
 
     def _raise_device_error(self, op: str, *named_lists) -> None:
         """The one condition the extension checks beyond tide.meta.checks: every tensor on the arena's device."""

@@ -1,0 +1,141 @@
+"""Fault campaign: many 2-rank runs, each with a random fault at a random point of a random op mix.
+
+Every run picks a scenario (``tide/faults.py``: a peer dies in an all-gather or a reduce-scatter of an op
+mix or of FSDP2 training in either reduce-scatter mode, dies between steps, skips a collective, or issues
+another plan), a point (the op or step where rank 1 injects it) and a seed (the op mix). A run is a
+**hang** when any rank is still running at the deadline (killed there); otherwise it counts how long
+after the fault the last other rank ended, and whether every other rank ended in an error (an exception,
+or the transport watchdog's exit). ``--device cpu`` exercises the reference backend (gloo,
+``--timeout`` as its process-group timeout); ``--device cuda`` the CUDA transport (``TIDE_TIMEOUT_S`` =
+``--timeout``; ranks share one GPU or take one each).
+
+Writes ``faults.csv`` (``scenario, runs, hangs, median_s_to_error, max_s_to_error, gpus, date`` plus
+failures and the device), ``faults_runs.csv`` (one row per run) and ``faults.png`` under ``--out``, and
+prints one line per run as it ends. ``--parallel N`` runs N at a time (their ranks share the machine;
+on CUDA they share the GPUs as well).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
+
+from tide import faults  # noqa: E402
+from tide.launch import CUDA_RANK_ENV, run_ranks_outcomes  # noqa: E402
+
+KINDS = [("ops", s, None) for s in faults.OP_SCENARIOS] + [
+    ("fsdp", s, m) for s in faults.STEP_SCENARIOS for m in ("in_place", "slot_reuse")]
+
+
+def draw(i: int, rng: random.Random) -> tuple:
+    """Run i's scenario (every kind once first, then at random), op-mix seed and fault point."""
+    kind, scenario, rs_mode = KINDS[i] if i < len(KINDS) else rng.choice(KINDS)
+    return kind, scenario, rs_mode, rng.randrange(1 << 30), rng.randint(0, 5) if kind == "ops" else rng.randint(1, 4)
+
+
+def one_run(kind: str, scenario: str, rs_mode: str | None, seed: int, fault_at: int, device: str,
+            timeout: float) -> dict:
+    deadline = timeout + 15 + 120  # the bound, plus spawning, importing and building the model
+    with tempfile.TemporaryDirectory() as tmp:
+        fault_file = str(Path(tmp) / "fault")
+        if kind == "ops":
+            fn, args = faults.op_sequence, (device, scenario, seed, fault_at, fault_file)
+        else:
+            steps = fault_at + 2  # the fault falls inside the run: an all-gather/reduce-scatter or step before the end
+            fn, args = faults.fsdp_steps, (device, scenario, rs_mode, fault_at, steps, fault_file)
+        env = {**CUDA_RANK_ENV, "TIDE_TIMEOUT_S": str(timeout)} if device == "cuda" else None
+        outcomes = run_ranks_outcomes(fn, 2, *args, device_type=device, env=env, timeout=deadline,
+                                      pg_timeout=timeout if device == "cpu" else max(60.0, 4 * timeout))
+        verdict = faults.judge(outcomes, fault_file)
+    name = f"{kind}:{scenario}" + (f":{rs_mode}" if rs_mode else "")
+    faulty = verdict["faulty"]
+    return {"scenario": name, "seed": seed, "fault_at": fault_at, "hung": len(verdict["hung"]) > 0,
+            "errors": verdict["errors"], "s_to_error": verdict["s_to_error"],
+            "faulty_rank": faulty.status if faulty.status == "error" else f"{faulty.status}:{faulty.detail}"}
+
+
+def summarize(runs: list[dict], meta: dict) -> list[dict]:
+    rows = []
+    for name in sorted({r["scenario"] for r in runs}):
+        mine = [r for r in runs if r["scenario"] == name]
+        times = [r["s_to_error"] for r in mine if r["s_to_error"] is not None and not r["hung"]]
+        rows.append({"scenario": name, "runs": len(mine), "hangs": sum(r["hung"] for r in mine),
+                     "median_s_to_error": round(statistics.median(times), 2) if times else "",
+                     "max_s_to_error": round(max(times), 2) if times else "",
+                     "gpus": meta["gpus"], "date": meta["date"],
+                     "not_all_errors": sum(not r["errors"] for r in mine), "device": meta["device"],
+                     "timeout_s": meta["timeout_s"], "torch": meta["torch"]})
+    return rows
+
+
+def plot(rows: list[dict], path: Path, timeout: float) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names = [r["scenario"] for r in rows]
+    med = [r["median_s_to_error"] or 0 for r in rows]
+    top = [r["max_s_to_error"] or 0 for r in rows]
+    ax.barh(names, top, color="#c9d6ea", label="max")
+    ax.barh(names, med, color="#3b6bb5", label="median")
+    ax.axvline(timeout + 15, color="#b33", ls="--", label=f"bound: timeout + 15 s = {timeout + 15:g} s")
+    for i, r in enumerate(rows):
+        ax.text((r["max_s_to_error"] or 0) + 0.2, i, f"{r['runs']} runs, {r['hangs']} hangs", va="center", fontsize=8)
+    ax.set_xlabel("seconds from the fault until the other rank ended in an error")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"Fault campaign on {rows[0]['device']} ({rows[0]['gpus']} GPUs), {sum(r['runs'] for r in rows)} runs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds: gloo's timeout (cpu) or TIDE_TIMEOUT_S (cuda)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time (each spawns 2 ranks)")
+    p.add_argument("--out", type=Path, default=default_out())
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.timeout <= 0 or args.parallel < 1:
+        p.error("--runs and --parallel must be >= 1, --timeout > 0")
+    if args.device == "cuda":
+        require_cuda("fault_campaign.py")
+    rng = random.Random(args.seed)
+    meta = run_meta(gpus=torch.cuda.device_count() if args.device == "cuda" else 0, timeout_s=args.timeout)
+    if args.device == "cpu":
+        meta["device"] = "cpu (gloo, reference backend)"
+    plan = [draw(i, rng) for i in range(args.runs)]
+    runs = []
+    with ThreadPoolExecutor(args.parallel) as pool:  # each run is its own 2 processes; threads only wait
+        futures = [pool.submit(one_run, *d, args.device, args.timeout) for d in plan]
+        for future in as_completed(futures):
+            run = future.result()
+            runs.append(run)
+            took = "-" if run["s_to_error"] is None else f"{run['s_to_error']:.2f} s"
+            print(f"run {len(runs)}/{args.runs} {run['scenario']} at {run['fault_at']}: "
+                  f"{'HUNG' if run['hung'] else 'ended'}, other rank in error: {run['errors']}, {took} after the fault",
+                  flush=True)
+    rows = summarize(runs, meta)
+    write_csv(args.out / "faults.csv", rows)
+    write_csv(args.out / "faults_runs.csv", [{**r, "device": meta["device"], "date": meta["date"]} for r in runs])
+    plot(rows, args.out / "faults.png", args.timeout)
+    hangs = sum(r["hangs"] for r in rows)
+    bad = sum(r["not_all_errors"] for r in rows)
+    worst = max((r["max_s_to_error"] for r in rows if r["max_s_to_error"] != ""), default=float("nan"))
+    print(f"SUMMARY fault_campaign {args.device}: {len(runs)} runs, {hangs} hangs, {bad} runs where another rank "
+          f"did not end in an error, slowest end {worst} s after the fault (bound {args.timeout + 15:g} s)")
+    return 0 if hangs == 0 and bad == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

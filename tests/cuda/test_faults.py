@@ -1,0 +1,69 @@
+"""The fault scenarios of tide/faults.py on the CUDA transport (skipped without CUDA): ranks share one
+GPU, or take one each when there are enough. With ``TIDE_TIMEOUT_S=5`` every rank but the faulty one
+ends within 5 + 15 s of the fault (the watchdog's report and exit, or its error raised at the next
+op), and none hangs."""
+import pytest
+
+from tests.cuda import ranks
+from tide import faults
+from tide.launch import run_ranks_outcomes
+from tide.transport.watchdog import EXIT_CODE
+
+pytestmark = pytest.mark.cuda
+
+TIMEOUT_S = 5
+BOUND = TIMEOUT_S + 15
+ENV = {**ranks.ENV, "TIDE_TIMEOUT_S": str(TIMEOUT_S)}
+
+
+def _run(fn, *args, tmp_path):
+    fault_file = str(tmp_path / "fault")
+    outcomes = run_ranks_outcomes(fn, 2, *args, fault_file, device_type="cuda", env=ENV, timeout=BOUND + 150,
+                                  pg_timeout=120)
+    return outcomes, faults.judge(outcomes, fault_file)
+
+
+def _assert_ends_in_errors(verdict):
+    assert verdict["hung"] == [], verdict
+    assert verdict["errors"], verdict
+    assert verdict["s_to_error"] is not None and verdict["s_to_error"] < BOUND, verdict
+
+
+def _assert_reported(outcomes, err: str) -> None:
+    """Rank 0 either raised the watchdog's error at its next op or was ended by it; the report is on stderr."""
+    rank0 = outcomes[0]
+    assert rank0.status == "exited" and rank0.detail == EXIT_CODE or "did not complete" in str(rank0.detail), rank0
+    assert "did not complete" in err and "TIDE_TIMEOUT_S" in err, err[-3000:]
+    assert "peer 1 (global rank 1) is behind" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("scenario", ["dies_in_all_gather", "dies_in_reduce_scatter", "stalls"])
+def test_a_peer_killed_or_stalled_during_a_collective(ext, scenario, tmp_path, capfd):
+    outcomes, verdict = _run(faults.op_sequence, "cuda", scenario, 7, 2, tmp_path=tmp_path)
+    _assert_ends_in_errors(verdict)
+    _assert_reported(outcomes, capfd.readouterr().err)
+
+
+@pytest.mark.parametrize("scenario", faults.STEP_SCENARIOS)
+@pytest.mark.parametrize("rs_mode", ["in_place", "slot_reuse"])
+def test_a_peer_killed_in_fsdp_training(ext, scenario, rs_mode, tmp_path, capfd):
+    outcomes, verdict = _run(faults.fsdp_steps, "cuda", scenario, rs_mode, 2, 3, tmp_path=tmp_path)
+    _assert_ends_in_errors(verdict)
+    _assert_reported(outcomes, capfd.readouterr().err)
+
+
+@pytest.mark.parametrize("scenario", ["skips_a_collective", "other_plan"])
+def test_a_peer_that_diverges_ends_in_an_error(ext, scenario, tmp_path):
+    outcomes, verdict = _run(faults.op_sequence, "cuda", scenario, 11, 2, tmp_path=tmp_path)
+    _assert_ends_in_errors(verdict)
+
+
+def test_a_different_first_plan_is_named_and_the_arena_recovers(ext):
+    for o in run_ranks_outcomes(ranks.recover_after_error, 2, device_type="cuda", env=ENV, timeout=240):
+        assert o.status == "ok", o
+        r = o.detail
+        assert "ranks issued different calls" in r["error"] and "(4, 3) float32" in r["error"], r["error"]
+        assert "(5, 3) float32" in r["error"], r["error"]
+        assert r["after_ok"], r
+        sharers = 2 if r["gpus"] < 2 else 1  # ranks whose arenas live on this GPU
+        assert r["freed"] >= sharers * r["arena_bytes"] - (16 << 20), r  # the failed arena's memory came back

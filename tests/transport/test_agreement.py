@@ -1,0 +1,48 @@
+"""Ranks agree on each new plan through the process group's store before it is used: a different call
+or a missing peer is an error naming it (2 CPU ranks, the real default store)."""
+import torch
+
+from tide.launch import run_ranks_outcomes
+from tide.transport.agreement import agree, call_desc, first_difference
+
+
+def _agree(rank, world_size, scenario):
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    shapes = [(4, 3), (7,)]
+    if scenario == "other_layout" and rank == 1:
+        shapes = [(4, 3), (8,)]
+    desc = call_desc("all_gather_into_params_", ([torch.empty(s, dtype=torch.bfloat16) for s in shapes],))
+    if scenario == "missing" and rank == 1:
+        return "skipped"
+    agree(store, "tide/test/plan1", rank, world_size, desc, 3.0, "tide.all_gather_into_params_ (plan #1)")
+    return "agreed"
+
+
+def test_same_calls_agree():
+    assert [o.detail for o in run_ranks_outcomes(_agree, 2, "same", timeout=120)] == ["agreed", "agreed"]
+
+
+def test_a_different_layout_is_named_on_every_rank():
+    for o in run_ranks_outcomes(_agree, 2, "other_layout", timeout=120):
+        assert o.status == "error", o
+        assert "tide.all_gather_into_params_ (plan #1): ranks issued different calls" in o.detail
+        assert "(7,) bfloat16" in o.detail and "(8,) bfloat16" in o.detail
+
+
+def test_a_peer_that_never_gets_there_is_named_after_the_timeout():
+    rank0, rank1 = run_ranks_outcomes(_agree, 2, "missing", timeout=120)
+    assert rank1.detail == "skipped"
+    assert rank0.status == "error" and "rank(s) [1] did not reach this call within 3 s" in rank0.detail, rank0
+
+
+def test_call_desc_and_first_difference():
+    a = call_desc("reduce_scatter_params_", ([torch.empty(2, 3)], [torch.empty(1, 3)]), (True,))
+    assert a == "reduce_scatter_params_((2, 3) float32; (1, 3) float32; True)"
+    b = a.replace("(1, 3)", "(1, 4)")
+    assert "(1, 3) float32" in first_difference(a, b).split(" vs ")[0]
+    assert "(1, 4) float32" in first_difference(a, b).split(" vs ")[1]
+    long_a, long_b = "x" * 500 + "A" + "y" * 500, "x" * 500 + "B" + "y" * 500
+    diff = first_difference(long_a, long_b)
+    assert "A" in diff and "B" in diff and len(diff) < 200

@@ -1,0 +1,80 @@
+"""Which peers the watchdog names as behind, from flag words and issued progress (pure logic; the CUDA
+transport supplies the real word indices from csrc/transport/flags.h)."""
+import itertools
+
+from tide.transport import flag_report
+
+
+def _index(K, R, W):
+    """Any assignment of distinct words works: the report only looks words up by name."""
+    n = itertools.count()
+    return {
+        "ag_free": [[next(n) for _ in range(W)] for _ in range(K)],
+        "ag_ready": [[next(n) for _ in range(W)] for _ in range(K)],
+        "rs_ready": [[next(n) for _ in range(W)] for _ in range(R)],
+        "rs_free": [[next(n) for _ in range(R)] for _ in range(W)],
+        "ag_src": [next(n) for _ in range(K)],
+        "rs_push_src": [[next(n) for _ in range(R)] for _ in range(W)],
+    }, next(n)
+
+
+def _caught_up(index, words, ag_uses, rs_rounds, rank, R):
+    """The words of a rank whose issued work has completed."""
+    W = len(rs_rounds)
+    for i, uses in enumerate(ag_uses):
+        for p in range(W):
+            words[index["ag_free"][i][p]] = words[index["ag_ready"][i][p]] = uses
+        words[index["ag_src"][i]] = uses
+    for g in range(1, rs_rounds[rank] + 1):  # round g of mine sits in ring slot (g - 1) % R
+        for q in range(W):
+            words[index["rs_ready"][(g - 1) % R][q]] = g
+    for d in range(W):
+        for g in range(1, rs_rounds[d] + 1):
+            words[index["rs_free"][d][(g - 1) % R]] = g
+    return words
+
+
+def test_nothing_behind_when_every_wait_is_met():
+    K, R, W, rank = 2, 4, 3, 1
+    index, n = _index(K, R, W)
+    progress = {"ag_uses": [5, 4], "rs_rounds": [7, 9, 6]}
+    words = _caught_up(index, [0] * n, progress["ag_uses"], progress["rs_rounds"], rank, R)
+    assert flag_report.behind(words, index, progress, rank) == {}
+    text = flag_report.describe(words, index, progress, rank, ranks=[10, 11, 12])
+    assert "no peer's flags are behind" in text and "not posted" not in text
+
+
+def test_a_peer_behind_in_each_protocol_is_named_with_its_lag():
+    K, R, W, rank = 2, 4, 3, 0
+    index, n = _index(K, R, W)
+    progress = {"ag_uses": [5, 4], "rs_rounds": [9, 6, 6]}
+    words = _caught_up(index, [0] * n, progress["ag_uses"], progress["rs_rounds"], rank, R)
+    words[index["ag_ready"][1][2]] = 2  # peer 2's pieces for slot 1 stopped at use 2 of 4
+    for g in range(1, 8):  # peer 1's contributions to me stopped at round 7 of 9
+        words[index["rs_ready"][(g - 1) % R][1]] = g
+    words[index["ag_src"][0]] = 4  # my own pieces of slot 0's use 5 wait for peers' free flags
+    late = flag_report.behind(words, index, progress, rank)
+    assert set(late) == {1, 2}
+    assert late[2] == ["all-gather slot 1: free at use 4, pieces at use 2, this rank at use 4 (2 behind)"]
+    assert late[1] == ["reduce-scatter: contributions to this rank through round 7 of 9 (2 behind)"]
+    text = flag_report.describe(words, index, progress, rank, ranks=[4, 5, 6])
+    assert "peer 2 (global rank 6) is behind" in text and "peer 1 (global rank 5) is behind" in text
+    assert "its pieces for slot(s) [0] are not posted yet" in text
+
+
+def test_a_peer_that_stopped_summing_my_contributions():
+    K, R, W, rank = 1, 2, 2, 1
+    index, n = _index(K, R, W)
+    progress = {"ag_uses": [3], "rs_rounds": [5, 5]}
+    words = _caught_up(index, [0] * n, progress["ag_uses"], progress["rs_rounds"], rank, R)
+    for s in range(R):
+        words[index["rs_free"][0][s]] = min(words[index["rs_free"][0][s]], 3)
+    assert flag_report.behind(words, index, progress, rank) == {
+        0: ["reduce-scatter: summed this rank's contributions through round 3 of 5 (2 behind)"]}
+
+
+def test_words_are_read_as_unsigned():
+    index, n = _index(1, 1, 2)
+    words = [0] * n
+    words[index["ag_free"][0][1]] = words[index["ag_ready"][0][1]] = -1  # 2**32 - 1 as int32
+    assert flag_report.behind(words, index, {"ag_uses": [2**32 - 1], "rs_rounds": [0, 0]}, 0) == {}

@@ -1,0 +1,116 @@
+"""The transport watchdog's bookkeeping, report and exit, driven on CPU by completion handles that a test
+sets (on CUDA they are events recorded after each op; tests/cuda/test_faults.py runs the real thing)."""
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from tide.launch import run_ranks_outcomes
+from tide.transport import watchdog
+from tide.transport.watchdog import TideTimeoutError, Watchdog
+
+
+class Done:
+    """A completion handle: ``query()`` is true once the test sets it."""
+
+    def __init__(self):
+        self.flag = threading.Event()
+
+    def query(self):
+        return self.flag.is_set()
+
+
+def test_completed_ops_are_dropped_and_never_fire():
+    dog = Watchdog(poll_s=0.02)
+    handles = [Done() for _ in range(5)]
+    for i, h in enumerate(handles):
+        dog.track(h, f"op{i}", "'g'", timeout_s=0.5, describe=lambda: pytest.fail("no report for completed ops"))
+    for h in handles:
+        h.flag.set()
+    deadline = time.monotonic() + 5
+    while dog.pending() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert dog.pending() == 0
+    time.sleep(0.7)  # past the timeout: nothing fires for ops that completed in time
+    assert dog.error is None
+    dog.check()
+
+
+_EXPIRY = textwrap.dedent("""
+    import sys, threading, time
+    from tide.transport.watchdog import TideTimeoutError, Watchdog
+
+    class Never:
+        def query(self):
+            return False
+
+    class Soon:
+        def __init__(self):
+            self.t = time.monotonic() + 0.2
+        def query(self):
+            return time.monotonic() > self.t
+
+    def describe():
+        if sys.argv[1] == "unreadable":
+            raise RuntimeError("copy failed")
+        return "  peer 1 (global rank 1) is behind: all-gather slot 0: free at use 3, pieces at use 3, this rank at use 4 (1 behind)"
+
+    dog = Watchdog(poll_s=0.05, grace_s=1.0)
+    dog.track(Soon(), "reduce_scatter_params_", "'0' (ranks [0, 1], this rank 0)", 0.5, describe)
+    dog.track(Never(), "all_gather_into_params_", "'0' (ranks [0, 1], this rank 0)", 0.5, describe)
+    start = time.monotonic()
+    while True:  # the training thread: its next op raises, then it blocks as on a stalled GPU
+        try:
+            dog.check()
+        except TideTimeoutError as e:
+            print("RAISED after %.1f s" % (time.monotonic() - start), flush=True)
+            time.sleep(60)
+        time.sleep(0.01)
+""")
+
+
+@pytest.mark.parametrize("flags", ["readable", "unreadable"])
+def test_an_op_that_never_completes_is_reported_raised_and_ends_the_process(flags):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _EXPIRY, flags], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    assert proc.returncode == watchdog.EXIT_CODE, (proc.returncode, proc.stderr)
+    assert took < 30, took  # timeout 0.5 s + grace 1 s, plus the interpreter's start
+    assert "RAISED after" in proc.stdout, proc.stdout
+    err = proc.stderr
+    assert "tide: all_gather_into_params_ on group '0' (ranks [0, 1], this rank 0) did not complete" in err, err
+    assert "reduce_scatter_params_" not in err.split("Thread")[0]  # the op that completed is not reported
+    if flags == "readable":
+        assert "peer 1 (global rank 1) is behind: all-gather slot 0" in err, err
+    else:
+        assert "flag words unreadable: RuntimeError: copy failed" in err, err
+    assert f"exits with code {watchdog.EXIT_CODE}" in err
+    assert "Thread" in err  # every thread's stack follows the report
+
+
+def test_check_raises_the_recorded_error():
+    dog = Watchdog()
+    dog.check()
+    dog.error = TideTimeoutError("tide: x did not complete")
+    with pytest.raises(TideTimeoutError, match="did not complete"):
+        dog.check()
+
+
+def _group_timeout(rank, world_size):
+    import torch.distributed as dist
+
+    return watchdog.timeout_for(dist.group.WORLD)
+
+
+def test_timeout_is_the_groups_unless_tide_timeout_s_says_otherwise(monkeypatch):
+    [outcome] = run_ranks_outcomes(_group_timeout, 1, pg_timeout=17.0, timeout=120)
+    assert outcome.status == "ok" and outcome.detail == 17.0, outcome
+    monkeypatch.setenv("TIDE_TIMEOUT_S", "2.5")
+    assert watchdog.timeout_for(None) == 2.5
+    for bad in ("0", "-3", "soon"):
+        monkeypatch.setenv("TIDE_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="TIDE_TIMEOUT_S must be a number of seconds > 0"):
+            watchdog.timeout_for(None)

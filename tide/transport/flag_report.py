@@ -1,0 +1,63 @@
+"""Which peers are behind: a stalled rank's flag words set against what it has issued.
+
+The watchdog (tide/transport/watchdog.py) reads a host copy of an arena's int32 flag words when a TIDE
+op has not completed in time. Peers write those words (csrc/transport/flags.h), so they say how far
+each peer has come; the arena's ``progress()`` says what this rank has issued, i.e. the values its
+waits expect:
+
+- all-gather slot i, this rank's use u (``ag_uses[i]``): peer p is behind when ``ag_free[i][p]`` (p's
+  slot may receive my pieces) or ``ag_ready[i][p]`` (p's pieces landed in my slot) is below u;
+  ``ag_src[i]`` below u means this rank's own pieces of use u are not posted yet (they wait for the
+  peers' "free");
+- reduce-scatter: peer q is behind by ``rs_rounds[me] - max_s rs_ready[s][q]`` rounds of its
+  contributions to me, and by ``rs_rounds[q] - max_s rs_free[q][s]`` rounds of summing mine.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+
+def behind(words: Sequence[int], index: Mapping[str, list], progress: Mapping[str, list], rank: int) -> dict[int, list[str]]:
+    """For every peer whose words are below what this rank's issued work waits for: what lags, by how much."""
+    value = [w & 0xFFFFFFFF for w in words]
+    ag_uses, rs_rounds = progress["ag_uses"], progress["rs_rounds"]
+    world = len(rs_rounds)
+    out: dict[int, list[str]] = {}
+    for p in range(world):
+        if p == rank:
+            continue
+        lags = []
+        for i, uses in enumerate(ag_uses):
+            free, ready = value[index["ag_free"][i][p]], value[index["ag_ready"][i][p]]
+            if min(free, ready) < uses:
+                lags.append(f"all-gather slot {i}: free at use {free}, pieces at use {ready}, this rank at use {uses} "
+                            f"({uses - min(free, ready)} behind)")
+        delivered = max(value[index["rs_ready"][s][p]] for s in range(len(index["rs_ready"])))
+        if delivered < rs_rounds[rank]:
+            lags.append(f"reduce-scatter: contributions to this rank through round {delivered} of {rs_rounds[rank]} "
+                        f"({rs_rounds[rank] - delivered} behind)")
+        summed = max(value[w] for w in index["rs_free"][p])
+        if summed < rs_rounds[p]:
+            lags.append(f"reduce-scatter: summed this rank's contributions through round {summed} of {rs_rounds[p]} "
+                        f"({rs_rounds[p] - summed} behind)")
+        if lags:
+            out[p] = lags
+    return out
+
+
+def describe(words: Sequence[int], index: Mapping[str, list], progress: Mapping[str, list], rank: int,
+             ranks: Sequence[int]) -> str:
+    """A few lines for the watchdog's report: the peers behind (by global rank) and this rank's own state."""
+    value = [w & 0xFFFFFFFF for w in words]
+    lines = []
+    late = behind(words, index, progress, rank)
+    for p, lags in late.items():
+        lines.append(f"  peer {p} (global rank {ranks[p]}) is behind: " + "; ".join(lags))
+    if not late:
+        lines.append("  no peer's flags are behind this rank's issued work (the stall is on this GPU's own queue)")
+    unposted = [i for i, uses in enumerate(progress["ag_uses"]) if value[index["ag_src"][i]] < uses]
+    lines.append(f"  this rank issued all-gather uses {list(progress['ag_uses'])} per slot and reduce-scatter rounds "
+                 f"{list(progress['rs_rounds'])} per destination" +
+                 (f"; its pieces for slot(s) {unposted} are not posted yet (waiting for peers' free flags)"
+                  if unposted else ""))
+    return "\n".join(lines)

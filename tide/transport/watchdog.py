@@ -1,0 +1,130 @@
+"""Bounded waits for the CUDA transport: a host thread that ends a process whose TIDE op never completes.
+
+TIDE's waits are stream memory operations on flag words: a peer that dies or issues a different
+sequence leaves them waiting forever, and no kernel spins that could time out. So every TIDE op records
+an event on the caller's stream after it is issued, and one daemon thread per process (started with the
+first op) polls those events (``cudaEventQuery``: it never waits on the GPU). When an op has not
+completed ``timeout_s`` after it was issued (``TIDE_TIMEOUT_S``, else the process group's timeout), the
+thread
+
+1. writes a report to stderr: the op, the group, how long, and which peers' flag words are behind this
+   rank's issued work and by how much (``tide/transport/flag_report.py``), plus every thread's stack;
+2. makes the next TIDE op or FSDP2 collective of the training thread raise :class:`TideTimeoutError`
+   with that report;
+3. ends the process with exit code :data:`EXIT_CODE` after a grace of min(:data:`GRACE_S`, timeout)
+   seconds, whatever the training thread is doing (it may be blocked on the stalled GPU): like stock
+   FSDP2 under ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, continuing after a failed collective is not safe.
+
+A survivor of a dead peer therefore ends within timeout + poll + report (flag copy <= 2 s) + grace <
+timeout + 15 s. The cost on the healthy path is one event record and one list append per op.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+EXIT_CODE = 124
+GRACE_S = 10.0
+POLL_S = 0.25
+
+
+class TideTimeoutError(RuntimeError):
+    """A TIDE op did not complete within its timeout (the watchdog's report is the message)."""
+
+
+@dataclass
+class _Pending:
+    done: Any  # an object with query() -> bool: a torch.cuda.Event recorded after the op
+    op: str
+    group: str
+    timeout_s: float
+    describe: Callable[[], str]  # the flag report, called once on expiry
+    issued: float = field(default_factory=time.monotonic)
+
+
+class Watchdog:
+    """Tracks issued ops until they complete; on expiry reports, fails the next op, then ends the process."""
+
+    def __init__(self, *, poll_s: float = POLL_S, grace_s: float = GRACE_S, exit_code: int = EXIT_CODE) -> None:
+        self.poll_s, self.grace_s, self.exit_code = poll_s, grace_s, exit_code
+        self.error: TideTimeoutError | None = None
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def track(self, done: Any, op: str, group: str, timeout_s: float, describe: Callable[[], str]) -> None:
+        """Watch one issued op: ``done.query()`` turns true when it has completed."""
+        with self._lock:
+            self._pending.append(_Pending(done, op, group, timeout_s, describe))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tide-watchdog", daemon=True)
+                self._thread.start()
+
+    def check(self) -> None:
+        """Raise the watchdog's error, if an op has timed out (the training thread calls this per op)."""
+        if self.error is not None:
+            raise self.error
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            now = time.monotonic()
+            with self._lock:
+                self._pending = [p for p in self._pending if not p.done.query()]
+                late = [p for p in self._pending if now - p.issued > p.timeout_s]
+            if late:
+                self._expire(min(late, key=lambda p: p.issued), now)
+                return
+
+    def _expire(self, p: _Pending, now: float) -> None:
+        grace = min(self.grace_s, p.timeout_s)
+        try:
+            detail = p.describe()
+        except Exception as e:  # the report must not keep the process alive
+            detail = f"  flag words unreadable: {type(e).__name__}: {e}"
+        report = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it was issued "
+                  f"(timeout {p.timeout_s:g} s: TIDE_TIMEOUT_S, else the process group's timeout). A peer died, "
+                  f"stalled, or issued a different sequence of TIDE ops.\n{detail}\n"
+                  f"tide: the next TIDE op or FSDP2 collective raises this; the process exits with code "
+                  f"{self.exit_code} in {grace:g} s.")
+        self.error = TideTimeoutError(report)
+        sys.stderr.write(report + "\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        time.sleep(grace)
+        sys.stderr.flush()
+        os._exit(self.exit_code)
+
+
+WATCHDOG = Watchdog()
+
+
+def timeout_for(group) -> float:
+    """Seconds a TIDE op of ``group`` may take: ``TIDE_TIMEOUT_S``, else the group's own timeout."""
+    value = os.environ.get("TIDE_TIMEOUT_S", "")
+    if value:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise ValueError(f"tide: TIDE_TIMEOUT_S must be a number of seconds > 0, got {value!r}")
+        return seconds
+    import torch
+    import torch.distributed as dist
+
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend(group)).total_seconds()
