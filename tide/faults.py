@@ -38,7 +38,7 @@ def _die(fault_file: str | None) -> None:
     os._exit(DIED)
 
 
-def _stall(fault_file: str | None) -> None:
+def stall(fault_file: str | None) -> None:
     """Stop issuing while alive, past the peers' bound (their timeout + 15 s), then die."""
     from tide.transport.watchdog import timeout_for
 
@@ -84,7 +84,7 @@ def op_sequence(rank: int, world_size: int, device_type: str, scenario: str, see
         if faulty and scenario.startswith("dies_in") and dev.type == "cpu":
             _die(fault_file)
         if faulty and scenario == "stalls":
-            _stall(fault_file)
+            stall(fault_file)
         if kind == "ag":
             shards = [torch.randn(r, c, device=dev).bfloat16() for r, c in rows]
             if arena is not None:

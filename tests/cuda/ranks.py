@@ -589,3 +589,23 @@ def plans_layout(shapes, dtypes, world_size):
     from tide.transport import plans
 
     return plans.all_gather_layout(shapes, dtypes, world_size)
+
+
+def stalled_peer(rank: int, world_size: int, fault_file: str) -> str:
+    """One all-gather on both ranks (its plan agreed); then rank 1 stops issuing, past rank 0's timeout
+    + 15 s, while rank 0 all-gathers again with the same plan and waits for the GPU."""
+    import tide  # noqa: F401
+    from tide import faults, transport
+
+    group = dist.group.WORLD
+    arena = transport.enable(group, slot_bytes=1 << 20)
+    dev = arena.device
+    shards = [torch.randn(4, 3, device=dev).bfloat16(), torch.randn(5, device=dev).bfloat16()]
+    layout = plans_layout([s.shape for s in shards], [torch.bfloat16] * 2, world_size)
+    for call in range(2):
+        if rank == faults.FAULTY_RANK and call == 1:
+            faults.stall(fault_file)
+        outs = arena.slot_views(layout, [torch.bfloat16] * 2, arena.slots.acquire())
+        torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group.group_name)
+        torch.cuda.synchronize()
+    return "finished"
