@@ -51,9 +51,11 @@ def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, resu
 
     faulthandler.enable()  # a rank killed by a signal prints its Python stack on stderr
 
+    # torchrun's variables for one host; env may set LOCAL_WORLD_SIZE to emulate nodes of that many ranks.
+    local_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank % local_size), LOCAL_WORLD_SIZE=str(local_size))
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
         if device_type == "cuda":
             # One GPU per rank when there are enough; otherwise ranks share GPUs (gloo; run_ranks refuses NCCL).

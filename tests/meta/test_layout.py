@@ -4,7 +4,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tide.meta.layout import GroupLayout, latin_square_placement, rank_row_range, shard_rows
+from tide.meta.layout import GroupLayout, rank_row_range, shard_rows
 
 ITEMSIZES = st.sampled_from([1, 2, 4, 8])
 # d0 from 0 (empty) upward, often smaller than W; 0-d and 1-d shapes included.
@@ -93,23 +93,6 @@ def test_rs_chunks_cover_every_real_element_once(layout):
             assert all(n == 1 for n in counts), "a shard element is not covered exactly once by chunks + padding"
     for counts in seen.values():
         assert all(n == 1 for n in counts), "a gradient element is not reduced exactly once"
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 64), st.integers(1, 8))
-def test_latin_square_placement(num_nodes, gpus_per_node):
-    P = latin_square_placement(num_nodes, gpus_per_node)
-    L = gpus_per_node
-    assert len(P) == num_nodes
-    for row in P:
-        assert sorted(row) == list(range(L))
-    for g in range(L):
-        column = [P[n][g] for n in range(num_nodes)]
-        for n in range(num_nodes):  # any L consecutive nodes enter destination g on distinct GPUs
-            window = column[n:n + L]
-            assert len(set(window)) == len(window)
-        counts = [column.count(x) for x in range(L)]
-        assert max(counts) - min(counts) <= 1
 
 
 @pytest.mark.parametrize("d0,W,expect", [(0, 4, 0), (1, 4, 1), (3, 4, 1), (4, 4, 1), (5, 4, 2), (10, 3, 4)])

@@ -26,7 +26,6 @@ __all__ = [
     "shard_rows",
     "rank_row_range",
     "rows_and_row_numel",
-    "latin_square_placement",
 ]
 
 DEFAULT_ALIGN_BYTES = 16
@@ -245,19 +244,3 @@ class GroupLayout:
             "chunk_cat": chunk_cat,
             "removed": copy_in + copy_out + chunk_cat,
         }
-
-
-def latin_square_placement(num_nodes: int, gpus_per_node: int) -> tuple[tuple[int, ...], ...]:
-    """Contributor placement for the multi-node reduce-scatter: ``P[n][g]`` is the local GPU (rail)
-    through which node ``n``'s fp32 partial for destination GPU ``g`` enters a receiving node.
-
-    Each row is a permutation (a node spreads its partials over all L rails), and every column holds
-    each GPU index ``floor(N/L)`` or ``ceil(N/L)`` times, all distinct in any L consecutive nodes, so up
-    to L nodes' partials for one destination sit on L different GPUs. With ``N <= L`` the array is a
-    Latin rectangle; with ``N == L`` a Latin square.
-    """
-    if num_nodes < 1 or gpus_per_node < 1:
-        raise ValueError(
-            f"latin_square_placement: num_nodes and gpus_per_node must be >= 1, got {num_nodes}, {gpus_per_node}"
-        )
-    return tuple(tuple((g + n) % gpus_per_node for g in range(gpus_per_node)) for n in range(num_nodes))

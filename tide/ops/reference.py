@@ -7,7 +7,9 @@ then sums the W contributions in fp32 in rank order. No flat rank-major buffer a
 buffer is built; the only staging is one bf16 receive buffer per parameter (this rank's rows from all
 W ranks) while its exchange is in flight.
 
-Its results define the ops' semantics: the CUDA transport must match them bit for bit.
+Its results define the ops' semantics: the CUDA transport must match them bit for bit. A group whose
+ranks span several nodes (``tide.topology``) runs the multi-node schedule instead
+(``tide/ops/reference_multinode.py``), whose fp32 order sums node partials: see the schemas.
 
 On CPU every call first exchanges a fingerprint of itself (the op, the tensors' shapes and dtypes, and the
 group's call count) in one small all-gather: ranks that issue different calls (a skipped collective,
@@ -23,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from tide import topology
 from tide.meta import checks
 from tide.meta.layout import rank_row_range, rows_and_row_numel
+from tide.ops import reference_multinode
 from tide.transport.agreement import call_desc
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
@@ -70,7 +74,11 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
     checks.check_all_gather_into_params(op, shards, outs, world_size)
     group = resolve_group(op, group_name, world_size)
-    check_same_call(op, group, (shards, outs))
+    topo = topology.of_group(group)
+    check_same_call(op, group, (shards, outs), (topo,))
+    if topology.is_multinode(topo):
+        reference_multinode.all_gather(shards, outs, group, topo)
+        return
     rank = group.rank()
     works = []
     for shard, out in zip(shards, outs):
@@ -104,7 +112,11 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     op = "reduce_scatter_params_"
     checks.check_reduce_scatter_params(op, grads, shard_grads, world_size)
     group = resolve_group(op, group_name, world_size)
-    check_same_call(op, group, (grads, shard_grads), (accumulate,))
+    topo = topology.of_group(group)
+    check_same_call(op, group, (grads, shard_grads), (accumulate, topo))
+    if topology.is_multinode(topo):
+        reference_multinode.reduce_scatter(grads, shard_grads, scale, accumulate, group, topo)
+        return
     rank = group.rank()
     pending = []
     for grad, shard in zip(grads, shard_grads):

@@ -1,0 +1,42 @@
+"""Which nodes a group's ranks form (tide/topology.py): pure cases, the override and the environment."""
+import pytest
+
+from tide import topology
+from tide.meta.multinode import Topology
+
+
+@pytest.mark.parametrize("ranks,local_size,want", [
+    ([0, 1, 2, 3], 2, Topology(2, 2)),
+    ([0, 1, 2, 3, 4, 5], 2, Topology(3, 2)),
+    ([0, 1, 2, 3, 4, 5], 3, Topology(2, 3)),
+    ([0, 1], 1, Topology(2, 1)),            # 2 GPUs as 2 nodes x 1
+    ([0, 2], 2, Topology(2, 1)),            # one rank of each node
+    ([2, 3, 0, 1], 2, Topology(2, 2)),      # nodes in any order, each node's ranks together
+    ([0, 1, 2, 3], 4, Topology(1, 4)),
+    ([0, 1, 2, 3], None, Topology(1, 4)),   # no LOCAL_WORLD_SIZE: one node
+    ([0, 1, 2], 2, None),                   # 2 + 1: irregular
+    ([0, 2, 1, 3], 2, None),                # a node's ranks apart in group order
+])
+def test_of_ranks(ranks, local_size, want):
+    assert topology.of_ranks(ranks, local_size) == want
+
+
+def test_local_world_size_from_override_then_environment(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert topology.local_world_size() == 4
+    topology.set_local_world_size(2)
+    try:
+        assert topology.local_world_size() == 2
+    finally:
+        topology.set_local_world_size(None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert topology.local_world_size() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be an integer, got 'two'"):
+        topology.local_world_size()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"])
+def test_set_local_world_size_names_the_argument(bad):
+    with pytest.raises(ValueError, match="set_local_world_size: local_world_size must be an int >= 1 or None"):
+        topology.set_local_world_size(bad)
