@@ -27,9 +27,10 @@ _ops: Counter = Counter()
 _logged: set = set()
 
 
-def count_fsdp(kind: str, reason: str | None) -> None:
-    """One FSDP2 collective of ``kind``: on TIDE (``reason`` None) or stock for ``reason``."""
-    _fsdp[kind]["tide" if reason is None else f"stock:{reason}"] += 1
+def count_fsdp(kind: str, reason: str | None, multinode: bool = False) -> None:
+    """One FSDP2 collective of ``kind``: on TIDE (``reason`` None; ``"tide_multinode"`` when the group
+    spans several nodes) or stock for ``reason``."""
+    _fsdp[kind][("tide_multinode" if multinode else "tide") if reason is None else f"stock:{reason}"] += 1
     if reason is not None and ("fsdp", kind, reason) not in _logged:
         _logged.add(("fsdp", kind, reason))
         # A group that never opted in is not a fallback worth a warning.

@@ -79,11 +79,12 @@ def test_enable_twice_then_disable():
         assert set(r["after_disable"]["reduce_scatter"]) == {"stock:not_enabled"}
 
 
-@pytest.mark.parametrize("hosts,reason", [
-    (["a", "a"], None), (["a"] * 8, None), (["a"] * 9, "nvlink_domain"), (["a", "a", "b", "b"], "nvlink_domain"),
+@pytest.mark.parametrize("hosts,multinode,reason", [
+    (["a", "a"], False, None), (["a"] * 8, False, None), (["a"] * 9, False, "nvlink_domain"),
+    (["a", "a", "b", "b"], False, "nvlink_domain"), (["a"] * 4, True, "nvlink_domain"),  # emulated nodes
 ])
-def test_nvlink_domain_contract(hosts, reason):
-    assert fallbacks.contract_reason(9, hosts) == reason
+def test_nvlink_domain_contract(hosts, multinode, reason):
+    assert fallbacks.contract_reason(9, hosts, multinode) == reason
 
 
 def test_install_twice_keeps_a_later_patcher_chained_without_a_cycle():

@@ -239,3 +239,12 @@ def enable_disable(rank: int, world_size: int) -> dict:
     train_step(model, optim, cfg, 2, rank)
     return {"first": first["stats"], "once": once, "slot_reuse": slot_reuse, "restored": restored,
             "after_disable": tide.stats()["fsdp"], "groups": len(groups)}
+
+
+def multinode_parity(rank: int, world_size: int) -> dict:
+    """Emulated nodes (the caller sets ``LOCAL_WORLD_SIZE``): bf16 params In-Place with prefetch, fp32
+    params Slot-Reuse with 2 accumulating micro-batches."""
+    torch.set_num_threads(1)
+    tiny = PRESETS["tiny"]
+    return {"bf16_in_place": _pair(tiny, rank, steps=4, mp=BF16, prefetch=True, rs_mode="in_place"),
+            "fp32_slot_reuse": _pair(tiny, rank, steps=4, accum=2, rs_mode="slot_reuse")}

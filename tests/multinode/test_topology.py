@@ -40,3 +40,22 @@ def test_local_world_size_from_override_then_environment(monkeypatch):
 def test_set_local_world_size_names_the_argument(bad):
     with pytest.raises(ValueError, match="set_local_world_size: local_world_size must be an int >= 1 or None"):
         topology.set_local_world_size(bad)
+
+
+def _enable_multinode_arena(rank, world_size):
+    import torch.distributed as dist
+
+    from tide import transport
+
+    try:
+        transport.enable(dist.group.WORLD, slot_bytes=1 << 20)
+    except ValueError as e:
+        return str(e)
+    return "enabled"
+
+
+def test_the_cuda_transport_refuses_a_group_spanning_nodes():
+    from tide.launch import run_ranks
+
+    for msg in run_ranks(_enable_multinode_arena, 2, env={"LOCAL_WORLD_SIZE": "1"}, timeout=120):
+        assert msg.startswith("tide.transport.enable: ranks [0, 1] span 2 nodes of 1"), msg

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import os
 
+from tide import topology
 from tide.fsdp import compat, hooks, seam, wiring
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 
@@ -53,7 +54,7 @@ def _groups_and_leaf(module: nn.Module) -> list:
 
 
 def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
-           transport: str | None = None) -> nn.Module:
+           transport: str | None = None, local_world_size: int | None = None) -> nn.Module:
     """Opt every FSDP2 module in ``module``'s tree (all its param groups) into TIDE; returns ``module``.
 
     ``rs_mode``: ``"in_place"`` or ``"slot_reuse"`` (how the CUDA transport stages the reduce-scatter; the
@@ -65,6 +66,10 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
     each set of ranks is created (collectively) at their first TIDE collective, after FSDP's
     lazy init, and all-gather outputs are bound in its slots; ``"reference"``: no arena, the ops' reference
     backend (stock collectives, still layout-aware). On CPU both are the reference backend.
+    ``local_world_size``: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``), for every group of
+    the process (``tide.topology``): groups whose ranks span several nodes run the multi-node schedule,
+    counted as ``"tide_multinode"`` (on CPU; on CUDA they take stock, ``stock:nvlink_domain``, until the
+    multi-node CUDA transport exists). Every rank must pass the same value.
     Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
     path's comms.
     """
@@ -77,6 +82,10 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
     if transport not in TRANSPORTS:
         raise ValueError(f"tide.fsdp.enable: transport must be one of {TRANSPORTS}, got {transport!r}")
     compat.check_torch_version("tide.fsdp.enable", force)
+    if local_world_size is not None:
+        if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
+            raise ValueError(f"tide.fsdp.enable: local_world_size must be an int >= 1, got {local_world_size!r}")
+        topology.set_local_world_size(local_world_size)
     groups = _groups_and_leaf(module)
     if not groups:
         raise ValueError(

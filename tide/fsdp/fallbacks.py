@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
+from tide import topology
 from tide.fsdp import compat
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 from tide.meta.checks import FLOAT_DTYPES
@@ -48,12 +49,13 @@ def common_reason(device: torch.device) -> str | None:
     return None
 
 
-def contract_reason(compute_capability_major: int, hosts: Sequence[str]) -> str | None:
+def contract_reason(compute_capability_major: int, hosts: Sequence[str], multinode: bool = False) -> str | None:
     """The CUDA contract for a group on GPUs of this compute capability, its ranks on these hosts (in
-    rank order)."""
+    rank order), spanning several nodes (``tide.topology``: real or emulated) or not. The CUDA transport
+    serves one node; the multi-node schedule runs on the reference backend only so far."""
     if compute_capability_major < MIN_COMPUTE_CAPABILITY:
         return "compute_capability"
-    if len(hosts) > MAX_NVLINK_DOMAIN or len(set(hosts)) > 1:
+    if len(hosts) > MAX_NVLINK_DOMAIN or len(set(hosts)) > 1 or multinode:
         return "nvlink_domain"
     return None
 
@@ -73,7 +75,8 @@ def _device_reason(device: torch.device, group, comm) -> str | None:
         return None
     if comm.contract is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        comm.contract = (contract_reason(torch.cuda.get_device_capability(index)[0], group_hosts(group)),)
+        comm.contract = (contract_reason(torch.cuda.get_device_capability(index)[0], group_hosts(group),
+                                         topology.is_multinode(topology.of_group(group))),)
     return comm.contract[0]
 
 

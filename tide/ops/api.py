@@ -22,8 +22,9 @@ def all_gather_into_params(shards: Sequence[torch.Tensor], outs: Sequence[torch.
 
 def reduce_scatter_params(grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], group: dist.ProcessGroup,
                           *, scale: float = 1.0, accumulate: bool = False) -> None:
-    """This rank's rows of ``scale * sum over ranks of grads[i]``, summed in fp32 in rank order, written
-    (or added, ``accumulate``) into the fp32 ``shard_grads[i]``; padding rows are zero."""
+    """This rank's rows of ``scale * sum over ranks of grads[i]``, summed in fp32 in rank order (across
+    nodes: node partials first, see the schemas), written (or added, ``accumulate``) into the fp32
+    ``shard_grads[i]``; padding rows are zero."""
     torch.ops.tide.reduce_scatter_params_(list(grads), list(shard_grads), float(scale), bool(accumulate),
                                           group.size(), group.group_name)
 

@@ -11,7 +11,9 @@ reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_
     ``grads[i]`` is the unpadded unsharded gradient ``(d0_i, *rest)`` (bf16, fp16 or fp32);
     ``shard_grads[i]`` is this rank's padded fp32 shard ``(c_i, *rest)``. Computes, for this rank's rows,
     ``scale * sum_{k=0..W-1} grads_k[i]`` summed in fp32 in rank order (bit-deterministic), rows
-    ``>= d0_i`` as zero, and writes it to ``shard_grads[i]`` (adds it when ``accumulate``).
+    ``>= d0_i`` as zero, and writes it to ``shard_grads[i]`` (adds it when ``accumulate``). A group
+    spanning N >= 2 nodes of L ranks (``tide.topology``) sums each node's L contributions in local order
+    first, then the N node partials in node order (docs/design.md "Across nodes").
 
 all_gather(shards, world_size, group_name) -> outs
 reduce_scatter(inputs, scale, out_dtype, world_size, group_name) -> outs

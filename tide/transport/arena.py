@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from tide import topology
 from tide.meta import checks
 from tide.meta.layout import GroupLayout, align_up
 from tide.transport import agreement, flag_report, plans, watchdog
@@ -332,6 +333,11 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int | None = None, layouts: 
     arena are refused (``disable`` it first), on every rank alike."""
     need = max([slot_bytes or 0] + [l.slot_bytes for l in layouts])
     ranks = group_ranks(group.group_name)
+    topo = topology.of_group(group)
+    if topology.is_multinode(topo):
+        raise ValueError(f"tide.transport.enable: ranks {list(ranks)} span {topo.num_nodes} nodes of {topo.local_size} "
+                         "(tide.topology); the CUDA transport serves one node, and multi-node groups run the "
+                         "reference backend's multi-node schedule")
     if ranks in _ARENAS:
         raise ValueError(f"tide.transport.enable: ranks {list(ranks)} already have an arena; "
                          "tide.transport.disable it first")
