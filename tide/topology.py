@@ -23,14 +23,14 @@ _local_world_size: int | None = None
 _cache: dict[tuple, Topology | None] = {}
 
 
-def set_local_world_size(local_world_size: int | None) -> None:
+def set_local_world_size(local_world_size: int | None, caller: str = "tide.topology.set_local_world_size") -> None:
     """Ranks per node for every group of this process (None: torchrun's ``LOCAL_WORLD_SIZE``). Every rank
-    must set the same value (the reference backend's call check compares it)."""
+    must set the same value (the reference backend's call check compares it). A bad value raises
+    ``ValueError`` naming ``caller``."""
     global _local_world_size
     if local_world_size is not None and (isinstance(local_world_size, bool) or not isinstance(local_world_size, int)
                                          or local_world_size < 1):
-        raise ValueError(f"tide.topology.set_local_world_size: local_world_size must be an int >= 1 or None, "
-                         f"got {local_world_size!r}")
+        raise ValueError(f"{caller}: local_world_size must be an int >= 1 or None, got {local_world_size!r}")
     _local_world_size = local_world_size
 
 

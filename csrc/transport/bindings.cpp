@@ -16,6 +16,19 @@ namespace {
 
 namespace py = pybind11;
 
+// [word(0), ..., word(n - 1)] and [[word(r, 0), ...], ...] as Python lists.
+template <typename Word>
+py::list row(int64_t n, Word word) {
+  py::list out;
+  for (int64_t i = 0; i < n; ++i) out.append(word(i));
+  return out;
+}
+
+template <typename Word>
+py::list table(int64_t rows, int64_t cols, Word word) {
+  return row(rows, [&](int64_t r) { return row(cols, [&](int64_t c) { return word(r, c); }); });
+}
+
 py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int64_t slot_bytes, int64_t entry_bytes) {
   const ArenaLayout l{FlagLayout{num_slots, ring_depth, world}, slot_bytes, entry_bytes};
   py::dict d;
@@ -26,38 +39,13 @@ py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int6
   d["total_bytes"] = l.total_bytes();
   // Every flag word's index by name (the watchdog reads a host copy of the words; the formula stays here).
   const FlagLayout& f = l.flags;
-  py::list ag_free, ag_ready, ag_src, rs_ready, rs_free, rs_push_src;
-  for (int64_t i = 0; i < f.K; ++i) {
-    py::list free_i, ready_i;
-    for (int64_t p = 0; p < f.W; ++p) {
-      free_i.append(f.ag_free(i, p));
-      ready_i.append(f.ag_ready(i, p));
-    }
-    ag_free.append(free_i);
-    ag_ready.append(ready_i);
-    ag_src.append(f.ag_src(i));
-  }
-  for (int64_t s = 0; s < f.R; ++s) {
-    py::list ready_s;
-    for (int64_t q = 0; q < f.W; ++q) ready_s.append(f.rs_ready(s, q));
-    rs_ready.append(ready_s);
-  }
-  for (int64_t dst = 0; dst < f.W; ++dst) {
-    py::list free_d, src_d;
-    for (int64_t s = 0; s < f.R; ++s) {
-      free_d.append(f.rs_free(dst, s));
-      src_d.append(f.rs_push_src(dst, s));
-    }
-    rs_free.append(free_d);
-    rs_push_src.append(src_d);
-  }
   py::dict index;
-  index["ag_free"] = ag_free;
-  index["ag_ready"] = ag_ready;
-  index["ag_src"] = ag_src;
-  index["rs_ready"] = rs_ready;
-  index["rs_free"] = rs_free;
-  index["rs_push_src"] = rs_push_src;
+  index["ag_free"] = table(f.K, f.W, [&](int64_t i, int64_t p) { return f.ag_free(i, p); });
+  index["ag_ready"] = table(f.K, f.W, [&](int64_t i, int64_t p) { return f.ag_ready(i, p); });
+  index["ag_src"] = row(f.K, [&](int64_t i) { return f.ag_src(i); });
+  index["rs_ready"] = table(f.R, f.W, [&](int64_t s, int64_t q) { return f.rs_ready(s, q); });
+  index["rs_free"] = table(f.W, f.R, [&](int64_t dst, int64_t s) { return f.rs_free(dst, s); });
+  index["rs_push_src"] = table(f.W, f.R, [&](int64_t dst, int64_t s) { return f.rs_push_src(dst, s); });
   d["flag_index"] = index;
   return d;
 }

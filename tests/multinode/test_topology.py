@@ -59,3 +59,27 @@ def test_the_cuda_transport_refuses_a_group_spanning_nodes():
 
     for msg in run_ranks(_enable_multinode_arena, 2, env={"LOCAL_WORLD_SIZE": "1"}, timeout=120):
         assert msg.startswith("tide.transport.enable: ranks [0, 1] span 2 nodes of 1"), msg
+
+
+def _enable_with(rank, world_size, value):
+    import tide.fsdp
+    from tide.models import PRESETS
+    from tide.train import fsdp_model
+
+    model = fsdp_model(PRESETS["tiny"], device="cpu")
+    try:
+        tide.fsdp.enable(model, local_world_size=value)
+    except ValueError as e:
+        return str(e)
+    return f"accepted; local_world_size() == {topology.local_world_size()}"
+
+
+@pytest.mark.parametrize("value,want", [
+    (0, "tide.fsdp.enable: local_world_size must be an int >= 1 or None, got 0"),
+    ("2", "tide.fsdp.enable: local_world_size must be an int >= 1 or None, got '2'"),
+    (2, "accepted; local_world_size() == 2"),
+])
+def test_enable_takes_or_refuses_local_world_size(value, want):
+    from tide.launch import run_ranks
+
+    assert run_ranks(_enable_with, 1, value, timeout=120) == [want]

@@ -83,9 +83,7 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
         raise ValueError(f"tide.fsdp.enable: transport must be one of {TRANSPORTS}, got {transport!r}")
     compat.check_torch_version("tide.fsdp.enable", force)
     if local_world_size is not None:
-        if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
-            raise ValueError(f"tide.fsdp.enable: local_world_size must be an int >= 1, got {local_world_size!r}")
-        topology.set_local_world_size(local_world_size)
+        topology.set_local_world_size(local_world_size, "tide.fsdp.enable")
     groups = _groups_and_leaf(module)
     if not groups:
         raise ValueError(

@@ -197,7 +197,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
         arena = wiring.arena_for(group, device, all_gather_comm.transport)
         plan = wiring.plan_all_gather(arena, all_gather_comm, fsdp_params, group.size())
         reason = arena_reason(plan[0])
-    counters.count_fsdp("all_gather", reason, topology.is_multinode(topology.of_group(group)))
+    counters.count_fsdp("all_gather", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
         return _ORIG["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                            all_gather_stream, device, all_gather_comm, *args, **kwargs)
@@ -226,7 +226,8 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     WATCHDOG.check()
     reason = reduce_reason(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_comm, reduce_dtype,
                            device, all_reduce_group, all_reduce_hook, bool(args or kwargs))
-    counters.count_fsdp("reduce_scatter", reason, topology.is_multinode(topology.of_group(reduce_scatter_group)))
+    counters.count_fsdp("reduce_scatter", reason,
+                        reason is None and topology.is_multinode(topology.of_group(reduce_scatter_group)))
     if reason is not None:
         out = _ORIG["foreach_reduce"](
             fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
