@@ -97,7 +97,10 @@ def _rank(rank, world_size, reps):
         torch.cuda.synchronize()
         dist.barrier()
         rs_alone = statistics.median(_per_call_ms(fn, 10, side) for _ in range(reps))
-        calls = max(2, math.ceil(1.3 * gemms * gemm_alone / rs_alone))
+        # Every rank must issue the same number of collectives: agree on the largest count.
+        calls = torch.tensor([max(2, math.ceil(1.3 * gemms * gemm_alone / rs_alone))], device=dev)
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+        calls = int(calls.item())
         gemm_beside, rs_beside = [], []
         for _ in range(reps):
             torch.cuda.synchronize()

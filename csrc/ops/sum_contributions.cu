@@ -13,9 +13,12 @@
 //
 // The grid is persistent and bounded (default 16 CTAs, TIDE_RS_CTAS): the kernel is short-lived,
 // shares the GPU with the model's kernels, and never waits on a flag (the stream waits before it with
-// cuStreamWaitValue32), so it cannot starve the SM-run "copies" of a 1-GPU test. Each thread keeps
-// kUnrollFor<K> 16-B vectors of each of the K sources in flight before it adds (K templated for 1..8);
-// segments whose pointers are not all 16-B aligned, and vector tails, take a scalar path.
+// cuStreamWaitValue32), so it cannot starve the SM-run "copies" of a 1-GPU test. A thread's vector is
+// four elements of every source (16 B of fp32, 8 B of bf16/fp16), so each thread writes exactly one
+// float4 and a warp's store covers 512 contiguous bytes (16-B source vectors of bf16 made every warp
+// store half-fill its sectors, which bound the kernel by its stores). Each thread keeps
+// kUnrollFor<T, K> vectors of each of the K sources in flight before it adds (K templated for 1..8);
+// segments whose pointers are not all vector-aligned, and vector tails, take a scalar path.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,11 +30,21 @@
 namespace tide {
 namespace {
 
-// 16-B vectors per source per thread in flight before the adds: 16 vectors in all (2 per source at
+// Four elements of T, loaded as one vector.
+template <typename T>
+struct Vec4 {
+  using type = uint2;  // bf16 / fp16
+};
+template <>
+struct Vec4<float> {
+  using type = uint4;
+};
+
+// Vectors per source per thread in flight before the adds: 256 B per thread in all (32 B per source at
 // least). On a bounded grid the kernel is bound by the bytes in flight per SM, so few contributions
 // (W = 2) need a deeper unroll to read as fast as many.
-template <int K>
-constexpr int kUnrollFor = K >= 8 ? 2 : 16 / K;
+template <typename T, int K>
+constexpr int kUnrollFor = (K >= 8 ? 2 : 16 / K) * (16 / static_cast<int>(sizeof(typename Vec4<T>::type)));
 
 template <typename T>
 struct Elem;
@@ -52,31 +65,31 @@ struct Elem<__half> {
   }
 };
 
-// Unpacks one 16-B vector into its elements as fp32 (exact conversions).
-template <typename T>
-__device__ __forceinline__ void unpack(const uint4& v, float* f);
-template <>
-__device__ __forceinline__ void unpack<float>(const uint4& v, float* f) {
+// Unpacks one vector of four elements into fp32 (exact conversions).
+__device__ __forceinline__ void unpack4(const uint4& v, float* f) {
   f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
 }
+template <typename T>
+__device__ __forceinline__ void unpack4(const uint2& v, float* f);
 template <>
-__device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& v, float* f) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    f[2 * j] = __uint_as_float(w[j] << 16);
-    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-  }
+__device__ __forceinline__ void unpack4<__nv_bfloat16>(const uint2& v, float* f) {
+  f[0] = __uint_as_float(v.x << 16);
+  f[1] = __uint_as_float(v.x & 0xffff0000u);
+  f[2] = __uint_as_float(v.y << 16);
+  f[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 template <>
-__device__ __forceinline__ void unpack<__half>(const uint4& v, float* f) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    __half2 h = *reinterpret_cast<const __half2*>(&w[j]);
-    float2 g = __half22float2(h);
-    f[2 * j] = g.x;
-    f[2 * j + 1] = g.y;
+__device__ __forceinline__ void unpack4<__half>(const uint2& v, float* f) {
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+  f[0] = lo.x; f[1] = lo.y; f[2] = hi.x; f[3] = hi.y;
+}
+template <typename T>
+__device__ __forceinline__ void unpack(const typename Vec4<T>::type& v, float* f) {
+  if constexpr (sizeof(T) == 4) {
+    unpack4(v, f);
+  } else {
+    unpack4<T>(v, f);
   }
 }
 
@@ -91,13 +104,18 @@ struct Common {
   int32_t accumulate;
 };
 
-// A streaming 16-B load: read-only path, no L1 allocation, and a 256-B L2 prefetch hint, which keeps
-// more bytes in flight per CTA than a plain __ldg (the sources are read exactly once).
+// Streaming loads: read-only path, no L1 allocation, and a 256-B L2 prefetch hint, which keeps more
+// bytes in flight per CTA than a plain __ldg (the sources are read exactly once).
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
 
@@ -110,21 +128,16 @@ __device__ __forceinline__ float finish(float acc, float scale, bool accumulate,
   return accumulate ? __fadd_rn(old, v) : v;
 }
 
-// Scales the E sums of 16-B vector `idx` of the sources and writes (or adds) them to its E fp32
-// outputs, four at a time.
-template <int E>
+// Scales the four sums of vector `idx` of the sources and writes (or adds) them to their fp32 outputs.
 __device__ __forceinline__ void store_vector(const Common& a, float* out, int64_t idx, const float* acc) {
-#pragma unroll
-  for (int q = 0; q < E / 4; ++q) {
-    float4* o = reinterpret_cast<float4*>(out) + idx * (E / 4) + q;
-    const float4 old = a.accumulate ? *o : make_float4(0.f, 0.f, 0.f, 0.f);
-    float4 r;
-    r.x = finish(acc[4 * q + 0], a.scale, a.accumulate, old.x);
-    r.y = finish(acc[4 * q + 1], a.scale, a.accumulate, old.y);
-    r.z = finish(acc[4 * q + 2], a.scale, a.accumulate, old.z);
-    r.w = finish(acc[4 * q + 3], a.scale, a.accumulate, old.w);
-    *o = r;
-  }
+  float4* o = reinterpret_cast<float4*>(out) + idx;
+  const float4 old = a.accumulate ? *o : make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 r;
+  r.x = finish(acc[0], a.scale, a.accumulate, old.x);
+  r.y = finish(acc[1], a.scale, a.accumulate, old.y);
+  r.z = finish(acc[2], a.scale, a.accumulate, old.z);
+  r.w = finish(acc[3], a.scale, a.accumulate, old.w);
+  *o = r;
 }
 
 // Scalar path over elements [begin, n): any alignment, any K.
@@ -138,18 +151,18 @@ __device__ void sum_scalar(const Common& a, const SumSegment& s, int64_t begin) 
   }
 }
 
-// Vector path over the first nvec 16-B vectors of every source; K known at compile time.
+// Vector path over the first nvec vectors of every source; K known at compile time.
 template <typename T, int K>
 __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
-  constexpr int E = 16 / sizeof(T);  // elements per 16-B vector
-  const uint4* src[K];
+  using V = typename Vec4<T>::type;
+  const V* src[K];
 #pragma unroll
-  for (int k = 0; k < K; ++k) src[k] = static_cast<const uint4*>(source(a, s, k));
+  for (int k = 0; k < K; ++k) src[k] = static_cast<const V*>(source(a, s, k));
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  constexpr int kUnroll = kUnrollFor<K>;
+  constexpr int kUnroll = kUnrollFor<T, K>;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < nvec;
        base += nthreads * kUnroll) {
-    uint4 v[kUnroll][K];
+    V v[kUnroll][K];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t idx = base + u * nthreads;
@@ -162,15 +175,15 @@ __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t idx = base + u * nthreads;
       if (idx >= nvec) continue;
-      float acc[E], x[E];
+      float acc[4], x[4];
       unpack<T>(v[u][0], acc);
 #pragma unroll
       for (int k = 1; k < K; ++k) {
         unpack<T>(v[u][k], x);
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
+        for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
       }
-      store_vector<E>(a, s.out, idx, acc);
+      store_vector(a, s.out, idx, acc);
     }
   }
 }
@@ -178,36 +191,36 @@ __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
 // Vector path with K known only at run time (K > 8): one vector per source at a time.
 template <typename T>
 __device__ void sum_vector_any_k(const Common& a, const SumSegment& s, int64_t nvec) {
-  constexpr int E = 16 / sizeof(T);
+  using V = typename Vec4<T>::type;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < nvec; idx += nthreads) {
-    float acc[E], x[E];
-    unpack<T>(__ldg(static_cast<const uint4*>(source(a, s, 0)) + idx), acc);
+    float acc[4], x[4];
+    unpack<T>(ld_stream(static_cast<const V*>(source(a, s, 0)) + idx), acc);
     for (int k = 1; k < a.k; ++k) {
-      unpack<T>(__ldg(static_cast<const uint4*>(source(a, s, k)) + idx), x);
+      unpack<T>(ld_stream(static_cast<const V*>(source(a, s, k)) + idx), x);
 #pragma unroll
-      for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
+      for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
     }
-    store_vector<E>(a, s.out, idx, acc);
+    store_vector(a, s.out, idx, acc);
   }
 }
 
 template <typename T, int K>
 __device__ void sum_segment(const Common& a, const SumSegment& s) {
-  constexpr int E = 16 / sizeof(T);
+  constexpr uintptr_t kSourceAlign = sizeof(typename Vec4<T>::type);
   bool aligned = (reinterpret_cast<uintptr_t>(s.out) & 15) == 0;
-  for (int k = 0; k < a.k; ++k) aligned = aligned && (reinterpret_cast<uintptr_t>(source(a, s, k)) & 15) == 0;
+  for (int k = 0; k < a.k; ++k) aligned = aligned && (reinterpret_cast<uintptr_t>(source(a, s, k)) & (kSourceAlign - 1)) == 0;
   if (!aligned) {
     sum_scalar<T>(a, s, 0);
     return;
   }
-  const int64_t nvec = s.n / E;
+  const int64_t nvec = s.n / 4;
   if constexpr (K > 0) {
     sum_vector<T, K>(a, s, nvec);
   } else {
     sum_vector_any_k<T>(a, s, nvec);
   }
-  sum_scalar<T>(a, s, nvec * E);  // tail: fewer than E elements
+  sum_scalar<T>(a, s, nvec * 4);  // tail: fewer than 4 elements
 }
 
 __device__ void zero_segment(const SumSegment& s) {
