@@ -50,9 +50,11 @@ def test_an_exception_on_one_rank_fails_the_run_with_its_traceback():
     assert time.monotonic() - t0 < 60  # the blocked peer is killed, not waited for
 
 
-def test_a_hang_times_out():
+def test_a_hang_times_out_and_shows_where_each_rank_waited(capfd):
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 8 s"):
         run_ranks(_hangs, 2, timeout=8)
+    err = capfd.readouterr().err
+    assert err.count('in _hangs') == 2, err  # each rank's stack, printed before it was killed
 
 
 def test_a_rank_dying_after_its_result_is_reported():

@@ -157,13 +157,18 @@ def judge(outcomes, fault_file: str) -> dict:
     killed at the deadline), ``errors`` (every rank but the faulty one ended in an error: an exception, or
     the watchdog's exit), ``s_to_error`` (seconds from the fault to the last of those ends), ``faulty``
     (how the faulty rank ended)."""
+    import signal
+
     from tide.transport.watchdog import EXIT_CODE
 
+    # Ends that say why: an exception, TIDE's watchdog exit, or NCCL's watchdog aborting the process.
+    ended_by_a_watchdog = (EXIT_CODE, -signal.SIGABRT)
     others = [o for o in outcomes if o.rank != FAULTY_RANK]
     t0 = fault_time(fault_file)
     return {
         "hung": [o.rank for o in outcomes if o.status == "hung"],
-        "errors": all(o.status == "error" or (o.status == "exited" and o.detail == EXIT_CODE) for o in others),
+        "errors": all(o.status == "error" or (o.status == "exited" and o.detail in ended_by_a_watchdog)
+                      for o in others),
         "s_to_error": None if t0 is None else max(o.ended_at for o in others) - t0,
         "faulty": next(o for o in outcomes if o.rank == FAULTY_RANK),
     }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -33,6 +34,21 @@ CUDA_RANK_ENV = {
 }
 
 
+# Sent to a rank that outlived its deadline, just before it is killed: it prints every thread's stack.
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def _kill(procs) -> None:
+    """Kill the ranks still alive, each printing its stacks first (a hang shows where it waited)."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:  # one at a time, so that their stacks do not interleave
+        os.kill(p.pid, STACKS_SIGNAL)
+        time.sleep(0.5)
+    for p in alive:
+        p.kill()
+        p.join()
+
+
 class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""
 
@@ -50,6 +66,7 @@ def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, resu
     import torch.distributed as dist
 
     faulthandler.enable()  # a rank killed by a signal prints its Python stack on stderr
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a hung rank's stacks, before it is killed
 
     # torchrun's variables for one host; env may set LOCAL_WORLD_SIZE to emulate nodes of that many ranks.
     local_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
@@ -145,9 +162,7 @@ def run_ranks(
     finally:
         for p in procs:
             p.join(timeout=30 if len(outs) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _kill(procs)
     failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
         raise RankError("run_ranks: every rank returned its result, but " +
@@ -206,7 +221,5 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, back
         if r not in outcomes:
             outcomes[r] = outcome(r, "hung", None)
         p.join(timeout=0.5 if outcomes[r].status != "hung" else 0)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    _kill(procs)
     return [outcomes[r] for r in range(world_size)]

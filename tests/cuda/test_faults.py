@@ -1,7 +1,9 @@
 """The fault scenarios of tide/faults.py on the CUDA transport (skipped without CUDA): ranks share one
-GPU, or take one each when there are enough. With ``TIDE_TIMEOUT_S=5`` every rank but the faulty one
-ends within 5 + 15 s of the fault (the watchdog's report and exit, or its error raised at the next
-op), and none hangs."""
+GPU, or take one each when there are enough. The process group's timeout is 5 s, and TIDE's is the
+group's (as in a real job); every rank but the faulty one ends within 5 + 15 s of the fault (the
+watchdog's report and exit, its error raised at the next op, or the group's own timeout), and none
+hangs. The stalled-peer test sets ``TIDE_TIMEOUT_S=5`` under a 120 s group timeout instead: only TIDE's
+watchdog can end that survivor in time."""
 import pytest
 
 from tests.cuda import ranks
@@ -13,13 +15,13 @@ pytestmark = pytest.mark.cuda
 
 TIMEOUT_S = 5
 BOUND = TIMEOUT_S + 15
-ENV = {**ranks.ENV, "TIDE_TIMEOUT_S": str(TIMEOUT_S)}
 
 
-def _run(fn, *args, tmp_path):
+def _run(fn, *args, tmp_path, tide_timeout: bool = False):
     fault_file = str(tmp_path / "fault")
-    outcomes = run_ranks_outcomes(fn, 2, *args, fault_file, device_type="cuda", env=ENV, timeout=BOUND + 150,
-                                  pg_timeout=120)
+    env, pg_timeout = ({**ranks.ENV, "TIDE_TIMEOUT_S": str(TIMEOUT_S)}, 120) if tide_timeout else (ranks.ENV, TIMEOUT_S)
+    outcomes = run_ranks_outcomes(fn, 2, *args, fault_file, device_type="cuda", env=env, timeout=BOUND + 60,
+                                  pg_timeout=pg_timeout)
     return outcomes, faults.judge(outcomes, fault_file)
 
 
@@ -62,7 +64,8 @@ def test_a_peer_that_diverges_ends_in_an_error(ext, scenario, tmp_path):
 
 
 def test_a_different_first_plan_is_named_and_the_arena_recovers(ext):
-    for o in run_ranks_outcomes(ranks.recover_after_error, 2, device_type="cuda", env=ENV, timeout=240):
+    for o in run_ranks_outcomes(ranks.recover_after_error, 2, device_type="cuda", env=ranks.ENV, timeout=240,
+                                pg_timeout=TIMEOUT_S):
         assert o.status == "ok", o
         r = o.detail
         assert "ranks issued different calls" in r["error"] and "(4, 3) float32" in r["error"], r["error"]
@@ -75,7 +78,7 @@ def test_a_different_first_plan_is_named_and_the_arena_recovers(ext):
 def test_a_stalled_peer_is_reported_by_the_watchdog(ext, tmp_path, capfd):
     """Rank 1 stops issuing after a plan both ranks know: rank 0's next all-gather waits on flags that never
     come, and only the watchdog can end it. Its report names the op, the group and the lagging flags."""
-    outcomes, verdict = _run(ranks.stalled_peer, tmp_path=tmp_path)
+    outcomes, verdict = _run(ranks.stalled_peer, tmp_path=tmp_path, tide_timeout=True)
     _assert_ends_in_errors(verdict)
     rank0 = outcomes[0]
     assert rank0.status == "exited" and rank0.detail == EXIT_CODE, rank0

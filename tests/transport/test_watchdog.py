@@ -56,6 +56,8 @@ _EXPIRY = textwrap.dedent("""
     def describe():
         if sys.argv[1] == "unreadable":
             raise RuntimeError("copy failed")
+        if sys.argv[1] == "blocks":  # as when the driver is wedged: the exit must not wait for the report
+            threading.Event().wait()
         return "  peer 1 (global rank 1) is behind: all-gather slot 0: free at use 3, pieces at use 3, this rank at use 4 (1 behind)"
 
     dog = Watchdog(poll_s=0.05, grace_s=1.0)
@@ -72,7 +74,7 @@ _EXPIRY = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("flags", ["readable", "unreadable"])
+@pytest.mark.parametrize("flags", ["readable", "unreadable", "blocks"])
 def test_an_op_that_never_completes_is_reported_raised_and_ends_the_process(flags):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", _EXPIRY, flags], capture_output=True, text=True, timeout=60)
@@ -85,8 +87,10 @@ def test_an_op_that_never_completes_is_reported_raised_and_ends_the_process(flag
     assert "reduce_scatter_params_" not in err.split("Thread")[0]  # the op that completed is not reported
     if flags == "readable":
         assert "peer 1 (global rank 1) is behind: all-gather slot 0" in err, err
-    else:
+    elif flags == "unreadable":
         assert "flag words unreadable: RuntimeError: copy failed" in err, err
+    else:
+        assert f"flag words unreadable: the report did not finish in {watchdog.REPORT_S:g} s" in err, err
     assert f"exits with code {watchdog.EXIT_CODE}" in err
     assert "Thread" in err  # every thread's stack follows the report
 

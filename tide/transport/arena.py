@@ -116,6 +116,9 @@ class Arena:
                                  entry_bytes=self.entry_bytes, sum_ctas=self.sum_ctas,
                                  cast_ctas=CAST_CTAS_PER_SM * sms)
         self.slots = SlotLeases(self.num_slots)
+        # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
+        self._report_stream = torch.cuda.Stream(self.device)
+        self._report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
         self._logged = False
         self._bind_places: dict = {}  # (numel, dtype) of each output -> (slot offset, bytes) of each
 
@@ -211,17 +214,15 @@ class Arena:
         """Which peers' flag words are behind this rank's issued work (tide/transport/flag_report.py), from
         a host copy of the words taken on a side stream (never behind the stalled streams); called by the
         watchdog."""
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.Stream(self.device)
-            host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
-            with torch.cuda.stream(stream):
-                host.copy_(self.buffer[:4 * self.flag_words].view(torch.int32), non_blocking=True)
-                copied = stream.record_event()
-            deadline = time.monotonic() + wait_s
-            while not copied.query():
-                if time.monotonic() > deadline:
-                    return f"  flag words unreadable: their copy to the host did not finish in {wait_s:g} s"
-                time.sleep(0.01)
+        host = self._report_host
+        with torch.cuda.stream(self._report_stream):
+            host.copy_(self.buffer[:4 * self.flag_words].view(torch.int32), non_blocking=True)
+            copied = self._report_stream.record_event()
+        deadline = time.monotonic() + wait_s
+        while not copied.query():
+            if time.monotonic() > deadline:
+                return f"  flag words unreadable: their copy to the host did not finish in {wait_s:g} s"
+            time.sleep(0.01)
         return flag_report.describe(host.tolist(), self.flag_index, self._c.progress(), self.rank, self.ranks)
 
     def _raise_device_error(self, op: str, *named_lists) -> None:

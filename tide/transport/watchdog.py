@@ -15,8 +15,8 @@ thread
    seconds, whatever the training thread is doing (it may be blocked on the stalled GPU): like stock
    FSDP2 under ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, continuing after a failed collective is not safe.
 
-A survivor of a dead peer therefore ends within timeout + poll + report (flag copy <= 2 s) + grace <
-timeout + 15 s. The cost on the healthy path is one event record and one list append per op.
+The exit is armed before the report is built, and the report gets at most :data:`REPORT_S`: a survivor of
+a dead peer ends within timeout + poll + report + grace < timeout + 15 s, whatever blocks. The cost on the healthy path is one event record and one list append per op.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from typing import Any, Callable
 EXIT_CODE = 124
 GRACE_S = 10.0
 POLL_S = 0.25
+REPORT_S = 4.0  # the most the flag report may take before the report goes out without it
 
 
 class TideTimeoutError(RuntimeError):
@@ -86,23 +87,45 @@ class Watchdog:
                 return
 
     def _expire(self, p: _Pending, now: float) -> None:
+        # The exit is armed first and the report gets a bounded time of its own: neither a flag report
+        # that blocks in the driver nor a training thread stuck on the GPU can keep the process alive.
         grace = min(self.grace_s, p.timeout_s)
-        try:
-            detail = p.describe()
-        except Exception as e:  # the report must not keep the process alive
-            detail = f"  flag words unreadable: {type(e).__name__}: {e}"
-        report = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it was issued "
-                  f"(timeout {p.timeout_s:g} s: TIDE_TIMEOUT_S, else the process group's timeout). A peer died, "
-                  f"stalled, or issued a different sequence of TIDE ops.\n{detail}\n"
-                  f"tide: the next TIDE op or FSDP2 collective raises this; the process exits with code "
-                  f"{self.exit_code} in {grace:g} s.")
+        exit_timer = threading.Timer(REPORT_S + grace, self._exit)
+        exit_timer.daemon = True
+        exit_timer.start()
+        headline = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it was issued "
+                    f"(timeout {p.timeout_s:g} s: TIDE_TIMEOUT_S, else the process group's timeout). A peer died, "
+                    f"stalled, or issued a different sequence of TIDE ops.")
+        self.error = TideTimeoutError(headline)
+        detail = _bounded_call(p.describe, REPORT_S)
+        report = (f"{headline}\n{detail}\ntide: the next TIDE op or FSDP2 collective raises this; the process "
+                  f"exits with code {self.exit_code} in {grace:g} s.")
         self.error = TideTimeoutError(report)
         sys.stderr.write(report + "\n")
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         time.sleep(grace)
+        self._exit()
+
+    def _exit(self) -> None:
         sys.stderr.flush()
         os._exit(self.exit_code)
+
+
+def _bounded_call(describe: Callable[[], str], seconds: float) -> str:
+    """``describe()``, or a line saying why there is no report: it raised, or did not return in time."""
+    result: list[str] = []
+
+    def call() -> None:
+        try:
+            result.append(describe())
+        except Exception as e:  # the report must not keep the process alive
+            result.append(f"  flag words unreadable: {type(e).__name__}: {e}")
+
+    worker = threading.Thread(target=call, name="tide-watchdog-report", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return result[0] if result else f"  flag words unreadable: the report did not finish in {seconds:g} s"
 
 
 WATCHDOG = Watchdog()
