@@ -16,6 +16,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -38,10 +39,21 @@ CUDA_RANK_ENV = {
 STACKS_SIGNAL = signal.SIGUSR1
 
 
+def _proc_state(pid: int) -> str:
+    """The kernel's state of a process (a rank stuck exiting in the driver shows 'D' and prints no stack)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("State:")), "state unknown")
+    except OSError:
+        return "state unknown"
+
+
 def _kill(procs) -> None:
     """Kill the ranks still alive, each printing its stacks first (a hang shows where it waited)."""
     alive = [p for p in procs if p.is_alive()]
     for p in alive:  # one at a time, so that their stacks do not interleave
+        print(f"tide.launch: rank process {p.pid} still running ({_proc_state(p.pid)}): its stacks, then kill",
+              file=sys.stderr, flush=True)
         os.kill(p.pid, STACKS_SIGNAL)
         time.sleep(0.5)
     for p in alive:
