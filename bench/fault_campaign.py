@@ -36,9 +36,9 @@ KINDS = [("ops", s, None) for s in faults.OP_SCENARIOS] + [
     ("fsdp", s, m) for s in faults.STEP_SCENARIOS for m in ("in_place", "slot_reuse")]
 
 
-def draw(i: int, rng: random.Random) -> tuple:
+def draw(i: int, rng: random.Random, kinds=KINDS) -> tuple:
     """Run i's scenario (every kind once first, then at random), op-mix seed and fault point."""
-    kind, scenario, rs_mode = KINDS[i] if i < len(KINDS) else rng.choice(KINDS)
+    kind, scenario, rs_mode = kinds[i] if i < len(kinds) else rng.choice(kinds)
     return kind, scenario, rs_mode, rng.randrange(1 << 30), rng.randint(0, 5) if kind == "ops" else rng.randint(1, 4)
 
 
@@ -103,8 +103,13 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds: the process group's timeout, which TIDE's is")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallel", type=int, default=1, help="runs at a time (each spawns 2 ranks)")
+    p.add_argument("--kinds", default="", help="only the kinds whose name (e.g. 'fsdp:dies_in_all_gather:slot_reuse') "
+                   "contains this text")
     p.add_argument("--out", type=Path, default=default_out())
     args = p.parse_args(argv)
+    kinds = [k for k in KINDS if args.kinds in ":".join(filter(None, k))]
+    if not kinds:
+        p.error(f"--kinds {args.kinds!r} matches none of {[':'.join(filter(None, k)) for k in KINDS]}")
     if args.runs < 1 or args.timeout <= 0 or args.parallel < 1:
         p.error("--runs and --parallel must be >= 1, --timeout > 0")
     if args.device == "cuda":
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
     meta = run_meta(gpus=torch.cuda.device_count() if args.device == "cuda" else 0, timeout_s=args.timeout)
     if args.device == "cpu":
         meta["device"] = "cpu (gloo, reference backend)"
-    plan = [draw(i, rng) for i in range(args.runs)]
+    plan = [draw(i, rng, kinds) for i in range(args.runs)]
     runs = []
     with ThreadPoolExecutor(args.parallel) as pool:  # each run is its own 2 processes; threads only wait
         futures = [pool.submit(one_run, *d, args.device, args.timeout) for d in plan]
