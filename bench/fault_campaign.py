@@ -57,9 +57,19 @@ def one_run(kind: str, scenario: str, rs_mode: str | None, seed: int, fault_at: 
         verdict = faults.judge(outcomes, fault_file)
     name = f"{kind}:{scenario}" + (f":{rs_mode}" if rs_mode else "")
     faulty = verdict["faulty"]
+    survivor = next(o for o in outcomes if o.rank != faulty.rank)
     return {"scenario": name, "seed": seed, "fault_at": fault_at, "hung": len(verdict["hung"]) > 0,
             "errors": verdict["errors"], "s_to_error": verdict["s_to_error"],
-            "faulty_rank": faulty.status if faulty.status == "error" else f"{faulty.status}:{faulty.detail}"}
+            "faulty_rank": faulty.status if faulty.status == "error" else f"{faulty.status}:{faulty.detail}",
+            "survivor_end": how_it_ended(survivor)}
+
+
+def how_it_ended(outcome) -> str:
+    """One line for how a rank ended: its exception's last line, or its exit code, or "hung"."""
+    if outcome.status == "error":
+        lines = [line for line in str(outcome.detail).strip().splitlines() if line.strip()]
+        return lines[-1][:300] if lines else "error"
+    return outcome.status if outcome.status in ("ok", "hung") else f"{outcome.status}:{outcome.detail}"
 
 
 def summarize(runs: list[dict], meta: dict) -> list[dict]:
@@ -127,8 +137,8 @@ def main(argv=None) -> int:
             runs.append(run)
             took = "-" if run["s_to_error"] is None else f"{run['s_to_error']:.2f} s"
             print(f"run {len(runs)}/{args.runs} {run['scenario']} at {run['fault_at']}: "
-                  f"{'HUNG' if run['hung'] else 'ended'}, other rank in error: {run['errors']}, {took} after the fault",
-                  flush=True)
+                  f"{'HUNG' if run['hung'] else 'ended'}, other rank in error: {run['errors']}, {took} after the fault"
+                  f" ({run['survivor_end'][:160]})", flush=True)
     rows = summarize(runs, meta)
     write_csv(args.out / "faults.csv", rows)
     write_csv(args.out / "faults_runs.csv", [{**r, "device": meta["device"], "date": meta["date"]} for r in runs])
