@@ -12,6 +12,9 @@
 //   2d        runs of pieces at a constant stride as one cudaMemcpy2DAsync each, one stream
 //   2dS       those runs dealt to S streams
 //   single    one copy of the whole span (the ceiling; writes more bytes than the pieces hold)
+//   pull_batch, pull_single   the same moves issued by the receiving GPU: its copy engine reads the
+//             other GPU's pieces over NVLink into its own buffer (an all-gather whose outputs need not
+//             be mapped by peers, so they could live in the caching allocator)
 // Also: the round trip of a 4-byte flag copy answered by a stream-memop wait on the other GPU, and
 // host microseconds to issue each pattern. Prints CSV rows on stdout (bench/ce_patterns.py plots them).
 #include <cuda.h>
@@ -115,6 +118,22 @@ static void issue_batch(cudaStream_t st, const std::vector<void*>& d, const std:
 static void issue(Gpu& g, const std::string& pat, int S, const std::vector<Piece>& ps, const std::vector<Run>& rs,
                   size_t span) {
   cudaStream_t s0 = g.streams[0];
+  if (pat == "pull_single") {  // ps, span: the other GPU's pieces; read them from there into buf
+    CK(cudaMemcpyAsync(g.buf, g.peer, span, cudaMemcpyDefault, s0));
+    return;
+  }
+  if (pat == "pull_batch") {
+    std::vector<void*> d;
+    std::vector<const void*> s;
+    std::vector<size_t> n;
+    for (auto& p : ps) {
+      d.push_back(g.buf + p.off);
+      s.push_back(g.peer + p.off);
+      n.push_back(p.bytes);
+    }
+    issue_batch(s0, d, s, n);
+    return;
+  }
   if (S > 1) {
     CK(cudaEventRecord(g.joins[0], s0));
     for (int k = 1; k < S; ++k) CK(cudaStreamWaitEvent(g.streams[k], g.joins[0], 0));
@@ -232,7 +251,8 @@ int main(int argc, char** argv) {
     int S;
   };
   const std::vector<Pat> pats = {{"single", 1}, {"loop", 1}, {"batch", 1}, {"loop", 2}, {"loop", 4},
-                                 {"batch", 2},  {"batch", 4}, {"2d", 1},   {"2d", 2},   {"2d", 4}};
+                                 {"batch", 2},  {"batch", 4}, {"2d", 1},   {"2d", 2},   {"2d", 4},
+                                 {"pull_single", 1}, {"pull_batch", 1}};
   for (auto& c : cases) {
     for (auto& p : pats) {
       std::vector<Piece> ps[2];
@@ -243,7 +263,9 @@ int main(int argc, char** argv) {
         rs[i] = runs_of(ps[i]);
       }
       for (auto& q : ps[0]) piece_bytes += q.bytes;
-      const size_t copies = p.name == "single" ? 1 : p.name == "2d" ? rs[0].size() : ps[0].size();
+      const bool pull = p.name.rfind("pull_", 0) == 0;
+      const bool single = p.name == "single" || p.name == "pull_single";
+      const size_t copies = single ? 1 : p.name == "2d" ? rs[0].size() : ps[0].size();
       std::vector<double> ms, host;
       for (int it = 0; it < reps + 3; ++it) {
         for (int i = 0; i < 2; ++i) {
@@ -255,7 +277,7 @@ int main(int argc, char** argv) {
           CK(cudaSetDevice(i));
           CK(cudaEventRecord(g[i].start, g[i].streams[0]));
           const auto t0 = std::chrono::steady_clock::now();
-          issue(g[i], p.name, p.S, ps[i], rs[i], span);
+          issue(g[i], p.name, p.S, pull ? ps[1 - i] : ps[i], rs[i], span);
           h = std::max(h, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
           CK(cudaEventRecord(g[i].stop, g[i].streams[0]));
         }
@@ -273,7 +295,7 @@ int main(int argc, char** argv) {
         }
       }
       const double m = median(ms);
-      const size_t moved = p.name == "single" ? span : piece_bytes;
+      const size_t moved = single ? span : piece_bytes;
       printf("%s,%s,%d,%zu,%zu,%.4f,%.1f,%.1f\n", c.name.c_str(), p.name.c_str(), p.S, copies, moved, m,
              moved / (m * 1e-3) / 1e9, median(host));
       fflush(stdout);
