@@ -70,8 +70,9 @@ stage tests_transport 200 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider 
   --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py
 stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
 stage tests_memory_model 90 $PY -m pytest tests/cuda/test_memory_model.py -q -rfEs -p no:cacheprovider --timeout=85
-stage tests_faults 330 $PY -m pytest tests/cuda/test_faults.py -v -rfEs -p no:cacheprovider --timeout=100 --maxfail=2
-stage fault_campaign 420 $PY bench/fault_campaign.py --device cuda --runs 50 --parallel 6 --timeout 10 --out "$WORK/results"
+# The fault stages trace every TIDE decision (TIDE_TRACE=1): a hung rank's log shows what it last did.
+TIDE_TRACE=1 stage tests_faults 330 $PY -m pytest tests/cuda/test_faults.py -v -rfEs -p no:cacheprovider --timeout=100 --maxfail=2
+TIDE_TRACE=1 stage fault_campaign 420 $PY bench/fault_campaign.py --device cuda --runs 50 --parallel 6 --timeout 10 --out "$WORK/results"
 stage kernels 40 $PY bench/bench_kernels.py --reps 10 --out "$WORK/results"
 stage collectives 150 $PY bench/collectives.py --sizes 1,16,256,1024 --reps 5 --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage ce_patterns 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$WORK/ce_patterns' \

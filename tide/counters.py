@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+from tide import trace
 from tide.transport import arena
 
 log = logging.getLogger("tide")
@@ -30,7 +31,9 @@ _logged: set = set()
 def count_fsdp(kind: str, reason: str | None, multinode: bool = False) -> None:
     """One FSDP2 collective of ``kind``: on TIDE (``reason`` None; ``"tide_multinode"`` when the group
     spans several nodes) or stock for ``reason``."""
-    _fsdp[kind][("tide_multinode" if multinode else "tide") if reason is None else f"stock:{reason}"] += 1
+    path = ("tide_multinode" if multinode else "tide") if reason is None else f"stock:{reason}"
+    _fsdp[kind][path] += 1
+    trace.event(f"fsdp {kind}: {path}")
     if reason is not None and ("fsdp", kind, reason) not in _logged:
         _logged.add(("fsdp", kind, reason))
         # A group that never opted in is not a fallback worth a warning.
@@ -40,11 +43,14 @@ def count_fsdp(kind: str, reason: str | None, multinode: bool = False) -> None:
 
 def count_wiring(key: str, n: int = 1) -> None:
     _wiring[key] += n
+    trace.event(f"wiring {key}" + (f" x{n}" if n != 1 else ""))
 
 
 def count_op(op: str, reason: str | None = None) -> None:
     """One call of ``torch.ops.tide.<op>`` on CUDA: on the transport (``reason`` None) or its reference."""
-    _ops[f"{op}:tide" if reason is None else f"{op}:stock:{reason}"] += 1
+    path = f"{op}:tide" if reason is None else f"{op}:stock:{reason}"
+    _ops[path] += 1
+    trace.event(f"op {path}")
     if reason is not None and ("op", op, reason) not in _logged:
         _logged.add(("op", op, reason))
         log.info("tide.transport: %s takes the stock path (%s)", op, reason)

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tide import trace
+
 EXIT_CODE = 124
 GRACE_S = 10.0
 POLL_S = 0.25
@@ -38,6 +40,17 @@ class TideTimeoutError(RuntimeError):
     """A TIDE op did not complete within its timeout (the watchdog's report is the message)."""
 
 
+def _trace_slow(completed: list, pending: list, now: float) -> None:
+    """Trace lines for ops pending past trace.LATE_S (once each), and for those when they complete."""
+    for p in pending:
+        if not p.traced_late and now - p.issued > trace.LATE_S:
+            p.traced_late = True
+            trace.event(f"watchdog: {p.op} on group {p.group} still pending {now - p.issued:.1f} s after its issue")
+    for p in completed:
+        if p.traced_late:
+            trace.event(f"watchdog: {p.op} on group {p.group} completed {now - p.issued:.1f} s after its issue")
+
+
 @dataclass
 class _Pending:
     done: Any  # an object with query() -> bool: a torch.cuda.Event recorded after the op
@@ -46,6 +59,7 @@ class _Pending:
     timeout_s: float
     describe: Callable[[], str]  # the flag report, called once on expiry
     issued: float = field(default_factory=time.monotonic)
+    traced_late: bool = False
 
 
 class Watchdog:
@@ -60,6 +74,7 @@ class Watchdog:
 
     def track(self, done: Any, op: str, group: str, timeout_s: float, describe: Callable[[], str]) -> None:
         """Watch one issued op: ``done.query()`` turns true when it has completed."""
+        trace.event(f"watchdog: tracking {op} on group {group}")
         with self._lock:
             self._pending.append(_Pending(done, op, group, timeout_s, describe))
             if self._thread is None:
@@ -80,8 +95,13 @@ class Watchdog:
             time.sleep(self.poll_s)
             now = time.monotonic()
             with self._lock:
-                self._pending = [p for p in self._pending if not p.done.query()]
+                still, completed = [], []
+                for p in self._pending:
+                    (completed if p.done.query() else still).append(p)
+                self._pending = still
                 late = [p for p in self._pending if now - p.issued > p.timeout_s]
+            if trace.ENABLED:
+                _trace_slow(completed, self._pending, now)
             if late:
                 self._expire(min(late, key=lambda p: p.issued), now)
                 return
