@@ -3,7 +3,8 @@
 Used by the tests, the benchmarks and ``tide.train``. Every failure surfaces in the caller: an
 exception on any rank stops all ranks and is re-raised with that rank's traceback, a rank that exits
 with a non-zero code is reported even after it has returned its result, and a run that outlives
-``timeout`` is killed and reported (a hung collective never blocks the caller).
+``timeout`` is killed and reported (a hung collective never blocks the caller); a rank killed that way
+first prints every thread's stack and its kernel state on stderr.
 
 A rank ends with ``os._exit`` once its result is handed over and its process group destroyed: on torch
 2.13 the interpreter's own teardown aborts in gloo now and then (SIGABRT after a clean run, stock
@@ -54,7 +55,10 @@ def _kill(procs) -> None:
     for p in alive:  # one at a time, so that their stacks do not interleave
         print(f"tide.launch: rank process {p.pid} still running ({_proc_state(p.pid)}): its stacks, then kill",
               file=sys.stderr, flush=True)
-        os.kill(p.pid, STACKS_SIGNAL)
+        try:
+            os.kill(p.pid, STACKS_SIGNAL)
+        except ProcessLookupError:  # it ended meanwhile
+            continue
         time.sleep(0.5)
     for p in alive:
         p.kill()
