@@ -85,6 +85,11 @@ memory_ranks=8; [ "$gpus" -ge 2 ] && memory_ranks=$gpus
 stage memory 180 $PY bench/bench_memory.py --ranks $memory_ranks --dims 2048,4096,6144 --out "$WORK/results"
 stage layout_conversion 50 $PY bench/layout_conversion.py --reps 10 --out "$WORK/results"
 
+# Driver errors (Xid) and the GPUs' state at the end: a rank stuck exiting, or a hang outside TIDE's ops,
+# may leave a trace there (dmesg may need root; an empty file then).
+{ dmesg 2>/dev/null | grep -i -E 'xid|nvrm' | tail -n 50
+  nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv; } >"$WORK/logs/driver.log" 2>&1
 tar -czf "$OUT/results.tgz" -C "$WORK/results" .
 tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
 {
