@@ -16,7 +16,7 @@
 //             other GPU's pieces over NVLink into its own buffer (an all-gather whose outputs need not
 //             be mapped by peers, so they could live in the caching allocator)
 // Also: the round trip of a 4-byte flag copy answered by a stream-memop wait on the other GPU, and
-// host microseconds to issue each pattern. Prints CSV rows on stdout (bench/ce_patterns.py plots them).
+// host microseconds to issue each pattern. Prints CSV rows on stdout (bench/results/ce_patterns.csv).
 #include <cuda.h>
 #include <cuda_runtime.h>
 

@@ -5,9 +5,10 @@ mix or of FSDP2 training in either reduce-scatter mode, dies between steps, skip
 another plan), a point (the op or step where rank 1 injects it) and a seed (the op mix). A run is a
 **hang** when any rank is still running at the deadline (killed there); otherwise it counts how long
 after the fault the last other rank ended, and whether every other rank ended in an error (an exception,
-or the transport watchdog's exit). ``--device cpu`` exercises the reference backend (gloo,
-``--timeout`` as its process-group timeout); ``--device cuda`` the CUDA transport (``TIDE_TIMEOUT_S`` =
-``--timeout``; ranks share one GPU or take one each).
+or the transport watchdog's exit). ``--timeout`` is the process group's timeout (gloo), which TIDE's
+watchdog takes as its own, as in a real job. ``--device cpu`` exercises the reference backend,
+``--device cuda`` the CUDA transport (ranks share one GPU or take one each). ``--kinds TEXT`` runs only
+the kinds whose name contains TEXT; ``faults_runs.csv`` says how each surviving rank ended.
 
 Writes ``faults.csv`` (``scenario, runs, hangs, median_s_to_error, max_s_to_error, gpus, date`` plus
 failures and the device), ``faults_runs.csv`` (one row per run) and ``faults.png`` under ``--out``, and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 from tide import faults  # noqa: E402
-from tide.launch import CUDA_RANK_ENV, run_ranks_outcomes  # noqa: E402
+from tide.launch import run_ranks_outcomes  # noqa: E402
 
 KINDS = [("ops", s, None) for s in faults.OP_SCENARIOS] + [
     ("fsdp", s, m) for s in faults.STEP_SCENARIOS for m in ("in_place", "slot_reuse")]
@@ -65,10 +67,12 @@ def one_run(kind: str, scenario: str, rs_mode: str | None, seed: int, fault_at: 
 
 
 def how_it_ended(outcome) -> str:
-    """One line for how a rank ended: its exception's last line, or its exit code, or "hung"."""
+    """One line for how a rank ended: the first line of its final exception (a multi-line message, such as
+    the watchdog's report, starts with what matters), or its exit code, or "hung"."""
     if outcome.status == "error":
-        lines = [line for line in str(outcome.detail).strip().splitlines() if line.strip()]
-        return lines[-1][:300] if lines else "error"
+        lines = str(outcome.detail).strip().splitlines()
+        starts = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", line)]
+        return (starts[-1] if starts else lines[-1] if lines else "error")[:300]
     return outcome.status if outcome.status in ("ok", "hung") else f"{outcome.status}:{outcome.detail}"
 
 

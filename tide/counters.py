@@ -33,7 +33,8 @@ def count_fsdp(kind: str, reason: str | None, multinode: bool = False) -> None:
     spans several nodes) or stock for ``reason``."""
     path = ("tide_multinode" if multinode else "tide") if reason is None else f"stock:{reason}"
     _fsdp[kind][path] += 1
-    trace.event(f"fsdp {kind}: {path}")
+    if trace.ENABLED:
+        trace.event(f"fsdp {kind}: {path}")
     if reason is not None and ("fsdp", kind, reason) not in _logged:
         _logged.add(("fsdp", kind, reason))
         # A group that never opted in is not a fallback worth a warning.
@@ -43,14 +44,16 @@ def count_fsdp(kind: str, reason: str | None, multinode: bool = False) -> None:
 
 def count_wiring(key: str, n: int = 1) -> None:
     _wiring[key] += n
-    trace.event(f"wiring {key}" + (f" x{n}" if n != 1 else ""))
+    if trace.ENABLED:
+        trace.event(f"wiring {key}" + (f" x{n}" if n != 1 else ""))
 
 
 def count_op(op: str, reason: str | None = None) -> None:
     """One call of ``torch.ops.tide.<op>`` on CUDA: on the transport (``reason`` None) or its reference."""
     path = f"{op}:tide" if reason is None else f"{op}:stock:{reason}"
     _ops[path] += 1
-    trace.event(f"op {path}")
+    if trace.ENABLED:
+        trace.event(f"op {path}")
     if reason is not None and ("op", op, reason) not in _logged:
         _logged.add(("op", op, reason))
         log.info("tide.transport: %s takes the stock path (%s)", op, reason)

@@ -155,14 +155,12 @@ def fault_time(fault_file: str) -> float | None:
 def judge(outcomes, fault_file: str) -> dict:
     """How one fault run ended (``outcomes`` from :func:`tide.launch.run_ranks_outcomes`): ``hung`` (ranks
     killed at the deadline), ``errors`` (every rank but the faulty one ended in an error: an exception, or
-    the watchdog's exit), ``s_to_error`` (seconds from the fault to the last of those ends), ``faulty``
+    TIDE's watchdog exit, its backstop's included), ``s_to_error`` (seconds from the fault to the last of those ends), ``faulty``
     (how the faulty rank ended)."""
-    import signal
+    from tide.transport.watchdog import BACKSTOP_EXIT_CODE, EXIT_CODE
 
-    from tide.transport.watchdog import EXIT_CODE
-
-    # Ends that say why: an exception, TIDE's watchdog exit, or NCCL's watchdog aborting the process.
-    ended_by_a_watchdog = (EXIT_CODE, -signal.SIGABRT)
+    # Ends that say why: an exception, or TIDE's watchdog exit (its report on stderr; the backstop's stacks).
+    ended_by_a_watchdog = (EXIT_CODE, BACKSTOP_EXIT_CODE)
     others = [o for o in outcomes if o.rank != FAULTY_RANK]
     t0 = fault_time(fault_file)
     return {

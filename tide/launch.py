@@ -3,8 +3,8 @@
 Used by the tests, the benchmarks and ``tide.train``. Every failure surfaces in the caller: an
 exception on any rank stops all ranks and is re-raised with that rank's traceback, a rank that exits
 with a non-zero code is reported even after it has returned its result, and a run that outlives
-``timeout`` is killed and reported (a hung collective never blocks the caller); a rank killed that way
-first prints every thread's stack and its kernel state on stderr.
+``timeout`` is killed and reported (a hung collective never blocks the caller). Every rank killed, at the
+deadline or because a peer raised, first prints its kernel state and every thread's stack on stderr.
 
 A rank ends with ``os._exit`` once its result is handed over and its process group destroyed: on torch
 2.13 the interpreter's own teardown aborts in gloo now and then (SIGABRT after a clean run, stock
@@ -53,12 +53,11 @@ def _kill(procs) -> None:
     """Kill the ranks still alive, each printing its stacks first (a hang shows where it waited)."""
     alive = [p for p in procs if p.is_alive()]
     for p in alive:  # one at a time, so that their stacks do not interleave
+        if not p.is_alive():  # it ended meanwhile
+            continue
         print(f"tide.launch: rank process {p.pid} still running ({_proc_state(p.pid)}): its stacks, then kill",
               file=sys.stderr, flush=True)
-        try:
-            os.kill(p.pid, STACKS_SIGNAL)
-        except ProcessLookupError:  # it ended meanwhile
-            continue
+        os.kill(p.pid, STACKS_SIGNAL)
         time.sleep(0.5)
     for p in alive:
         p.kill()
@@ -78,11 +77,11 @@ def free_port() -> int:
 def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, results, pg_timeout_s):
     import faulthandler
 
-    import torch
-    import torch.distributed as dist
-
     faulthandler.enable()  # a rank killed by a signal prints its Python stack on stderr
     faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a hung rank's stacks, before it is killed
+
+    import torch
+    import torch.distributed as dist
 
     # torchrun's variables for one host; env may set LOCAL_WORLD_SIZE to emulate nodes of that many ranks.
     local_size = int(env.get("LOCAL_WORLD_SIZE", world_size))

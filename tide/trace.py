@@ -3,8 +3,8 @@
 Each line says which path an FSDP2 collective or a ``torch.ops.tide`` call took (the counters of
 :mod:`tide.counters`), when the transport's watchdog started to track an op, when an op was still
 pending a second after it was issued, and when such a late op completed. The last lines of a rank that
-hung show what it issued and what never completed. Off by default: then a call costs one test of a
-module constant.
+hung show what it issued and what never completed. Off by default: callers test :data:`ENABLED`
+before they build a line, so a decision costs one test of a module constant.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ namespace {
 // Four elements of T, loaded as one vector.
 template <typename T>
 struct Vec4 {
+  static_assert(sizeof(T) == 2, "tide.sum_contributions: sources are fp32, bf16 or fp16");
   using type = uint2;  // bf16 / fp16
 };
 template <>
@@ -40,8 +41,8 @@ struct Vec4<float> {
   using type = uint4;
 };
 
-// Vectors per source per thread in flight before the adds: 256 B per thread in all (32 B per source at
-// least). On a bounded grid the kernel is bound by the bytes in flight per SM, so few contributions
+// Vectors per source per thread in flight before the adds: at most 256 B per thread in all (32 B per
+// source at least). On a bounded grid the kernel is bound by the bytes in flight per SM, so few contributions
 // (W = 2) need a deeper unroll to read as fast as many.
 template <typename T, int K>
 constexpr int kUnrollFor = (K >= 8 ? 2 : 16 / K) * (16 / static_cast<int>(sizeof(typename Vec4<T>::type)));

@@ -64,7 +64,8 @@ def test_a_peer_that_diverges_ends_in_an_error(ext, scenario, tmp_path):
 
 
 def test_a_different_first_plan_is_named_and_the_arena_recovers(ext):
-    for o in run_ranks_outcomes(ranks.recover_after_error, 2, device_type="cuda", env=ranks.ENV, timeout=240,
+    # A deadline below the fault stage's pytest timeout (100 s), so a hang prints the ranks' stacks.
+    for o in run_ranks_outcomes(ranks.recover_after_error, 2, device_type="cuda", env=ranks.ENV, timeout=90,
                                 pg_timeout=TIMEOUT_S):
         assert o.status == "ok", o
         r = o.detail

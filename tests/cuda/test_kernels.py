@@ -15,11 +15,16 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("k", [1, 2, 3, 8, 11])
 def test_sum_matches_reference(ext, dtype, k):
     rng = random.Random(k * 31 + len(str(dtype)))
-    for trial in range(4):
-        n = rng.choice([1, 7, 8, 9, 4096 + rng.randint(1, 15), rng.randint(1, 300_000)])
-        # Elements between contributions: 0/8 keep 16-B alignment, 4 keeps the 8-B vectors of 16-bit
-        # sources aligned (fp32 falls back to the scalar path), 1/3 break it.
-        pad = rng.choice([0, 1, 3, 4, 8])
+    # (n, pad) by hand first, so every K reaches the vector paths: contribution k starts k * (n + pad)
+    # elements in, so the stride decides the alignment (16 B for fp32, 8 B for 16-bit sources), then the
+    # seeded random ones. Trials alternate writing and accumulating.
+    fixed = [(3 * 4096 + 4, 0), (4100, 4), (8, 4), (4096 + 3, 1)]
+    for trial in range(len(fixed) + 4):
+        if trial < len(fixed):
+            n, pad = fixed[trial]
+        else:
+            n = rng.choice([1, 7, 8, 9, 4096 + rng.randint(1, 15), rng.randint(1, 300_000)])
+            pad = rng.choice([0, 1, 3, 4, 8])
         stride = n + pad
         base = torch.randn(k * stride, device="cuda").to(dtype)
         scale = rng.choice([1.0, 0.125, rng.uniform(0.01, 4.0)])

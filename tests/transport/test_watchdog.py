@@ -58,6 +58,9 @@ _EXPIRY = textwrap.dedent("""
             raise RuntimeError("copy failed")
         if sys.argv[1] == "blocks":  # as when the driver is wedged: the exit must not wait for the report
             threading.Event().wait()
+        if sys.argv[1] == "holds_the_gil":  # wedged inside a call that keeps the GIL: no Python thread runs
+            import re
+            re.match(r"(a+)+$", "a" * 60 + "b")  # exponential backtracking, never returns in this test
         return "  peer 1 (global rank 1) is behind: all-gather slot 0: free at use 3, pieces at use 3, this rank at use 4 (1 behind)"
 
     dog = Watchdog(poll_s=0.05, grace_s=1.0)
@@ -74,17 +77,23 @@ _EXPIRY = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("flags", ["readable", "unreadable", "blocks"])
+@pytest.mark.parametrize("flags", ["readable", "unreadable", "blocks", "holds_the_gil"])
 def test_an_op_that_never_completes_is_reported_raised_and_ends_the_process(flags):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", _EXPIRY, flags], capture_output=True, text=True, timeout=60)
     took = time.monotonic() - start
-    assert proc.returncode == watchdog.EXIT_CODE, (proc.returncode, proc.stderr)
-    assert took < 30, took  # timeout 0.5 s + grace 1 s, plus the interpreter's start
-    assert "RAISED after" in proc.stdout, proc.stdout
     err = proc.stderr
     assert "tide: all_gather_into_params_ on group '0' (ranks [0, 1], this rank 0) did not complete" in err, err
     assert "reduce_scatter_params_" not in err.split("Thread")[0]  # the op that completed is not reported
+    if flags == "holds_the_gil":
+        # Only the backstop can run: it prints every stack and exits, report + grace + 1 s after expiry.
+        assert proc.returncode == watchdog.BACKSTOP_EXIT_CODE, (proc.returncode, err)
+        assert took < 30, took
+        assert "Timeout (" in err and "in describe" in err, err
+        return
+    assert proc.returncode == watchdog.EXIT_CODE, (proc.returncode, err)
+    assert took < 30, took  # timeout 0.5 s + grace 1 s, plus the interpreter's start
+    assert "RAISED after" in proc.stdout, proc.stdout
     if flags == "readable":
         assert "peer 1 (global rank 1) is behind: all-gather slot 0" in err, err
     elif flags == "unreadable":

@@ -15,8 +15,12 @@ thread
    seconds, whatever the training thread is doing (it may be blocked on the stalled GPU): like stock
    FSDP2 under ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, continuing after a failed collective is not safe.
 
-The exit is armed before the report is built, and the report gets at most :data:`REPORT_S`: a survivor of
-a dead peer ends within timeout + poll + report + grace < timeout + 15 s, whatever blocks. The cost on the healthy path is one event record and one list append per op.
+The report gets at most :data:`REPORT_S`, so a survivor of a dead peer ends within timeout + poll +
+report + grace < timeout + 15 s. A report wedged in a call that keeps the GIL (a torch CUDA call blocked
+in the driver) would stall every Python thread, this one too; so before anything else the thread arms a
+backstop that needs no GIL (``faulthandler``'s own thread): one second after the grace it prints every
+thread's stack and ends the process with :data:`BACKSTOP_EXIT_CODE`. The cost on the healthy path is one
+event record and one list append per op.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import Any, Callable
 from tide import trace
 
 EXIT_CODE = 124
+BACKSTOP_EXIT_CODE = 1  # faulthandler's exit status, when the watchdog's own thread could not run
 GRACE_S = 10.0
 POLL_S = 0.25
 REPORT_S = 4.0  # the most the flag report may take before the report goes out without it
@@ -74,7 +79,8 @@ class Watchdog:
 
     def track(self, done: Any, op: str, group: str, timeout_s: float, describe: Callable[[], str]) -> None:
         """Watch one issued op: ``done.query()`` turns true when it has completed."""
-        trace.event(f"watchdog: tracking {op} on group {group}")
+        if trace.ENABLED:
+            trace.event(f"watchdog: tracking {op} on group {group}")
         with self._lock:
             self._pending.append(_Pending(done, op, group, timeout_s, describe))
             if self._thread is None:
@@ -101,33 +107,32 @@ class Watchdog:
                 self._pending = still
                 late = [p for p in self._pending if now - p.issued > p.timeout_s]
             if trace.ENABLED:
-                _trace_slow(completed, self._pending, now)
+                _trace_slow(completed, still, now)
             if late:
                 self._expire(min(late, key=lambda p: p.issued), now)
                 return
 
     def _expire(self, p: _Pending, now: float) -> None:
-        # The exit is armed first and the report gets a bounded time of its own: neither a flag report
-        # that blocks in the driver nor a training thread stuck on the GPU can keep the process alive.
+        # The report gets a bounded time of its own, and a backstop that needs no GIL is armed first: a
+        # flag report that blocks in the driver, with or without the GIL, cannot keep the process alive.
         grace = min(self.grace_s, p.timeout_s)
-        exit_timer = threading.Timer(REPORT_S + grace, self._exit)
-        exit_timer.daemon = True
-        exit_timer.start()
+        faulthandler.dump_traceback_later(REPORT_S + grace + 1, exit=True)
         headline = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it was issued "
                     f"(timeout {p.timeout_s:g} s: TIDE_TIMEOUT_S, else the process group's timeout). A peer died, "
                     f"stalled, or issued a different sequence of TIDE ops.")
-        self.error = TideTimeoutError(headline)
+        # The headline goes out at once: a training thread that raises and ends early still leaves it.
+        sys.stderr.write(headline + "\n")
+        sys.stderr.flush()
+        self.error = TideTimeoutError(f"{headline} (the flag report follows on stderr)")
         detail = _bounded_call(p.describe, REPORT_S)
         report = (f"{headline}\n{detail}\ntide: the next TIDE op or FSDP2 collective raises this; the process "
                   f"exits with code {self.exit_code} in {grace:g} s.")
         self.error = TideTimeoutError(report)
-        sys.stderr.write(report + "\n")
+        sys.stderr.write(f"{detail}\ntide: the next TIDE op or FSDP2 collective raises this; the process exits "
+                         f"with code {self.exit_code} in {grace:g} s.\n")
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         time.sleep(grace)
-        self._exit()
-
-    def _exit(self) -> None:
         sys.stderr.flush()
         os._exit(self.exit_code)
 
