@@ -3,7 +3,7 @@
 # print a summary table last. Usage:
 #   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
 #     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
-#     tests_transport tests_fsdp_cuda tests_memory_model tests_faults fault_campaign kernels collectives
+#     tests_transport tests_fsdp_cuda tests_multinode tests_memory_model tests_faults fault_campaign kernels collectives
 #     ce_patterns (2+ GPUs) overlap host_time train_step_8b train_step_moe memory layout_conversion
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
@@ -67,8 +67,10 @@ overlap_args=(--reps 10)
 # Stages in priority order, each capped; what the run budget cannot fit is skipped and reported.
 stage build 240 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
 stage tests_transport 200 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
-  --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py
+  --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py \
+  --ignore=tests/cuda/test_multinode_cuda.py
 stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
+stage tests_multinode 180 $PY -m pytest tests/cuda/test_multinode_cuda.py -q -rfEs -p no:cacheprovider --timeout=170
 stage tests_memory_model 90 $PY -m pytest tests/cuda/test_memory_model.py -q -rfEs -p no:cacheprovider --timeout=85
 # The fault stages trace every TIDE decision (TIDE_TRACE=1): a hung rank's log shows what it last did.
 TIDE_TRACE=1 stage tests_faults 330 $PY -m pytest tests/cuda/test_faults.py -v -rfEs -p no:cacheprovider --timeout=100 --maxfail=2
@@ -96,7 +98,7 @@ tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
   echo "==================== environment"
   cat "$OUT/env.txt"
   echo "==================== tests (last lines)"
-  for t in tests_transport tests_fsdp_cuda tests_memory_model tests_faults; do
+  for t in tests_transport tests_fsdp_cuda tests_multinode tests_memory_model tests_faults; do
     [ -f "$WORK/logs/$t.log" ] && tail -n 12 "$WORK/logs/$t.log"
   done
   echo "==================== benchmark summaries"

@@ -7,6 +7,8 @@
   ``rs:in_place`` / ``rs:slot_reuse`` (reduce-scatters; Slot-Reuse when the group's gradients were read
   from its slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved), ``arena:created``;
 - ``ops``: calls of the ``torch.ops.tide`` ops on CUDA, ``"<op>:tide"`` or ``"<op>:stock:<reason>"``;
+- ``multinode``: point-to-point rounds of the multi-node schedule per leg and implementation
+  (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/transport/rails.py``);
 - ``arenas``: each live arena's own counters (copies, bytes, kernels, host time), by its ranks.
 
 A path other than TIDE's is logged once per reason (INFO for op calls, WARNING for FSDP2 fallbacks of an
@@ -25,6 +27,7 @@ log = logging.getLogger("tide")
 _fsdp: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
 _wiring: Counter = Counter()
 _ops: Counter = Counter()
+_multinode: Counter = Counter()
 _logged: set = set()
 
 
@@ -59,13 +62,21 @@ def count_op(op: str, reason: str | None = None) -> None:
         log.info("tide.transport: %s takes the stock path (%s)", op, reason)
 
 
+def count_multinode(key: str) -> None:
+    """One point-to-point round of the multi-node schedule: ``"<leg>:<implementation>"``
+    (``tide/transport/rails.py``)."""
+    _multinode[key] += 1
+    if trace.ENABLED:
+        trace.event(f"multinode {key}")
+
+
 def stats() -> dict:
     """Every counter since the last :func:`reset_stats` (see the module docstring)."""
     return {"fsdp": {kind: dict(c) for kind, c in _fsdp.items()}, "wiring": dict(_wiring), "ops": dict(sorted(_ops.items())),
-            "arenas": {a.ranks: a.counters() for a in arena.arenas()}}
+            "multinode": dict(sorted(_multinode.items())), "arenas": {a.ranks: a.counters() for a in arena.arenas()}}
 
 
 def reset_stats() -> None:
     """Clear the counters (the arenas' own counters only grow)."""
-    for c in (*_fsdp.values(), _wiring, _ops):
+    for c in (*_fsdp.values(), _wiring, _ops, _multinode):
         c.clear()

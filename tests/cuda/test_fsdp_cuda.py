@@ -73,7 +73,7 @@ def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool
     params = [p.detach().to_local().float().cpu().numpy().copy() for p in model.parameters()]
     stats = tide.stats()
     out = {"losses": losses, "params": params, "grads": grads, "stats": stats["fsdp"], "arena": stats["wiring"],
-           "transport": stats["ops"], "arenas": len(transport.arenas())}
+           "transport": stats["ops"], "multinode": stats["multinode"], "arenas": len(transport.arenas())}
     if use_tide:
         tide.fsdp.disable(model)
         out["arenas_after_disable"] = len(transport.arenas())

@@ -65,7 +65,8 @@ def test_reduce_arity_matches_this_torch():
 
 def test_stats_shape():
     tide.reset_stats()
-    assert tide.stats() == {"fsdp": {"all_gather": {}, "reduce_scatter": {}}, "wiring": {}, "ops": {}, "arenas": {}}
+    assert tide.stats() == {"fsdp": {"all_gather": {}, "reduce_scatter": {}}, "wiring": {}, "ops": {}, "multinode": {},
+                            "arenas": {}}
 
 
 def test_enable_twice_then_disable():
@@ -79,12 +80,21 @@ def test_enable_twice_then_disable():
         assert set(r["after_disable"]["reduce_scatter"]) == {"stock:not_enabled"}
 
 
-@pytest.mark.parametrize("hosts,multinode,reason", [
-    (["a", "a"], False, None), (["a"] * 8, False, None), (["a"] * 9, False, "nvlink_domain"),
-    (["a", "a", "b", "b"], False, "nvlink_domain"), (["a"] * 4, True, "nvlink_domain"),  # emulated nodes
+@pytest.mark.parametrize("hosts,nodes,serve,reason", [
+    (["a", "a"], None, False, None), (["a"] * 8, None, False, None), (["a"] * 9, None, False, "nvlink_domain"),
+    (["a", "a", "b", "b"], None, False, "nvlink_domain"),  # one node may not span hosts
+    (["a"] * 4, (2, 2), False, "nvlink_domain"),  # several nodes, not opted in on CUDA
+    (["a"] * 4, (2, 2), True, None),  # emulated nodes on one host
+    (["a", "a", "b", "b"], (2, 2), True, None),  # real nodes, one host each
+    (["a", "b", "a", "b"], (2, 2), True, "nvlink_domain"),  # a node spanning hosts
+    (["a"] * 18, (2, 9), True, "nvlink_domain"),  # a node larger than one NVLink domain
+    (["a"] * 4, (1, 4), True, None),  # one node of four
 ])
-def test_nvlink_domain_contract(hosts, multinode, reason):
-    assert fallbacks.contract_reason(9, hosts, multinode) == reason
+def test_nvlink_domain_contract(hosts, nodes, serve, reason):
+    from tide.meta.multinode import Topology
+
+    topo = Topology(*nodes) if nodes else None
+    assert fallbacks.contract_reason(9, hosts, topo, serve) == reason
 
 
 def test_install_twice_keeps_a_later_patcher_chained_without_a_cycle():

@@ -29,13 +29,18 @@ def _hierarchical(contribs, N, L):
     return total
 
 
-def _check(rank, world_size, seed, trials, expect_nodes):
+def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
+    """The schedule's answers on this rank, inputs and outputs on ``device_type`` (tests/cuda runs the
+    same check on GPUs); the expected values are computed on the host."""
     import torch.distributed as dist
 
     import tide
     from tide import topology
     from tide.meta.layout import rank_row_range, rows_and_row_numel, shard_rows
+    from tide.transport import rails
 
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    tide.reset_stats()
     group = dist.group.WORLD
     topo = topology.of_group(group)
     assert (topo.num_nodes, topo.local_size) == expect_nodes, topo
@@ -48,11 +53,11 @@ def _check(rank, world_size, seed, trials, expect_nodes):
         in_dt = [rng.choice(DTYPES) for _ in shapes]
         out_dt = [rng.choice(DTYPES) for _ in shapes]
         every = [_inputs(s, W, r, shapes, in_dt) for r in range(W)]
-        outs = [torch.full((W * sh[0], *sh[1:]), float("nan"), dtype=dt) for sh, dt in zip(shapes, out_dt)]
-        tide.ops.all_gather_into_params(every[rank], outs, group)
+        outs = [torch.full((W * sh[0], *sh[1:]), float("nan"), dtype=dt, device=dev) for sh, dt in zip(shapes, out_dt)]
+        tide.ops.all_gather_into_params([x.to(dev) for x in every[rank]], outs, group)
         for i, (o, dt) in enumerate(zip(outs, out_dt)):
             want = torch.cat([every[r][i].to(dt) for r in range(W)])
-            assert torch.equal(o, want), f"seed {seed} trial {t} rank {rank}: all-gather param {i} differs"
+            assert torch.equal(o.cpu(), want), f"seed {seed} trial {t} rank {rank}: all-gather param {i} differs"
         # Reduce-scatter: unpadded grads, bf16/fp16/fp32 (uneven rows, ranks holding only padding).
         gshapes = [(rng.randint(0, 3 * W + 2), rng.randint(1, 5)) for _ in range(rng.randint(1, 4))] + [(rng.randint(1, W),)]
         gdt = [rng.choice(DTYPES + (torch.float16,)) for _ in gshapes]
@@ -61,8 +66,10 @@ def _check(rank, world_size, seed, trials, expect_nodes):
         accumulate = rng.random() < 0.4
         init = [torch.randn((shard_rows(sh[0], W), *sh[1:]), generator=torch.Generator().manual_seed(s + rank))
                 for sh in gshapes]
-        shard_grads = [x.clone() if accumulate else torch.full_like(x, float("nan")) for x in init]
-        tide.ops.reduce_scatter_params(grads_all[rank], shard_grads, group, scale=scale, accumulate=accumulate)
+        shard_grads = [(x.clone() if accumulate else torch.full_like(x, float("nan"))).to(dev) for x in init]
+        tide.ops.reduce_scatter_params([g.to(dev) for g in grads_all[rank]], shard_grads, group, scale=scale,
+                                       accumulate=accumulate)
+        shard_grads = [x.cpu() for x in shard_grads]
         for i, sh in enumerate(gshapes):
             d0, row = rows_and_row_numel(sh)
             start, stop = rank_row_range(d0, W, rank)
@@ -76,6 +83,9 @@ def _check(rank, world_size, seed, trials, expect_nodes):
             if not accumulate:
                 assert torch.allclose(got[:exact.numel()].double(), f64, rtol=1e-5, atol=1e-5), \
                     f"seed {seed} trial {t} rank {rank}: param {i} far from the float64 sum"
+    rounds = tide.stats()["multinode"]
+    if N > 1:  # the rails carried pieces, by the implementation the group and device call for
+        assert rounds.get(f"rail:{rails.implementation(group, dev)}", 0) > 0, rounds
     return trials
 
 

@@ -8,6 +8,7 @@ its marker comm.
 """
 from __future__ import annotations
 
+import os
 import socket
 from typing import Sequence
 
@@ -19,6 +20,7 @@ from tide import topology
 from tide.fsdp import compat
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 from tide.meta.checks import FLOAT_DTYPES
+from tide.meta.multinode import Topology
 
 # Every reason a call takes the stock path.
 REASONS = (
@@ -49,15 +51,30 @@ def common_reason(device: torch.device) -> str | None:
     return None
 
 
-def contract_reason(compute_capability_major: int, hosts: Sequence[str], multinode: bool = False) -> str | None:
+def contract_reason(compute_capability_major: int, hosts: Sequence[str], nodes: Topology | None = None,
+                    serve_multinode: bool = False) -> str | None:
     """The CUDA contract for a group on GPUs of this compute capability, its ranks on these hosts (in
-    rank order), spanning several nodes (``tide.topology``: real or emulated) or not. The CUDA transport
-    serves one node; the multi-node schedule runs on the reference backend only so far."""
+    rank order), forming ``nodes`` (``tide.topology``: real or emulated; None: one node). A node must be one
+    NVLink domain: at most 8 GPUs on one host. A group of several nodes runs the multi-node schedule
+    (``tide/ops/reference_multinode.py``, point-to-point rounds) when ``serve_multinode`` (opt-in on CUDA,
+    ``TIDE_CUDA_MULTINODE=1``, until it is measured against stock on GPUs); else it takes stock."""
     if compute_capability_major < MIN_COMPUTE_CAPABILITY:
         return "compute_capability"
-    if len(hosts) > MAX_NVLINK_DOMAIN or len(set(hosts)) > 1 or multinode:
+    if topology.is_multinode(nodes):
+        if not serve_multinode:
+            return "nvlink_domain"
+        L = nodes.local_size
+        per_node = [hosts[i:i + L] for i in range(0, len(hosts), L)]
+    else:
+        per_node = [hosts]
+    if any(len(h) > MAX_NVLINK_DOMAIN or len(set(h)) > 1 for h in per_node):
         return "nvlink_domain"
     return None
+
+
+def serve_multinode_on_cuda() -> bool:
+    """``TIDE_CUDA_MULTINODE=1``: FSDP2 groups spanning nodes run the multi-node schedule on CUDA too."""
+    return os.environ.get("TIDE_CUDA_MULTINODE", "") == "1"
 
 
 def group_hosts(group) -> list[str]:
@@ -76,7 +93,7 @@ def _device_reason(device: torch.device, group, comm) -> str | None:
     if comm.contract is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         comm.contract = (contract_reason(torch.cuda.get_device_capability(index)[0], group_hosts(group),
-                                         topology.is_multinode(topology.of_group(group))),)
+                                         topology.of_group(group), serve_multinode_on_cuda()),)
     return comm.contract[0]
 
 

@@ -16,7 +16,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from tide import counters, transport
+from tide import counters, topology, transport
 from tide.fsdp.comms import TideAllGather
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
 from tide.transport import plans
@@ -92,8 +92,10 @@ def _create_arena(group: dist.ProcessGroup):
 
 def arena_for(group: dist.ProcessGroup, device: torch.device, comm_transport: str):
     """The arena of ``group``'s ranks (created on first use, unless an op-level user made one), or None:
-    not CUDA, or the reference transport."""
+    not CUDA, the reference transport, or a group spanning nodes."""
     if device.type != "cuda" or comm_transport != "auto":
+        return None
+    if topology.is_multinode(topology.of_group(group)):  # the ops run the multi-node schedule, no arena
         return None
     arena = transport.get(group.group_name)
     return arena if arena is not None else _create_arena(group)

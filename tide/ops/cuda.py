@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tide import counters
+from tide import counters, topology
 from tide.ops import reference
 from tide.transport import arena as _arena
 from tide.transport.watchdog import WATCHDOG
@@ -23,7 +23,8 @@ def _arena_for(op: str, group_name: str, world_size: int):
     WATCHDOG.check()
     a = _arena.get(group_name)
     if a is None:
-        counters.count_op(op, "no_arena")
+        group = reference.resolve_group(op, group_name, world_size)
+        counters.count_op(op, "multinode_schedule" if topology.is_multinode(topology.of_group(group)) else "no_arena")
         return None
     if torch.cuda.is_current_stream_capturing():
         counters.count_op(op, "cuda_graph_capture")

@@ -4,7 +4,9 @@
 must match bit for bit.
 
 All-gather: every received piece goes straight to its final address in ``outs``; the rail rounds run
-step by step (each at most ``pace_bytes`` per rank), then the intra-node pushes. Reduce-scatter, one
+step by step (each at most ``pace_bytes`` per rank), then the intra-node pushes. Every round is one batch
+of point-to-point operations (``tide/transport/rails.py``: NCCL for CUDA tensors, gloo for CPU tensors,
+host-staged for CUDA tensors on a gloo group). Reduce-scatter, one
 parameter at a time: node-local contributions into per-destination staging on the rank that sums the
 node's partial, the fp32 partials (local order), the rail rounds, the hand-off on the destination node
 and the sum in node order. The staging is per parameter here; the plan's chunks bound it on a transport.
@@ -16,15 +18,7 @@ import torch.distributed as dist
 
 from tide.meta.layout import GroupLayout
 from tide.meta.multinode import MultiNodePlan, Piece, Topology
-
-
-def _exchange(group: dist.ProcessGroup, sends: list, recvs: list) -> None:
-    """Post every ``(peer, tensor)`` send and receive (pairs post in the same order), then wait for all."""
-    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for peer, t in sends]
-    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for peer, t in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+from tide.transport import rails
 
 
 def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology) -> None:
@@ -40,10 +34,11 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology) -> No
         start = piece.owner * layout.params[piece.param].shard_numel + piece.first
         return flat[piece.param][start:start + piece.count]
 
-    for step in plan.ag_rail_steps() + [plan.ag_intra_transfers()]:
+    steps = [("rail", step) for step in plan.ag_rail_steps()] + [("intra", plan.ag_intra_transfers())]
+    for leg, step in steps:
         sends = [(t.dst, at(pc)) for t in step if t.src == rank for pc in t.pieces]
         recvs = [(t.src, at(pc)) for t in step if t.dst == rank for pc in t.pieces]
-        _exchange(group, sends, recvs)
+        rails.exchange(group, sends, recvs, leg)
 
 
 def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: dist.ProcessGroup,
@@ -67,7 +62,7 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                  if plan.partial_rank(me_node, d) != rank and p.real_numel(d)]
         recvs = [(topology.rank(me_node, l), staged[d, l]) for d in mine for l in range(L)
                  if l != me_local and p.real_numel(d)]
-        _exchange(group, sends, recvs)
+        rails.exchange(group, sends, recvs, "intra")
         # 2. fp32 node partials, local order (this rank's own contribution read in place)
         partial = {}
         for d in mine:
@@ -87,7 +82,7 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                 sends.append((send_to, partial[dest_sent]))
             if p.real_numel(dest_received):
                 recvs.append((recv_from, landed[from_node, dest_received]))
-        _exchange(group, sends, recvs)
+        rails.exchange(group, sends, recvs, "rail")
         # 4. hand-off on the destination's node: the landing rank passes each partial to its destination
         parts = {me_node: partial[rank]}
         sends = [(dest, x) for (n, dest), x in sorted(landed.items()) if dest != rank and x.numel()]
@@ -101,7 +96,7 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                 parts[n] = torch.empty(p.real_numel(rank), dtype=torch.float32, device=g.device)
                 if parts[n].numel():
                     recvs.append((plan.landing_rank(n, rank), parts[n]))
-        _exchange(group, sends, recvs)
+        rails.exchange(group, sends, recvs, "handoff")
         # 5. the destination sums the N partials in node order
         acc = parts[0].clone()
         for n in range(1, N):

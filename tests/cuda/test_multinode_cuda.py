@@ -1,0 +1,53 @@
+"""The multi-node schedule on CUDA tensors (skipped without CUDA): nodes emulated on this machine's GPUs
+with ``LOCAL_WORLD_SIZE``. One GPU per rank when there are enough (NCCL moves the rails' pieces),
+otherwise ranks share the GPUs over gloo (the pieces are staged through host memory).
+
+- The ops: the CPU test's check (tests/multinode/test_reference_multinode.py) with inputs and outputs on
+  the GPU: all-gathers bit-exact, reduce-scatters bit-exact against the documented fp32 order (node
+  partials in local order, then nodes in order) and close to a float64 sum, outputs poisoned first.
+- FSDP2 with ``TIDE_CUDA_MULTINODE=1`` on 2 nodes x 1 GPU: parity with stock FSDP2 (the tolerances of
+  tests/cuda/test_fsdp_cuda.py), every collective counted ``tide_multinode``, no arena created, every op
+  call running the schedule, rounds counted on the rails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cuda import ranks
+from tests.cuda.test_fsdp_cuda import _assert_parity, fsdp_cuda
+from tests.multinode.test_reference_multinode import _check
+from tide.launch import run_ranks
+
+pytestmark = pytest.mark.cuda
+
+
+def _backend(world_size: int) -> str:
+    return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 1), (2, 2)])
+def test_ops_run_the_multinode_schedule_bit_exact(nodes, local):
+    ws, seed = nodes * local, 5000 + 10 * nodes + local
+    print(f"seed {seed}")
+    env = {**ranks.ENV, "LOCAL_WORLD_SIZE": str(local)}
+    results = run_ranks(_check, ws, seed, 3, (nodes, local), "cuda", backend=_backend(ws), device_type="cuda",
+                        env=env, timeout=300)
+    assert results == [3] * ws
+
+
+def test_fsdp_parity_on_two_emulated_nodes():
+    names = ["in_place_prefetch_raf", "slot_reuse_noprefetch_noraf"]
+    env = {**ranks.ENV, "LOCAL_WORLD_SIZE": "1", "TIDE_CUDA_MULTINODE": "1"}
+    results = run_ranks(fsdp_cuda, 2, names, False, backend=_backend(2), device_type="cuda", env=env, timeout=420)
+    for rank, res in enumerate(results):
+        for name in names:
+            r, what = res[name], f"rank {rank} {name}"
+            _assert_parity(what, r)
+            t = r["tide"]
+            for kind in ("all_gather", "reduce_scatter"):
+                assert set(t["stats"][kind]) == {"tide_multinode"}, (what, t["stats"])
+            assert t["arenas"] == 0 and "arena:created" not in t["arena"], (what, t["arena"])
+            assert t["transport"] and all(k.endswith(":stock:multinode_schedule") for k in t["transport"]), \
+                (what, t["transport"])
+            assert any(k.startswith("rail:") for k in t["multinode"]), (what, t["multinode"])

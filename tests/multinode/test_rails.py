@@ -1,0 +1,36 @@
+"""The point-to-point legs of the multi-node schedule (tide/transport/rails.py): which implementation a
+group and device call for, a round moving fresh data both ways, and the reason put/signal cannot run."""
+import torch
+
+from tide.launch import run_ranks
+from tide.transport import rails
+
+
+def _round(rank, world_size, seed):
+    import torch.distributed as dist
+
+    import tide
+
+    group = dist.group.WORLD
+    assert rails.implementation(group, torch.device("cpu")) == "p2p"
+    assert rails.implementation(group, torch.device("cuda")) == "p2p_host_staged"  # gloo moves host memory
+    tide.reset_stats()
+    peer = 1 - rank
+    gen = lambda r: torch.Generator().manual_seed(seed + r)  # noqa: E731
+    mine = [torch.randn(5, generator=gen(rank)), torch.randn(3, 2, generator=gen(rank + 10))]
+    theirs = [torch.randn(5, generator=gen(peer)), torch.randn(3, 2, generator=gen(peer + 10))]
+    got = [torch.full_like(x, float("nan")) for x in theirs]
+    rails.exchange(group, [(peer, x) for x in mine], [(peer, x) for x in got], "rail")
+    rails.exchange(group, [], [], "intra")  # nothing to move: not a round
+    assert all(torch.equal(g, w) for g, w in zip(got, theirs)), (got, theirs)
+    return tide.stats()["multinode"]
+
+
+def test_a_round_moves_fresh_data_both_ways_and_is_counted():
+    for counts in run_ranks(_round, 2, 321, timeout=120):
+        assert counts == {"rail:p2p": 1}, counts
+
+
+def test_put_signal_says_why_it_cannot_run_here():
+    reason = rails.put_signal_unavailable()
+    assert reason is not None and ("nccl4py" in reason or "NCCL" in reason), reason
