@@ -16,6 +16,12 @@ the message size S. Variants, per message size:
 - ranks sharing one GPU (gloo group + symmetric memory): only the TIDE variants and ``reference_*`` (the
   ops' gloo reference, CPU-staged). **These are not NVLink numbers**: every "peer" copy is a same-GPU
   SM copy, and all ranks share one GPU's HBM.
+- ``--local-world-size L`` (L < ranks): nodes of L ranks **emulated** on this machine, the multi-node
+  schedule against NCCL on the same ranks: ``tide_ag_multinode`` / ``tide_rs_multinode`` (the ops with no
+  arena: recursive doubling on the rails, fp32 node partials, every round point-to-point,
+  ``tide/transport/rails.py``) and, with one GPU per rank, ``nccl_ag`` / ``nccl_rs_bf16``. The "rails"
+  here are NVLink (or one GPU), not a network: this shows the schedule's cost and correctness on GPUs,
+  not what it gains across real nodes. Writes ``collectives_multinode.csv`` and ``.png``.
 
 busbw as nccl-tests defines it: ``S / t * (W-1)/W`` where S is the all-gather's output bytes (bf16)
 and the reduce-scatter's input bytes per rank (bf16 grads; the fp32 variants move 2x the bytes for the
@@ -153,6 +159,39 @@ def _rank_main(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
     return rows
 
 
+def _rank_multinode(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
+    """The multi-node schedule's ops (the group spans the emulated nodes: no arena) and NCCL's flat ones."""
+    import tide  # noqa: F401
+    from tide.meta.layout import GroupLayout
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gn = dist.group.WORLD.group_name
+    rows = []
+    for size in sizes_mib:
+        params = GroupLayout(group_shapes(size << 20, world_size), [2] * N_PARAMS, world_size).params
+        total = sum(p.shard_numel for p in params)
+        shards = [torch.randn(p.shard_numel, device=dev).to(torch.bfloat16) for p in params]
+        outs = [torch.empty(p.out_numel, device=dev, dtype=torch.bfloat16) for p in params]
+        grads = [torch.randn(p.shape, device=dev).to(torch.bfloat16) for p in params]
+        shard_grads = [torch.empty((p.shard_rows, 1024), device=dev) for p in params]
+        ag_bytes, rs_bytes = world_size * total * 2, sum(g.numel() for g in grads) * 2
+        variants = {
+            "tide_ag_multinode": (lambda: torch.ops.tide.all_gather_into_params_(shards, outs, world_size, gn),
+                                  ag_bytes),
+            "tide_rs_multinode": (lambda: torch.ops.tide.reduce_scatter_params_(
+                grads, shard_grads, 1.0 / world_size, False, world_size, gn), rs_bytes),
+        }
+        if one_gpu_per_rank:
+            flat_in = torch.randn(total, device=dev).to(torch.bfloat16)
+            flat_out = torch.empty(world_size * total, device=dev, dtype=torch.bfloat16)
+            rs_in = torch.randn(world_size * total, device=dev).to(torch.bfloat16)
+            rs_out = torch.empty(total, device=dev, dtype=torch.bfloat16)
+            variants["nccl_ag"] = (lambda: dist.all_gather_into_tensor(flat_out, flat_in), ag_bytes)
+            variants["nccl_rs_bf16"] = (lambda: dist.reduce_scatter_tensor(rs_out, rs_in), rs_bytes)
+        rows += _measure(variants, size, reps)
+    return rows
+
+
 def _rank_nccl_ce(rank, world_size, sizes_mib, reps):
     import nccl_ce
 
@@ -187,6 +226,8 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=None, help="default: the GPU count if >= 2, else 4")
     p.add_argument("--sizes", default="1,4,16,64,256,1024", help="message sizes in MiB")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--local-world-size", type=int, default=None,
+                   help="emulate nodes of this many ranks: the multi-node schedule against NCCL on the same ranks")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
     require_cuda("collectives.py")
@@ -197,19 +238,30 @@ def main(argv=None):
     one_gpu_per_rank = gpus >= ranks
     backend = "nccl" if one_gpu_per_rank else "gloo"
     sizes = [int(s) for s in args.sizes.split(",")]
-    per_rank = run_ranks(_rank_main, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend, device_type="cuda",
-                         env=CUDA_RANK_ENV, timeout=540)
-    import nccl_ce
-
-    why_not = nccl_ce.available() if one_gpu_per_rank else "ranks share a GPU"
-    if why_not is None:
-        ce = run_ranks(_rank_nccl_ce, ranks, sizes, args.reps, backend="nccl", device_type="cuda", env=CUDA_RANK_ENV,
-                       timeout=300)
-        per_rank = [a + b for a, b in zip(per_rank, ce)]
-    else:
-        print(f"collectives.py: no nccl_ce_ag row: {why_not}")
+    L = args.local_world_size
+    if L is not None and not (1 <= L < ranks and ranks % L == 0):
+        p.error(f"--local-world-size must divide --ranks ({ranks}) and be smaller, got {L}")
     mode = "one GPU per rank (NVLink)" if one_gpu_per_rank else f"{ranks} ranks sharing {gpus} GPU: NOT NVLink numbers"
-    meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, mode=mode)
+    if L is not None:
+        env = {**CUDA_RANK_ENV, "LOCAL_WORLD_SIZE": str(L)}
+        per_rank = run_ranks(_rank_multinode, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend,
+                             device_type="cuda", env=env, timeout=540)
+        mode = f"{ranks // L} nodes x {L} EMULATED on one host ({mode}): not network numbers"
+        name = "collectives_multinode"
+    else:
+        per_rank = run_ranks(_rank_main, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend,
+                             device_type="cuda", env=CUDA_RANK_ENV, timeout=540)
+        import nccl_ce
+
+        why_not = nccl_ce.available() if one_gpu_per_rank else "ranks share a GPU"
+        if why_not is None:
+            ce = run_ranks(_rank_nccl_ce, ranks, sizes, args.reps, backend="nccl", device_type="cuda",
+                           env=CUDA_RANK_ENV, timeout=300)
+            per_rank = [a + b for a, b in zip(per_rank, ce)]
+        else:
+            print(f"collectives.py: no nccl_ce_ag row: {why_not}")
+        name = "collectives"
+    meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, mode=mode, local_world_size=L or ranks)
     rows = []
     for i, r in enumerate(per_rank[0]):
         t = max(pr[i]["ms"] for pr in per_rank)
@@ -218,7 +270,7 @@ def main(argv=None):
         print(f"{r['variant']:18s} {r['size_mib']:5d} MiB  {t:8.3f} ms  busbw {busbw:8.1f} GB/s  "
               f"SM {rows[-1]['sm_us']:9.1f} us", flush=True)
     out = Path(args.out)
-    write_csv(out / "collectives.csv", rows)
+    write_csv(out / f"{name}.csv", rows)
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -235,10 +287,10 @@ def main(argv=None):
             ax.legend(fontsize=7)
         fig.suptitle(f"{meta['device']} x{gpus}, {mode}, {meta['date']}", fontsize=9)
         fig.tight_layout()
-        fig.savefig(out / "collectives.png", dpi=120)
+        fig.savefig(out / f"{name}.png", dpi=120)
     for size in sorted({min(sizes), 16, 256, max(sizes)} & set(sizes)):
         sel = [r for r in rows if r["size_mib"] == size]
-        print(f"SUMMARY collectives ({mode}, {size} MiB): " +
+        print(f"SUMMARY {name} ({mode}, {size} MiB): " +
               ", ".join(f"{r['variant']} {r['busbw_GBps']:.0f} GB/s {r['ms'] * 1e3:.0f} us SM {r['sm_us']:.0f} us"
                         for r in sel))
 

@@ -15,7 +15,10 @@ Variants, each in processes of its own (a clean allocator and one symmetric-memo
 which the allocator does not count), and the CUDA graphs instantiated per step after warm-up
 (``cudaGraphInstantiate`` calls in a profiled step). Writes ``train_step_8b.csv`` / ``train_step_moe.csv``
 (``train_step_<preset>.csv`` for the small presets) and a PNG under ``--out``. With fewer GPUs than
-ranks the ranks share a GPU over gloo: a smoke run, not NVLink numbers.
+ranks the ranks share a GPU over gloo: a smoke run, not NVLink numbers. ``--local-world-size L``
+emulates nodes of L ranks (``TIDE_CUDA_MULTINODE=1``: TIDE's variants run the multi-node schedule, every
+round point-to-point; stock is unchanged) and writes ``<name>_multinode.csv``: the schedule's cost on
+these GPUs, not what it gains across real nodes.
 """
 from __future__ import annotations
 
@@ -117,6 +120,8 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=None, help="default: the GPU count if >= 2, else 2")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--local-world-size", type=int, default=None,
+                   help="emulate nodes of this many ranks (TIDE's variants run the multi-node schedule)")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
     require_cuda("train_step.py")
@@ -134,6 +139,11 @@ def main(argv=None):
     gpus = torch.cuda.device_count()
     ranks = args.ranks or (gpus if gpus >= 2 else 2)
     backend = "nccl" if gpus >= ranks else "gloo"
+    L, env = args.local_world_size, dict(CUDA_RANK_ENV)
+    if L is not None:
+        if not (1 <= L < ranks and ranks % L == 0):
+            p.error(f"--local-world-size must divide the ranks ({ranks}) and be smaller, got {L}")
+        env.update(LOCAL_WORLD_SIZE=str(L), TIDE_CUDA_MULTINODE="1")
     if "stock_nccl_ce" in variants:
         import nccl_ce
 
@@ -144,14 +154,16 @@ def main(argv=None):
     rows = []
     for variant in variants:
         per_rank = run_ranks(_variant_rank, ranks, variant, args.preset, args.blocks, tokens, args.batch, args.steps,
-                             args.warmup, backend=backend, device_type="cuda", env=CUDA_RANK_ENV, timeout=580)
+                             args.warmup, backend=backend, device_type="cuda", env=env, timeout=580)
         for i, r in enumerate(per_rank[0]):
             rows.append({**r, "median_step_ms": max(pr[i]["median_step_ms"] for pr in per_rank)})
     mode = "one GPU per rank" if gpus >= ranks else f"{ranks} ranks sharing {gpus} GPU (smoke, gloo stock path)"
+    if L is not None:
+        mode = f"{ranks // L} nodes x {L} EMULATED, {mode}"
     meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, preset=args.preset, blocks=args.blocks, batch=args.batch,
-                    steps=args.steps, warmup=args.warmup, mode=mode)
+                    steps=args.steps, warmup=args.warmup, mode=mode, local_world_size=L or ranks)
     rows = [{**{k: {**r, **meta}[k] for k in COLUMNS}, **r, **meta} for r in rows]
-    name = CSV_NAMES.get(args.preset, f"train_step_{args.preset}")
+    name = CSV_NAMES.get(args.preset, f"train_step_{args.preset}") + ("_multinode" if L is not None else "")
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
     plt = pyplot()

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
 #     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
 #     tests_transport tests_fsdp_cuda tests_multinode tests_memory_model tests_faults fault_campaign kernels collectives
-#     ce_patterns (2+ GPUs) overlap host_time train_step_8b train_step_moe memory layout_conversion
+#     collectives_multinode ce_patterns (2+ GPUs) overlap host_time train_step_8b train_step_multinode (2+ GPUs)
+#     train_step_moe memory layout_conversion
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
 # the environment in $OUT/env.txt and the summary in $OUT/summary.txt ($OUT: the device tool's output
@@ -77,11 +78,15 @@ TIDE_TRACE=1 stage tests_faults 330 $PY -m pytest tests/cuda/test_faults.py -v -
 TIDE_TRACE=1 stage fault_campaign 420 $PY bench/fault_campaign.py --device cuda --runs 50 --parallel 6 --timeout 10 --out "$WORK/results"
 stage kernels 40 $PY bench/bench_kernels.py --reps 10 --out "$WORK/results"
 stage collectives 150 $PY bench/collectives.py --sizes 1,16,256,1024 --reps 5 --out "$WORK/results"
+[ "$gpus" -ge 2 ] && stage collectives_multinode 150 $PY bench/collectives.py --local-world-size 1 --sizes 1,16,256 \
+  --reps 5 --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage ce_patterns 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$WORK/ce_patterns' \
   bench/ce_patterns.cu -lcuda && '$WORK/ce_patterns' 10 > '$WORK/results/ce_patterns.csv'"
 stage overlap 150 $PY bench/overlap.py "${overlap_args[@]}" --out "$WORK/results"
 stage host_time 90 $PY bench/bench_host_time.py --iters 40 --out "$WORK/results"
 stage train_step_8b 280 $PY bench/train_step.py --preset llama8b --steps 10 --out "$WORK/results"
+[ "$gpus" -ge 2 ] && stage train_step_multinode 200 $PY bench/train_step.py --preset llama8b --tokens 1024,4096 \
+  --variants stock,tide_in_place --local-world-size 1 --steps 8 --out "$WORK/results"
 stage train_step_moe 220 $PY bench/train_step.py --preset moe --steps 10 --out "$WORK/results"
 memory_ranks=8; [ "$gpus" -ge 2 ] && memory_ranks=$gpus
 stage memory 180 $PY bench/bench_memory.py --ranks $memory_ranks --dims 2048,4096,6144 --out "$WORK/results"
