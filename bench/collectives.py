@@ -274,10 +274,10 @@ def main(argv=None):
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for name in dict.fromkeys(r["variant"] for r in rows):
-            sel = [r for r in rows if r["variant"] == name]
-            ax = axes[0] if "_ag" in name else axes[1]
-            ax.plot([r["size_mib"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o", label=name)
+        for variant in dict.fromkeys(r["variant"] for r in rows):
+            sel = [r for r in rows if r["variant"] == variant]
+            ax = axes[0] if "_ag" in variant else axes[1]
+            ax.plot([r["size_mib"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o", label=variant)
         for ax, title in zip(axes, ("all-gather", "reduce-scatter")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("message size S (MiB)")

@@ -6,7 +6,8 @@
   TIDE-AG), ``ag:direct`` (a group not bound in slots, gathered in place by the op's reference backend),
   ``rs:in_place`` / ``rs:slot_reuse`` (reduce-scatters; Slot-Reuse when the group's gradients were read
   from its slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved), ``arena:created``;
-- ``ops``: calls of the ``torch.ops.tide`` ops on CUDA, ``"<op>:tide"`` or ``"<op>:stock:<reason>"``;
+- ``ops``: calls of the ``torch.ops.tide`` ops on CUDA, ``"<op>:tide"`` (the transport),
+  ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``;
 - ``multinode``: point-to-point rounds of the multi-node schedule per leg and implementation
   (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/transport/rails.py``);
 - ``arenas``: each live arena's own counters (copies, bytes, kernels, host time), by its ranks.
@@ -51,9 +52,10 @@ def count_wiring(key: str, n: int = 1) -> None:
         trace.event(f"wiring {key}" + (f" x{n}" if n != 1 else ""))
 
 
-def count_op(op: str, reason: str | None = None) -> None:
-    """One call of ``torch.ops.tide.<op>`` on CUDA: on the transport (``reason`` None) or its reference."""
-    path = f"{op}:tide" if reason is None else f"{op}:stock:{reason}"
+def count_op(op: str, reason: str | None = None, multinode: bool = False) -> None:
+    """One call of ``torch.ops.tide.<op>`` on CUDA: on the transport (``reason`` None), on the multi-node
+    schedule (``multinode``: a group spanning nodes), or on its reference for ``reason``."""
+    path = f"{op}:tide_multinode" if multinode else f"{op}:tide" if reason is None else f"{op}:stock:{reason}"
     _ops[path] += 1
     if trace.ENABLED:
         trace.event(f"op {path}")

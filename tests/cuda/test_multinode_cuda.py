@@ -48,6 +48,6 @@ def test_fsdp_parity_on_two_emulated_nodes():
             for kind in ("all_gather", "reduce_scatter"):
                 assert set(t["stats"][kind]) == {"tide_multinode"}, (what, t["stats"])
             assert t["arenas"] == 0 and "arena:created" not in t["arena"], (what, t["arena"])
-            assert t["transport"] and all(k.endswith(":stock:multinode_schedule") for k in t["transport"]), \
+            assert t["transport"] and all(k.endswith(":tide_multinode") for k in t["transport"]), \
                 (what, t["transport"])
             assert any(k.startswith("rail:") for k in t["multinode"]), (what, t["multinode"])

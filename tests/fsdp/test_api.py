@@ -131,16 +131,28 @@ def test_fallback_table_lists_every_reason():
     assert documented == set(fallbacks.REASONS)
 
 
-def _hosts(rank, world_size):
+def _facts(rank, world_size, flags):
+    import os
+
     import torch.distributed as dist
 
-    return fallbacks.group_hosts(dist.group.WORLD)
+    os.environ["TIDE_CUDA_MULTINODE"] = flags[rank]
+    try:
+        return fallbacks.group_facts(dist.group.WORLD)
+    except RuntimeError as e:
+        return str(e)
 
 
-def test_group_hosts_come_from_every_rank():
+def test_group_facts_come_from_every_rank():
     import socket
 
-    assert run_ranks(_hosts, 3) == [[socket.gethostname()] * 3] * 3
+    assert run_ranks(_facts, 3, ["", "", ""]) == [([socket.gethostname()] * 3, False)] * 3
+    assert run_ranks(_facts, 3, ["1", "1", "1"]) == [([socket.gethostname()] * 3, True)] * 3
+
+
+def test_ranks_that_disagree_on_tide_cuda_multinode_all_raise():
+    for answer in run_ranks(_facts, 3, ["1", "", "1"]):
+        assert "disagree on TIDE_CUDA_MULTINODE (set on group ranks [0, 2])" in answer, answer
 
 
 def test_import_tide_exposes_fsdp_and_ops():

@@ -31,6 +31,27 @@ def test_a_round_moves_fresh_data_both_ways_and_is_counted():
         assert counts == {"rail:p2p": 1}, counts
 
 
+def _many_pieces(rank, world_size, seed):
+    """Every rank sends each peer a different number of pieces (up to 7), in batches of at most 2 per
+    peer: the batches pair up on both ends and every piece lands where it should."""
+    import torch.distributed as dist
+
+    rails.MAX_OPS_PER_PEER = 2
+    count = lambda src, dst: 1 + (3 * src + 5 * dst) % 7  # noqa: E731 (pieces from src to dst)
+    piece = lambda src, dst, i: torch.randn(i + 1, generator=torch.Generator().manual_seed(  # noqa: E731
+        seed + 100 * src + 10 * dst + i))
+    peers = [p for p in range(world_size) if p != rank]
+    sends = [(p, piece(rank, p, i)) for p in peers for i in range(count(rank, p))]
+    got = [(p, torch.full((i + 1,), float("nan"))) for p in peers for i in range(count(p, rank))]
+    rails.exchange(dist.group.WORLD, sends, got, "intra")
+    want = [piece(p, rank, i) for p in peers for i in range(count(p, rank))]
+    return all(torch.equal(g, w) for (_, g), w in zip(got, want))
+
+
+def test_batches_bounded_per_peer_pair_up():
+    assert run_ranks(_many_pieces, 3, 55, timeout=120) == [True] * 3
+
+
 def test_put_signal_says_why_it_cannot_run_here():
     reason = rails.put_signal_unavailable()
     assert reason is not None and ("nccl4py" in reason or "NCCL" in reason), reason

@@ -77,14 +77,22 @@ def serve_multinode_on_cuda() -> bool:
     return os.environ.get("TIDE_CUDA_MULTINODE", "") == "1"
 
 
-def group_hosts(group) -> list[str]:
-    """Host names of ``group``'s ranks, in group-rank order, exchanged once through the default store
-    (no device collective: a CUDA collective on ranks that share a GPU may not be possible). Every rank
-    asks at its group's first TIDE collective, the same point of FSDP's schedule on all of them."""
+def group_facts(group) -> tuple[list[str], bool]:
+    """Host names of ``group``'s ranks (group-rank order) and whether they all serve multi-node groups on
+    CUDA, exchanged once through the default store (no device collective: a CUDA collective on ranks that
+    share a GPU may not be possible). Every rank asks at its group's first TIDE collective, the same point
+    of FSDP's schedule on all of them. Ranks whose ``TIDE_CUDA_MULTINODE`` differ would take different
+    paths and wait for each other forever: that raises on every rank instead."""
     store = dist.distributed_c10d._get_default_store()
     prefix = f"tide/hosts/{group.group_name}/"
-    store.set(prefix + str(dist.get_rank()), socket.gethostname())
-    return [store.get(prefix + str(r)).decode() for r in dist.get_process_group_ranks(group)]
+    store.set(prefix + str(dist.get_rank()), f"{int(serve_multinode_on_cuda())} {socket.gethostname()}")
+    facts = [store.get(prefix + str(r)).decode().split(" ", 1) for r in dist.get_process_group_ranks(group)]
+    flags = {flag for flag, _ in facts}
+    if len(flags) > 1:
+        raise RuntimeError(f"tide.fsdp: the ranks of group {group.group_name!r} disagree on TIDE_CUDA_MULTINODE "
+                           f"(set on group ranks {[i for i, (f, _) in enumerate(facts) if f == '1']}): set it alike "
+                           "on every rank")
+    return [host for _, host in facts], flags == {"1"}
 
 
 def _device_reason(device: torch.device, group, comm) -> str | None:
@@ -92,8 +100,9 @@ def _device_reason(device: torch.device, group, comm) -> str | None:
         return None
     if comm.contract is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        comm.contract = (contract_reason(torch.cuda.get_device_capability(index)[0], group_hosts(group),
-                                         topology.of_group(group), serve_multinode_on_cuda()),)
+        hosts, serve_multinode = group_facts(group)
+        comm.contract = (contract_reason(torch.cuda.get_device_capability(index)[0], hosts, topology.of_group(group),
+                                         serve_multinode),)
     return comm.contract[0]
 
 

@@ -24,7 +24,10 @@ def _arena_for(op: str, group_name: str, world_size: int):
     a = _arena.get(group_name)
     if a is None:
         group = reference.resolve_group(op, group_name, world_size)
-        counters.count_op(op, "multinode_schedule" if topology.is_multinode(topology.of_group(group)) else "no_arena")
+        if topology.is_multinode(topology.of_group(group)):  # the reference runs the multi-node schedule
+            counters.count_op(op, multinode=True)
+        else:
+            counters.count_op(op, "no_arena")
         return None
     if torch.cuda.is_current_stream_capturing():
         counters.count_op(op, "cuda_graph_capture")

@@ -1,7 +1,7 @@
 """The point-to-point legs of the multi-node schedule (``tide/ops/reference_multinode.py``).
 
-One call moves a round's pieces: every ``(peer, tensor)`` send and receive of this rank, posted as one
-batch of point-to-point operations on the group, then waited for. How it moves them depends on the
+One call moves a round's pieces: every ``(peer, tensor)`` send and receive of this rank, posted as
+batches of point-to-point operations on the group (a bounded number per peer each), then waited for. How it moves them depends on the
 group's backend for the tensors' device, recorded per leg in ``tide.stats()["multinode"]``:
 
 - ``p2p``: the backend moves the tensors themselves: NCCL for CUDA tensors (one GPU per rank), gloo for
@@ -15,6 +15,7 @@ is not built. :func:`put_signal_unavailable` says why it could not run here.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Sequence
 
 import torch
@@ -30,25 +31,46 @@ def implementation(group: dist.ProcessGroup, device: torch.device) -> str:
     return "p2p_host_staged"
 
 
+# At most this many sends and as many receives per peer in one batch: NCCL before 2.30 can hang on a group
+# of many point-to-point operations (pytorch#174288), and an unpaced intra-node step of an MoE block has
+# thousands of pieces.
+MAX_OPS_PER_PEER = 64
+
+
 def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: str) -> None:
     """Post every ``(group peer, tensor)`` send and receive (pairs post in the same order on both ends),
-    then wait for all; ``leg`` names the schedule's leg in the stats (``rail``, ``intra``, ``handoff``)."""
+    then wait for all; ``leg`` names the schedule's leg in the stats (``rail``, ``intra``, ``handoff``).
+
+    Batches hold at most :data:`MAX_OPS_PER_PEER` sends and receives per peer. Batch k carries the k-th
+    slice of this rank's sends to each peer and receives from it. That peer's receives from this rank
+    and sends to it follow the same order, so its batch k carries the matching slices: every send meets
+    its receive in the same batch on both ends."""
     if not sends and not recvs:
         return
     device = (sends or recvs)[0][1].device
     how = implementation(group, device)
     counters.count_multinode(f"{leg}:{how}")
+    landed = []
     if how == "p2p_host_staged":
         sends = [(peer, t.cpu()) for peer, t in sends]
         landed = [(t, torch.empty(t.shape, dtype=t.dtype)) for _, t in recvs]
         recvs = [(peer, host) for (peer, _), (_, host) in zip(recvs, landed)]
-    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for peer, t in sends]
-    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for peer, t in recvs]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    if how == "p2p_host_staged":
-        for target, host in landed:
-            target.copy_(host)
+    to, frm = defaultdict(list), defaultdict(list)
+    for peer, t in sends:
+        to[peer].append(t)
+    for peer, t in recvs:
+        frm[peer].append(t)
+    batches = max(-(-len(ts) // MAX_OPS_PER_PEER) for ts in (*to.values(), *frm.values()))
+    for k in range(batches):
+        part = slice(k * MAX_OPS_PER_PEER, (k + 1) * MAX_OPS_PER_PEER)
+        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for peer in sorted(to) for t in to[peer][part]]
+        ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for peer in sorted(frm)
+                for t in frm[peer][part]]
+        if ops:  # no op with a peer in batch k here means none with this rank in that peer's batch k
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+    for target, host in landed:
+        target.copy_(host)
 
 
 def put_signal_unavailable() -> str | None:
