@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_ms, default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
+from common import cuda_ms, default_out, log2_axes, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 N_PARAMS = 8
 
@@ -278,13 +278,7 @@ def main(argv=None):
             sel = [r for r in rows if r["variant"] == variant]
             ax = axes[0] if "_ag" in variant else axes[1]
             ax.plot([r["size_mib"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o", label=variant)
-        for ax, title in zip(axes, ("all-gather", "reduce-scatter")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("message size S (MiB)")
-            ax.set_ylabel("busbw (GB/s)")
-            ax.set_title(title)
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+        log2_axes(axes, "message size S (MiB)", ["busbw (GB/s)"] * 2, ("all-gather", "reduce-scatter"))
         fig.suptitle(f"{meta['device']} x{gpus}, {mode}, {meta['date']}", fontsize=9)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=120)

@@ -73,3 +73,16 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def log2_axes(axes, xlabel: str, ylabels: Sequence[str | None], titles: Sequence[str] = (), legend_size: int = 7):
+    """The sweep plots' axes: log2 x, labels (a None y label keeps the one set), optional titles, grid, legend."""
+    for i, ax in enumerate(axes):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        if ylabels[i] is not None:
+            ax.set_ylabel(ylabels[i])
+        if titles:
+            ax.set_title(titles[i])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=legend_size)

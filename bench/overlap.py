@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_ms, default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
+from common import cuda_ms, default_out, log2_axes, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 RS_BYTES = 32 << 20
 GATE_CYCLES = 20_000_000  # ~10 ms at H200 clocks: longer than enqueueing the side stream's launches
@@ -149,13 +149,8 @@ def main(argv=None):
             axes[1].plot([r["ctas"] for r in sel], [r["rs32_concurrent_ms"] * 1e3 for r in sel], ls=ls, marker="o",
                          label=label)
     axes[0].axhline(3, color="gray", ls=":", label="3% target")
-    axes[0].set_ylabel("foreground slowdown (%)")
-    axes[1].set_ylabel("32 MiB reduction while concurrent (us)")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("reduction grid (CTAs)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6)
+    log2_axes(axes, "reduction grid (CTAs)", ("foreground slowdown (%)", "32 MiB reduction while concurrent (us)"),
+              legend_size=6)
     fig.suptitle(f"Operator overlap, {meta['device']}, {meta['date']} (local reduction, no network)")
     fig.tight_layout()
     fig.savefig(out / "overlap.png", dpi=120)

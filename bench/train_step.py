@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
+from common import default_out, log2_axes, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 VARIANTS = ("stock", "stock_nccl_ce", "tide_in_place", "tide_slot_reuse")
 DEFAULT_TOKENS = {"llama8b": "1024,4096,8192", "moe": "1024,4096"}
@@ -173,12 +173,7 @@ def main(argv=None):
             sel = [r for r in rows if r["variant"] == v]
             axes[0].plot([r["tokens_per_gpu"] for r in sel], [r["median_step_ms"] for r in sel], marker="o", label=v)
             axes[1].plot([r["tokens_per_gpu"] for r in sel], [r["peak_mib"] / 1024 for r in sel], marker="o", label=v)
-        for ax, label in zip(axes, ("median step (ms)", "peak memory, rank 0 (GiB)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tokens per GPU")
-            ax.set_ylabel(label)
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+        log2_axes(axes, "tokens per GPU", ("median step (ms)", "peak memory, rank 0 (GiB)"))
         fig.suptitle(f"{args.preset} x{args.blocks} blocks, {mode}, {meta['device']}, {meta['date']}", fontsize=8)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=120)

@@ -133,13 +133,19 @@ def static_all_gather_reason(fsdp_params) -> str | None:
     return None
 
 
-def all_gather_reason(fsdp_params, group, async_op, device, comm, extra: bool) -> str | None:
-    """Why this ``foreach_all_gather`` call must take the stock path, or None for TIDE."""
+def _call_reason(extra: bool, comm, marker: type, device: torch.device) -> str | None:
+    """The reasons both call kinds check first: arguments TIDE does not know, a group not opted in (its
+    comm is not TIDE's ``marker``), then :func:`common_reason`."""
     if extra:
         return "unknown_args"
-    if not isinstance(comm, TideAllGather):
+    if not isinstance(comm, marker):
         return "not_enabled"
-    if (reason := common_reason(device)) is not None:
+    return common_reason(device)
+
+
+def all_gather_reason(fsdp_params, group, async_op, device, comm, extra: bool) -> str | None:
+    """Why this ``foreach_all_gather`` call must take the stock path, or None for TIDE."""
+    if (reason := _call_reason(extra, comm, TideAllGather, device)) is not None:
         return reason
     if async_op:
         return "async_op"
@@ -164,11 +170,7 @@ def arena_reason(plan_mode: str) -> str | None:
 def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, all_reduce_group, all_reduce_hook,
                   extra: bool) -> str | None:
     """Why this ``foreach_reduce`` call must take the stock path, or None for TIDE."""
-    if extra:
-        return "unknown_args"
-    if not isinstance(comm, TideReduceScatter):
-        return "not_enabled"
-    if (reason := common_reason(device)) is not None:
+    if (reason := _call_reason(extra, comm, TideReduceScatter, device)) is not None:
         return reason
     if rs_group is None or rs_group.size() == 1:
         return "world_size_1"
