@@ -41,11 +41,16 @@ struct Vec4<float> {
   using type = uint4;
 };
 
-// Vectors per source per thread in flight before the adds: at most 256 B per thread in all (32 B per
-// source at least). On a bounded grid the kernel is bound by the bytes in flight per SM, so few contributions
-// (W = 2) need a deeper unroll to read as fast as many.
-template <typename T, int K>
-constexpr int kUnrollFor = (K >= 8 ? 2 : 16 / K) * (16 / static_cast<int>(sizeof(typename Vec4<T>::type)));
+// Vectors per source per thread in flight before the adds: at most about 256 B per thread in all, the
+// old fp32 outputs included when accumulating (at least two vectors). On a bounded grid the kernel is
+// bound by the bytes in flight per SM, so few contributions (W = 2) need a deeper unroll to read as fast
+// as many.
+template <typename T, int K, bool kAccumulate>
+constexpr int kUnrollFor = [] {
+  constexpr int v = static_cast<int>(sizeof(typename Vec4<T>::type));
+  const int u = kAccumulate ? 256 / (K * v + 16) : (K >= 8 ? 2 : 16 / K) * (16 / v);
+  return u < 2 ? 2 : u;
+}();
 
 template <typename T>
 struct Elem;
@@ -129,16 +134,20 @@ __device__ __forceinline__ float finish(float acc, float scale, bool accumulate,
   return accumulate ? __fadd_rn(old, v) : v;
 }
 
-// Scales the four sums of vector `idx` of the sources and writes (or adds) them to their fp32 outputs.
-__device__ __forceinline__ void store_vector(const Common& a, float* out, int64_t idx, const float* acc) {
-  float4* o = reinterpret_cast<float4*>(out) + idx;
-  const float4 old = a.accumulate ? *o : make_float4(0.f, 0.f, 0.f, 0.f);
+// Scales the four sums of vector `idx` of the sources and writes them, or adds them to `old` (the
+// outputs' values, loaded by the caller), to their fp32 outputs.
+__device__ __forceinline__ void store_vector(const Common& a, float* out, int64_t idx, const float* acc,
+                                             const float4& old) {
   float4 r;
   r.x = finish(acc[0], a.scale, a.accumulate, old.x);
   r.y = finish(acc[1], a.scale, a.accumulate, old.y);
   r.z = finish(acc[2], a.scale, a.accumulate, old.z);
   r.w = finish(acc[3], a.scale, a.accumulate, old.w);
-  *o = r;
+  reinterpret_cast<float4*>(out)[idx] = r;
+}
+
+__device__ __forceinline__ float4 old_vector(const Common& a, const float* out, int64_t idx) {
+  return a.accumulate ? reinterpret_cast<const float4*>(out)[idx] : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // Scalar path over elements [begin, n): any alignment, any K.
@@ -152,24 +161,27 @@ __device__ void sum_scalar(const Common& a, const SumSegment& s, int64_t begin) 
   }
 }
 
-// Vector path over the first nvec vectors of every source; K known at compile time.
-template <typename T, int K>
+// Vector path over the first nvec vectors of every source; K and accumulate known at compile time. When
+// accumulating, the old outputs are loaded with the sources, so their latency overlaps too.
+template <typename T, int K, bool kAccumulate>
 __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
   using V = typename Vec4<T>::type;
   const V* src[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) src[k] = static_cast<const V*>(source(a, s, k));
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  constexpr int kUnroll = kUnrollFor<T, K>;
+  constexpr int kUnroll = kUnrollFor<T, K, kAccumulate>;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < nvec;
        base += nthreads * kUnroll) {
     V v[kUnroll][K];
+    float4 old[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t idx = base + u * nthreads;
       if (idx < nvec) {
 #pragma unroll
         for (int k = 0; k < K; ++k) v[u][k] = ld_stream(src[k] + idx);
+        old[u] = kAccumulate ? reinterpret_cast<const float4*>(s.out)[idx] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
 #pragma unroll
@@ -184,7 +196,7 @@ __device__ void sum_vector(const Common& a, const SumSegment& s, int64_t nvec) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
       }
-      store_vector(a, s.out, idx, acc);
+      store_vector(a, s.out, idx, acc, old[u]);
     }
   }
 }
@@ -202,11 +214,11 @@ __device__ void sum_vector_any_k(const Common& a, const SumSegment& s, int64_t n
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
     }
-    store_vector(a, s.out, idx, acc);
+    store_vector(a, s.out, idx, acc, old_vector(a, s.out, idx));
   }
 }
 
-template <typename T, int K>
+template <typename T, int K, bool kAccumulate>
 __device__ void sum_segment(const Common& a, const SumSegment& s) {
   constexpr uintptr_t kSourceAlign = sizeof(typename Vec4<T>::type);
   bool aligned = (reinterpret_cast<uintptr_t>(s.out) & 15) == 0;
@@ -217,7 +229,7 @@ __device__ void sum_segment(const Common& a, const SumSegment& s) {
   }
   const int64_t nvec = s.n / 4;
   if constexpr (K > 0) {
-    sum_vector<T, K>(a, s, nvec);
+    sum_vector<T, K, kAccumulate>(a, s, nvec);
   } else {
     sum_vector_any_k<T>(a, s, nvec);
   }
@@ -229,9 +241,9 @@ __device__ void zero_segment(const SumSegment& s) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < s.n; i += stride) s.out[i] = 0.f;
 }
 
-// One instantiation per (source dtype, K): every non-padding segment of a launch has dtype T, and
-// K = 0 means "K known at run time" (more than 8 contributions).
-template <typename T, int K>
+// One instantiation per (source dtype, K, accumulate): every non-padding segment of a launch has dtype T,
+// and K = 0 means "K known at run time" (more than 8 contributions).
+template <typename T, int K, bool kAccumulate>
 __global__ void __launch_bounds__(kSumThreads, 1) sum_contributions_kernel(const __grid_constant__ SumArgs a) {
   const Common c{a.staging, a.stride, a.k, a.own_rank, a.scale, a.accumulate};
   for (int i = 0; i < a.nseg; ++i) {
@@ -239,23 +251,32 @@ __global__ void __launch_bounds__(kSumThreads, 1) sum_contributions_kernel(const
     if (s.zero) {
       zero_segment(s);
     } else {
-      sum_segment<T, K>(c, s);
+      sum_segment<T, K, kAccumulate>(c, s);
     }
+  }
+}
+
+template <typename T, bool kAccumulate>
+void launch_typed(const SumArgs& a, int ctas, cudaStream_t stream) {
+  switch (a.k) {
+    case 1: sum_contributions_kernel<T, 1, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 2: sum_contributions_kernel<T, 2, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 3: sum_contributions_kernel<T, 3, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 4: sum_contributions_kernel<T, 4, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 5: sum_contributions_kernel<T, 5, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 6: sum_contributions_kernel<T, 6, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 7: sum_contributions_kernel<T, 7, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    case 8: sum_contributions_kernel<T, 8, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
+    default: sum_contributions_kernel<T, 0, kAccumulate><<<ctas, kSumThreads, 0, stream>>>(a); break;
   }
 }
 
 template <typename T>
 void launch_typed(const SumArgs& a, int ctas, cudaStream_t stream) {
-  switch (a.k) {
-    case 1: sum_contributions_kernel<T, 1><<<ctas, kSumThreads, 0, stream>>>(a); break;
-    case 2: sum_contributions_kernel<T, 2><<<ctas, kSumThreads, 0, stream>>>(a); break;
-    case 3: sum_contributions_kernel<T, 3><<<ctas, kSumThreads, 0, stream>>>(a); break;
-    case 4: sum_contributions_kernel<T, 4><<<ctas, kSumThreads, 0, stream>>>(a); break;
-    case 5: sum_contributions_kernel<T, 5><<<ctas, kSumThreads, 0, stream>>>(a); break;
-    case 6: sum_contributions_kernel<T, 6><<<ctas, kSumThreads, 0, stream>>>(a); break;
-    case 7: sum_contributions_kernel<T, 7><<<ctas, kSumThreads, 0, stream>>>(a); break;
-    case 8: sum_contributions_kernel<T, 8><<<ctas, kSumThreads, 0, stream>>>(a); break;
-    default: sum_contributions_kernel<T, 0><<<ctas, kSumThreads, 0, stream>>>(a); break;
+  if (a.accumulate) {
+    launch_typed<T, true>(a, ctas, stream);
+  } else {
+    launch_typed<T, false>(a, ctas, stream);
   }
 }
 
