@@ -108,6 +108,7 @@ def fsdp_steps(rank: int, world_size: int, device_type: str, scenario: str, rs_m
                steps: int, fault_file: str | None = None) -> str:
     """``steps`` FSDP2 training steps of the tiny model on TIDE; rank 1 injects ``scenario`` at its
     ``fault_at``-th all-gather or reduce-scatter, or before step ``fault_at``. Returns ``"finished"``."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from tide.fsdp import seam
@@ -119,7 +120,10 @@ def fsdp_steps(rank: int, world_size: int, device_type: str, scenario: str, rs_m
     dev = _device(device_type)
     cfg = PRESETS["tiny"]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dev.type == "cuda" else None
-    model = fsdp_model(cfg, device=dev, mp_policy=mp, use_tide=True, rs_mode=rs_mode)
+    # FSDP2 over the world group, whose timeout the caller set: a default mesh makes a group of its own with
+    # the backend's default timeout (10 min for NCCL), which would bound TIDE's waits too.
+    mesh = DeviceMesh.from_group(dist.group.WORLD, dev.type)
+    model = fsdp_model(cfg, device=dev, mp_policy=mp, use_tide=True, rs_mode=rs_mode, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if rank == FAULTY_RANK and scenario != "dies_between_steps":
         hook = "all_gather_into_outputs" if scenario == "dies_in_all_gather" else "reduce_scatter_into_shards"

@@ -49,14 +49,33 @@ def _proc_state(pid: int) -> str:
         return "state unknown"
 
 
+def _thread_waits(pid: int) -> str:
+    """Where each thread of a process waits in the kernel: name, wait channel and system call number (a
+    thread blocked in the GPU driver shows an ioctl, one waiting for a lock a futex; no Python stack says)."""
+    rows = []
+    try:
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            fields = []
+            for name in ("comm", "wchan", "syscall"):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                        fields.append(f.read().split(" ")[0].strip() or "-")
+                except OSError:
+                    fields.append("?")
+            rows.append(f"{tid} {fields[0]} wchan={fields[1]} syscall={fields[2]}")
+    except OSError:
+        return "threads unknown"
+    return "; ".join(rows)
+
+
 def _kill(procs) -> None:
     """Kill the ranks still alive, each printing its stacks first (a hang shows where it waited)."""
     alive = [p for p in procs if p.is_alive()]
     for p in alive:  # one at a time, so that their stacks do not interleave
         if not p.is_alive():  # it ended meanwhile
             continue
-        print(f"tide.launch: rank process {p.pid} still running ({_proc_state(p.pid)}): its stacks, then kill",
-              file=sys.stderr, flush=True)
+        print(f"tide.launch: rank process {p.pid} still running ({_proc_state(p.pid)}): its threads "
+              f"[{_thread_waits(p.pid)}], its stacks, then kill", file=sys.stderr, flush=True)
         os.kill(p.pid, STACKS_SIGNAL)
         time.sleep(0.5)
     for p in alive:

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <thread>
 
 namespace tide {
 namespace {
@@ -110,19 +112,54 @@ Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> bases, int64_t de
   TIDE_CUDA(cudaStreamCreateWithPriority(&rs_push_, cudaStreamNonBlocking, lo));
   // The summing CTAs get the highest priority: scheduled ahead of the model's pending CTAs, short-lived.
   TIDE_CUDA(cudaStreamCreateWithPriority(&reduce_, cudaStreamNonBlocking, hi));
-  for (auto* e : {&ev_start_, &ev_ag_push_, &ev_rs_push_, &ev_reduce_})
+  TIDE_CUDA(cudaStreamCreateWithFlags(&report_, cudaStreamNonBlocking));
+  for (auto* e : {&ev_start_, &ev_ag_push_, &ev_rs_push_, &ev_reduce_, &ev_report_})
     TIDE_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  TIDE_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&completions_), kCompletionWords * sizeof(uint32_t),
+                          cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(completions_, 0, kCompletionWords * sizeof(uint32_t));
+  void* dev = nullptr;
+  TIDE_CUDA(cudaHostGetDevicePointer(&dev, completions_, 0));
+  completions_dev_ = reinterpret_cast<uint64_t>(dev);
 }
 
 Arena::~Arena() {
   // Streams and events are left to process teardown when the context is already gone.
   if (cudaSetDevice(static_cast<int>(device_)) != cudaSuccess) return;
-  for (auto s : {ag_push_, rs_push_, reduce_}) {
+  for (auto s : {ag_push_, rs_push_, reduce_, report_}) {
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
   }
-  for (auto e : {ev_start_, ev_ag_push_, ev_rs_push_, ev_reduce_}) cudaEventDestroy(e);
+  for (auto e : {ev_start_, ev_ag_push_, ev_rs_push_, ev_reduce_, ev_report_}) cudaEventDestroy(e);
   for (auto e : ev_chunk_) cudaEventDestroy(e);
+  cudaDeviceSynchronize();  // the completion writes of ops on the callers' streams land before the free
+  cudaFreeHost(completions_);
+}
+
+bool Arena::completed(uint32_t op) const {
+  const uint32_t word = reinterpret_cast<const volatile uint32_t*>(completions_)[op % kCompletionWords];
+  return static_cast<int32_t>(word - op) >= 0;  // a later op on the same word implies this one
+}
+
+bool Arena::read_flags(const at::Tensor& host, double wait_s) {
+  TORCH_CHECK(host.is_pinned() && host.is_contiguous() && host.nbytes() >= static_cast<size_t>(4 * layout_.flags.words()),
+              "tide.Arena.read_flags: host must be pinned and hold the flag words");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  if (cudaMemcpyAsync(host.data_ptr(), reinterpret_cast<const void*>(bases_[rank_]), 4 * layout_.flags.words(),
+                      cudaMemcpyDeviceToHost, report_) != cudaSuccess ||
+      cudaEventRecord(ev_report_, report_) != cudaSuccess)
+    return false;
+  while (cudaEventQuery(ev_report_) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return cudaEventQuery(ev_report_) == cudaSuccess;
+}
+
+void Arena::mark_completion(cudaStream_t stream) {
+  ++ops_;
+  memops(stream, {driver::MemOp{completions_dev_ + 4 * (ops_ % kCompletionWords), ops_}}, {});
 }
 
 // ------------------------------------------------------------------------------------ plans, checks
@@ -197,6 +234,7 @@ Ran Arena::all_gather(const std::vector<at::Tensor>& shards, const std::vector<a
   const int64_t slot = bound_slot(*it->second, outs);
   if (slot < 0) return Ran::kNotBound;
   run_all_gather(*it->second, shards, slot);
+  mark_completion(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
   return Ran::kTide;
 }
 
@@ -206,6 +244,7 @@ Ran Arena::reduce_scatter(const std::vector<at::Tensor>& grads, const std::vecto
   auto it = rs_plans_.find(rs_key(grads));
   if (it == rs_plans_.end()) return Ran::kNoPlan;
   run_reduce_scatter(*it->second, grads, shard_grads, static_cast<float>(scale), accumulate);
+  mark_completion(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
   return Ran::kTide;
 }
 

@@ -181,6 +181,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shards"), py::arg("outs"), py::arg("plan"))
       .def("add_rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads, const RsPlan& plan) { a.add_rs_plan(grads, plan); },
            py::arg("grads"), py::arg("plan"))
+      .def("last_op", &Arena::last_op)
+      .def("completed", &Arena::completed, py::arg("op"))
+      .def("read_flags", &Arena::read_flags, py::arg("host"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>())
       .def("counters", &counters)
       .def("progress", [](const Arena& a) {
              py::dict d;

@@ -59,7 +59,9 @@ def test_a_peer_behind_in_each_protocol_is_named_with_its_lag():
     assert late[1] == ["reduce-scatter: contributions to this rank through round 7 of 9 (2 behind)"]
     text = flag_report.describe(words, index, progress, rank, ranks=[4, 5, 6])
     assert "peer 2 (global rank 6) is behind" in text and "peer 1 (global rank 5) is behind" in text
-    assert "its pieces for slot(s) [0] are not posted yet" in text
+    assert "this rank's pieces for slot(s) [0] are not posted yet" in text
+    assert flag_report.issued(progress) == ("this rank issued all-gather uses [5, 4] per slot and reduce-scatter "
+                                            "rounds [9, 6, 6] per destination")
 
 
 def test_a_peer_that_stopped_summing_my_contributions():

@@ -1,5 +1,6 @@
 """The transport watchdog's bookkeeping, report and exit, driven on CPU by completion handles that a test
-sets (on CUDA they are events recorded after each op; tests/cuda/test_faults.py runs the real thing)."""
+sets (on CUDA they read each op's completion word in pinned host memory; tests/cuda/test_faults.py runs
+the real thing)."""
 import subprocess
 import sys
 import textwrap
@@ -54,6 +55,7 @@ _EXPIRY = textwrap.dedent("""
             return time.monotonic() > self.t
 
     def describe():
+        yield "  this rank issued all-gather uses [4] per slot"  # known without the driver
         if sys.argv[1] == "unreadable":
             raise RuntimeError("copy failed")
         if sys.argv[1] == "blocks":  # as when the driver is wedged: the exit must not wait for the report
@@ -61,7 +63,7 @@ _EXPIRY = textwrap.dedent("""
         if sys.argv[1] == "holds_the_gil":  # wedged inside a call that keeps the GIL: no Python thread runs
             import re
             re.match(r"(a+)+$", "a" * 60 + "b")  # exponential backtracking, never returns in this test
-        return "  peer 1 (global rank 1) is behind: all-gather slot 0: free at use 3, pieces at use 3, this rank at use 4 (1 behind)"
+        yield "  peer 1 (global rank 1) is behind: all-gather slot 0: free at use 3, pieces at use 3, this rank at use 4 (1 behind)"
 
     dog = Watchdog(poll_s=0.05, grace_s=1.0)
     dog.track(Soon(), "reduce_scatter_params_", "'0' (ranks [0, 1], this rank 0)", 0.5, describe)
@@ -100,6 +102,7 @@ def test_an_op_that_never_completes_is_reported_raised_and_ends_the_process(flag
         assert "flag words unreadable: RuntimeError: copy failed" in err, err
     else:
         assert f"flag words unreadable: the report did not finish in {watchdog.REPORT_S:g} s" in err, err
+    assert "this rank issued all-gather uses [4] per slot" in err, err  # the lines before a blocking call too
     assert f"exits with code {watchdog.EXIT_CODE}" in err
     assert "Thread" in err  # every thread's stack follows the report
 

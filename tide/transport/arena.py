@@ -23,8 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,6 +49,21 @@ _GENERATIONS: dict[tuple, int] = {}  # global ranks -> arenas created for them (
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value in (None, "") else int(value)
+
+
+
+class _Completion:
+    """One issued op's completion, for the watchdog: the op's word in the extension's pinned host ring,
+    read with no CUDA call (a driver lock held by a launch that waits on a stalled, full queue cannot
+    block it; ``cudaEventQuery`` did, GPU run 32)."""
+
+    __slots__ = ("_arena", "_op")
+
+    def __init__(self, arena, op: int) -> None:
+        self._arena, self._op = arena, op
+
+    def query(self) -> bool:
+        return self._arena.completed(self._op)
 
 
 class Arena:
@@ -117,7 +131,6 @@ class Arena:
                                  cast_ctas=CAST_CTAS_PER_SM * sms)
         self.slots = SlotLeases(self.num_slots)
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
-        self._report_stream = torch.cuda.Stream(self.device)
         self._report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
         self._logged = False
         self._bind_places: dict = {}  # (numel, dtype) of each output -> (slot offset, bytes) of each
@@ -186,7 +199,7 @@ class Arena:
             checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, self.world_size)
             self._raise_device_error("all_gather_into_params_", ("shards", shards), ("outs", outs))
         if ran == "tide":
-            self._watch("all_gather_into_params_", torch.cuda.current_stream(self.device).record_event())
+            self._watch("all_gather_into_params_")
         return ran
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
@@ -202,28 +215,28 @@ class Arena:
         if ran == "bad_args":
             checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
             self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
-        event = torch.cuda.current_stream(self.device).record_event()
-        self._watch("reduce_scatter_params_", event)
-        for slot in {s for s in map(self.slot_of, grads) if s is not None}:
-            self.slots.used(slot, event)
+        self._watch("reduce_scatter_params_")
+        slots = {s for s in map(self.slot_of, grads) if s is not None}
+        if slots:
+            event = torch.cuda.current_stream(self.device).record_event()
+            for slot in slots:
+                self.slots.used(slot, event)
 
-    def _watch(self, op: str, done: torch.cuda.Event) -> None:
-        watchdog.WATCHDOG.track(done, op, self._label, self.timeout_s, self.flag_report)
+    def _watch(self, op: str) -> None:
+        watchdog.WATCHDOG.track(_Completion(self._c, self._c.last_op()), op, self._label, self.timeout_s,
+                                self.flag_report)
 
-    def flag_report(self, wait_s: float = 2.0) -> str:
-        """Which peers' flag words are behind this rank's issued work (tide/transport/flag_report.py), from
-        a host copy of the words taken on a side stream (never behind the stalled streams); called by the
-        watchdog."""
-        host = self._report_host
-        with torch.cuda.stream(self._report_stream):
-            host.copy_(self.buffer[:4 * self.flag_words].view(torch.int32), non_blocking=True)
-            copied = self._report_stream.record_event()
-        deadline = time.monotonic() + wait_s
-        while not copied.query():
-            if time.monotonic() > deadline:
-                return f"  flag words unreadable: their copy to the host did not finish in {wait_s:g} s"
-            time.sleep(0.01)
-        return flag_report.describe(host.tolist(), self.flag_index, self._c.progress(), self.rank, self.ranks)
+    def flag_report(self, wait_s: float = 2.0) -> Iterator[str]:
+        """The watchdog's report lines: what this rank has issued (no CUDA call), then which peers' flag
+        words are behind it (tide/transport/flag_report.py), from a host copy of the words taken on a
+        stream of the extension's own, without the GIL. That copy needs the driver, which a launch blocked
+        on the stalled streams' full queue can hold (GPU run 33): the issued line goes out first."""
+        progress = self._c.progress()
+        yield "  " + flag_report.issued(progress)
+        if not self._c.read_flags(self._report_host, wait_s):
+            yield f"  flag words unreadable: their copy to the host did not finish in {wait_s:g} s"
+            return
+        yield flag_report.describe(self._report_host.tolist(), self.flag_index, progress, self.rank, self.ranks)
 
     def _raise_device_error(self, op: str, *named_lists) -> None:
         """The one condition the extension checks beyond tide.meta.checks: every tensor on the arena's device."""

@@ -47,7 +47,8 @@ def behind(words: Sequence[int], index: Mapping[str, list], progress: Mapping[st
 
 def describe(words: Sequence[int], index: Mapping[str, list], progress: Mapping[str, list], rank: int,
              ranks: Sequence[int]) -> str:
-    """A few lines for the watchdog's report: the peers behind (by global rank) and this rank's own state."""
+    """A few lines for the watchdog's report: the peers behind (by global rank), and this rank's pieces not
+    yet posted (:func:`issued` gives what it issued)."""
     value = [w & 0xFFFFFFFF for w in words]
     lines = []
     late = behind(words, index, progress, rank)
@@ -56,8 +57,12 @@ def describe(words: Sequence[int], index: Mapping[str, list], progress: Mapping[
     if not late:
         lines.append("  no peer's flags are behind this rank's issued work (the stall is on this GPU's own queue)")
     unposted = [i for i, uses in enumerate(progress["ag_uses"]) if value[index["ag_src"][i]] < uses]
-    lines.append(f"  this rank issued all-gather uses {list(progress['ag_uses'])} per slot and reduce-scatter rounds "
-                 f"{list(progress['rs_rounds'])} per destination" +
-                 (f"; its pieces for slot(s) {unposted} are not posted yet (waiting for peers' free flags)"
-                  if unposted else ""))
+    if unposted:
+        lines.append(f"  this rank's pieces for slot(s) {unposted} are not posted yet (waiting for peers' free flags)")
     return "\n".join(lines)
+
+
+def issued(progress: Mapping[str, list]) -> str:
+    """What this rank has issued, i.e. the flag values its waits expect (known without reading any flag)."""
+    return (f"this rank issued all-gather uses {list(progress['ag_uses'])} per slot and reduce-scatter rounds "
+            f"{list(progress['rs_rounds'])} per destination")

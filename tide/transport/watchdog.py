@@ -1,9 +1,11 @@
 """Bounded waits for the CUDA transport: a host thread that ends a process whose TIDE op never completes.
 
 TIDE's waits are stream memory operations on flag words: a peer that dies or issues a different
-sequence leaves them waiting forever, and no kernel spins that could time out. So every TIDE op records
-an event on the caller's stream after it is issued, and one daemon thread per process (started with the
-first op) polls those events (``cudaEventQuery``: it never waits on the GPU). When an op has not
+sequence leaves them waiting forever, and no kernel spins that could time out. So every TIDE op ends with
+a stream memop on the caller's stream that writes its sequence number into a pinned host word, and one
+daemon thread per process (started with the first op) polls those words: plain memory reads, no CUDA
+call. (``cudaEventQuery`` blocked in GPU run 32: the training thread's launches had filled the stalled
+streams' queue and spun in the driver under a lock the query needed.) When an op has not
 completed ``timeout_s`` after it was issued (``TIDE_TIMEOUT_S``, else the process group's timeout), the
 thread
 
@@ -20,7 +22,7 @@ report + grace < timeout + 15 s. A report wedged in a call that keeps the GIL (a
 in the driver) would stall every Python thread, this one too; so before anything else the thread arms a
 backstop that needs no GIL (``faulthandler``'s own thread): one second after the grace it prints every
 thread's stack and ends the process with :data:`BACKSTOP_EXIT_CODE`. The cost on the healthy path is one
-event record and one list append per op.
+stream memop and one list append per op.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from tide import trace
 
@@ -58,11 +60,11 @@ def _trace_slow(completed: list, pending: list, now: float) -> None:
 
 @dataclass
 class _Pending:
-    done: Any  # an object with query() -> bool: a torch.cuda.Event recorded after the op
+    done: Any  # an object with query() -> bool, true once the op has completed (it must make no CUDA call)
     op: str
     group: str
     timeout_s: float
-    describe: Callable[[], str]  # the flag report, called once on expiry
+    describe: Callable[[], Iterable[str]]  # yields the flag report's lines, called once on expiry
     issued: float = field(default_factory=time.monotonic)
     traced_late: bool = False
 
@@ -77,7 +79,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def track(self, done: Any, op: str, group: str, timeout_s: float, describe: Callable[[], str]) -> None:
+    def track(self, done: Any, op: str, group: str, timeout_s: float, describe: Callable[[], Iterable[str]]) -> None:
         """Watch one issued op: ``done.query()`` turns true when it has completed."""
         if trace.ENABLED:
             trace.event(f"watchdog: tracking {op} on group {group}")
@@ -137,21 +139,27 @@ class Watchdog:
         os._exit(self.exit_code)
 
 
-def _bounded_call(describe: Callable[[], str], seconds: float) -> str:
-    """``describe()``, or a line saying why there is no report: it raised, or did not return in time."""
-    result: list[str] = []
+def _bounded_call(describe: Callable[[], Iterable[str]], seconds: float) -> str:
+    """The lines ``describe()`` yields within ``seconds``, then a line saying why the rest is missing: it
+    raised, or did not finish in time (the lines before a blocking call still go out)."""
+    lines: list[str] = []
+    finished = threading.Event()
 
     def call() -> None:
         try:
-            result.append(describe())
+            for line in describe():
+                lines.append(line)
         except Exception as e:  # the report must not keep the process alive
-            result.append(f"  flag words unreadable: {type(e).__name__}: {e}")
+            lines.append(f"  flag words unreadable: {type(e).__name__}: {e}")
+        finished.set()
 
     worker = threading.Thread(target=call, name="tide-watchdog-report", daemon=True)
     worker.start()
     worker.join(seconds)
-    return result[0] if result else f"  flag words unreadable: the report did not finish in {seconds:g} s"
-
+    got = list(lines)
+    if not finished.is_set():
+        got.append(f"  flag words unreadable: the report did not finish in {seconds:g} s")
+    return "\n".join(got)
 
 WATCHDOG = Watchdog()
 
