@@ -55,7 +55,7 @@ def _env_int(name: str, default: int) -> int:
 class _Completion:
     """One issued op's completion, for the watchdog: the op's word in the extension's pinned host ring,
     read with no CUDA call (a driver lock held by a launch that waits on a stalled, full queue cannot
-    block it; ``cudaEventQuery`` did, GPU run 32)."""
+    block it; ``cudaEventQuery`` did, GPU runs 32-33)."""
 
     __slots__ = ("_arena", "_op")
 
@@ -230,7 +230,7 @@ class Arena:
         """The watchdog's report lines: what this rank has issued (no CUDA call), then which peers' flag
         words are behind it (tide/transport/flag_report.py), from a host copy of the words taken on a
         stream of the extension's own, without the GIL. That copy needs the driver, which a launch blocked
-        on the stalled streams' full queue can hold (GPU run 33): the issued line goes out first."""
+        on the stalled streams' full queue can hold (GPU run 34): the issued line goes out first."""
         progress = self._c.progress()
         yield "  " + flag_report.issued(progress)
         if not self._c.read_flags(self._report_host, wait_s):

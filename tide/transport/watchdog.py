@@ -4,7 +4,7 @@ TIDE's waits are stream memory operations on flag words: a peer that dies or iss
 sequence leaves them waiting forever, and no kernel spins that could time out. So every TIDE op ends with
 a stream memop on the caller's stream that writes its sequence number into a pinned host word, and one
 daemon thread per process (started with the first op) polls those words: plain memory reads, no CUDA
-call. (``cudaEventQuery`` blocked in GPU run 32: the training thread's launches had filled the stalled
+call. (``cudaEventQuery`` blocked in GPU runs 32-33: the training thread's launches had filled the stalled
 streams' queue and spun in the driver under a lock the query needed.) When an op has not
 completed ``timeout_s`` after it was issued (``TIDE_TIMEOUT_S``, else the process group's timeout), the
 thread
