@@ -132,8 +132,12 @@ Arena::~Arena() {
   }
   for (auto e : {ev_start_, ev_ag_push_, ev_rs_push_, ev_reduce_, ev_report_}) cudaEventDestroy(e);
   for (auto e : ev_chunk_) cudaEventDestroy(e);
-  cudaDeviceSynchronize();  // the completion writes of ops on the callers' streams land before the free
-  cudaFreeHost(completions_);
+  // An op that never completed (a dead peer) may still write its completion word should its stream ever
+  // move; those words stay allocated rather than be freed under it. Waiting here could hang.
+  bool all_completed = true;
+  for (uint32_t op = ops_ > kCompletionWords ? ops_ - kCompletionWords + 1 : 1; op <= ops_ && all_completed; ++op)
+    all_completed = completed(op);
+  if (all_completed) cudaFreeHost(completions_);
 }
 
 bool Arena::completed(uint32_t op) const {
