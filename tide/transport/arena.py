@@ -51,7 +51,6 @@ def _env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
-
 class _Completion:
     """One issued op's completion, for the watchdog: the op's word in the extension's pinned host ring,
     read with no CUDA call (a driver lock held by a launch that waits on a stalled, full queue cannot
