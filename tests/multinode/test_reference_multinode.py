@@ -102,3 +102,58 @@ def test_one_node_keeps_the_rank_order():
     """LOCAL_WORLD_SIZE = W: one node, whose order (node partial of all W ranks in local order) is the
     single-node rank order: the same check passes with N = 1."""
     assert run_ranks(_check, 3, 77, 2, (1, 3), env={"LOCAL_WORLD_SIZE": "3"}, timeout=240) == [2] * 3
+
+
+def _in_small_steps(rank, world_size, seed, expect_nodes):
+    """The reduce-scatter in many steps (16-byte chunks, 4 per destination per step): the documented fp32
+    order bit for bit, and no exchange receives more than one step's worth, for a model 4 times larger too."""
+    import torch.distributed as dist
+
+    from tide import topology
+    from tide.meta.layout import rank_row_range, rows_and_row_numel, shard_rows
+    from tide.ops import reference_multinode
+    from tide.transport import rails
+
+    group = dist.group.WORLD
+    topo = topology.of_group(group)
+    assert (topo.num_nodes, topo.local_size) == expect_nodes, topo
+    N, L, W = topo.num_nodes, topo.local_size, world_size
+    chunk, per_step = 16, 4
+    received, exchange = [], rails.exchange
+
+    def recording(group, sends, recvs, leg):
+        received.append(sum(t.numel() * t.element_size() for _, t in recvs))
+        exchange(group, sends, recvs, leg)
+
+    rails.exchange = recording
+    try:
+        peaks = []
+        for size in (4, 16):
+            shapes = [(size * (3 * W + 1), 5), (size * W, 3), (7,)]
+            grads_all = [_inputs(seed + size, W, r, shapes, [torch.bfloat16] * 3) for r in range(W)]
+            shard_grads = [torch.full((shard_rows(sh[0], W), *sh[1:]), float("nan")) for sh in shapes]
+            received.clear()
+            reference_multinode.reduce_scatter(grads_all[rank], shard_grads, 0.5, False, group, topo,
+                                               rs_chunk_bytes=chunk, pace_bytes=per_step * chunk)
+            for i, sh in enumerate(shapes):
+                d0, row = rows_and_row_numel(sh)
+                start, stop = rank_row_range(d0, W, rank)
+                rows = [grads_all[r][i].reshape(-1)[start * row:stop * row] for r in range(W)]
+                want = torch.zeros(shard_grads[i].numel())
+                exact = _hierarchical(rows, N, L).mul_(0.5)
+                want[:exact.numel()] = exact
+                assert torch.equal(shard_grads[i].reshape(-1), want), f"seed {seed} size {size} rank {rank}: param {i}"
+            peaks.append(max(received))
+    finally:
+        rails.exchange = exchange
+    # bf16 contributions for the N partials it sums, or fp32 partials arriving / handed: one step's chunks.
+    bound = per_step * max((L - 1) * N * chunk, (N - 1) * 2 * chunk)
+    assert max(peaks) <= bound, (peaks, bound)
+    return peaks
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 2), (3, 2)])
+def test_reduce_scatter_staging_is_bounded_by_the_step_not_the_model(nodes, local):
+    results = run_ranks(_in_small_steps, nodes * local, 5100 + nodes, (nodes, local),
+                        env={"LOCAL_WORLD_SIZE": str(local)}, timeout=240)
+    assert all(small == large for small, large in results), results  # the peak does not grow with the model

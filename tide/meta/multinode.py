@@ -106,7 +106,8 @@ class MultiNodePlan:
         layout: the group's :class:`GroupLayout` (its ``world_size`` must be N*L; its ``rs_chunk_bytes``
             bounds every reduce-scatter chunk).
         topology: N nodes of L ranks.
-        pace_bytes: all-gather rail bytes a rank sends per step (the pacing knob).
+        pace_bytes: rail bytes a rank sends per step (the pacing knob): of all-gather pieces, and of
+            reduce-scatter chunks per destination (:meth:`rs_steps`).
     """
 
     def __init__(self, layout: GroupLayout, topology: Topology, *, pace_bytes: int = DEFAULT_PACE_BYTES) -> None:
@@ -205,6 +206,21 @@ class MultiNodePlan:
             for src in range(topo.world_size):
                 n = topo.node(src)
                 yield src, self.partial_rank(n, dest), self.landing_rank(n, dest), dest
+
+    def rs_chunks_per_step(self) -> int:
+        """Chunks of every destination one reduce-scatter step carries: as many as fit in ``pace_bytes``."""
+        return max(1, self.pace_bytes // self.layout.rs_chunk_bytes)
+
+    def rs_steps(self) -> list[dict[int, list]]:
+        """The reduce-scatter, step by step: in step k, chunks ``k R .. (k + 1) R - 1`` of every destination
+        (``GroupLayout.rs_chunks``, R = :meth:`rs_chunks_per_step`) go through the five stages. A rank's
+        staging per step is then at most R (L - 1) N chunks of contributions (it sums N destinations'
+        node partials), R (N - 1) fp32 partials arriving on its rail and R (N - 1) handed to it, whatever
+        the model's size."""
+        R, W = self.rs_chunks_per_step(), self.topology.world_size
+        chunks = [self.layout.rs_chunks(d) for d in range(W)]
+        steps = max((len(c) + R - 1) // R for c in chunks) if chunks else 0
+        return [{d: chunks[d][k * R:(k + 1) * R] for d in range(W)} for k in range(steps)]
 
     def rs_staging_elements(self, ring_depth: int) -> dict[str, int]:
         """Staging a rank needs with ``ring_depth`` chunks in flight per stage, in elements of the largest

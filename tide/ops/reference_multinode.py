@@ -6,18 +6,19 @@ must match bit for bit.
 All-gather: every received piece goes straight to its final address in ``outs``; the rail rounds run
 step by step (each at most ``pace_bytes`` per rank), then the intra-node pushes. Every round is one batch
 of point-to-point operations (``tide/transport/rails.py``: NCCL for CUDA tensors, gloo for CPU tensors,
-host-staged for CUDA tensors on a gloo group). Reduce-scatter, one
-parameter at a time: node-local contributions into per-destination staging on the rank that sums the
-node's partial, the fp32 partials (local order), the rail rounds, the hand-off on the destination node
-and the sum in node order. The staging is per parameter here; the plan's chunks bound it on a transport.
+host-staged for CUDA tensors on a gloo group). Reduce-scatter: node-local contributions into
+per-destination staging on the rank that sums the node's partial, the fp32 partials (local order), the
+rail rounds, the hand-off on the destination node and the sum in node order, in the plan's steps
+(``MultiNodePlan.rs_steps``: ``pace_bytes`` of chunks of every destination per step), so the staging is
+bounded whatever the model's size.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from tide.meta.layout import GroupLayout
-from tide.meta.multinode import MultiNodePlan, Piece, Topology
+from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES, GroupLayout
+from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topology
 from tide.transport import rails
 
 
@@ -42,69 +43,80 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology) -> No
 
 
 def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: dist.ProcessGroup,
-                   topology: Topology) -> None:
+                   topology: Topology, *, rs_chunk_bytes: int = DEFAULT_RS_CHUNK_BYTES,
+                   pace_bytes: int = DEFAULT_PACE_BYTES) -> None:
     W, rank = group.size(), group.rank()
-    layout = GroupLayout([tuple(g.shape) for g in grads], [g.element_size() for g in grads], W)
-    plan = MultiNodePlan(layout, topology)
-    N, L = topology.num_nodes, topology.local_size
+    layout = GroupLayout([tuple(g.shape) for g in grads], [g.element_size() for g in grads], W,
+                         rs_chunk_bytes=rs_chunk_bytes)
+    plan = MultiNodePlan(layout, topology, pace_bytes=pace_bytes)
+    flat = [g.reshape(-1) for g in grads]
+    out = [s.view(-1) for s in shard_grads]
+    for step in plan.rs_steps():
+        _reduce_scatter_step(step, flat, out, scale, accumulate, group, plan)
+    if not accumulate:
+        for pad in layout.pad_ranges(rank):
+            out[pad.param][pad.shard_offset:pad.shard_offset + pad.numel].zero_()
+
+
+def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group: dist.ProcessGroup,
+                         plan: MultiNodePlan) -> None:
+    """One step of :meth:`MultiNodePlan.rs_steps`: ``step[d]`` are destination d's chunks in it."""
+    topology, rank = plan.topology, group.rank()
+    N, L, W = topology.num_nodes, topology.local_size, topology.world_size
     me_node, me_local = topology.node(rank), topology.local(rank)
     mine = [d for d in range(W) if plan.partial_rank(me_node, d) == rank]  # the partials this rank sums
-    for grad, shard, p in zip(grads, shard_grads, layout.params):
-        g = grad.reshape(-1)
 
-        def rows(d: int) -> slice:
-            start, stop = p.rows(d)
-            return slice(start * p.row_numel, stop * p.row_numel)
+    def src(c):
+        return flat[c.param][c.grad_offset:c.grad_offset + c.numel]
 
-        # 1. node-local contributions to the rank that sums the node's partial for each destination
-        staged = {(d, l): g.new_empty(p.real_numel(d)) for d in mine for l in range(L) if l != me_local}
-        sends = [(plan.partial_rank(me_node, d), g[rows(d)]) for d in range(W)
-                 if plan.partial_rank(me_node, d) != rank and p.real_numel(d)]
-        recvs = [(topology.rank(me_node, l), staged[d, l]) for d in mine for l in range(L)
-                 if l != me_local and p.real_numel(d)]
-        rails.exchange(group, sends, recvs, "intra")
-        # 2. fp32 node partials, local order (this rank's own contribution read in place)
-        partial = {}
-        for d in mine:
-            parts = [g[rows(d)] if l == me_local else staged[d, l] for l in range(L)]
+    def fp32_like(chunks):
+        return [torch.empty(c.numel, dtype=torch.float32, device=flat[c.param].device) for c in chunks]
+
+    # 1. node-local contributions to the rank that sums the node's partial for each destination
+    staged = {(d, l): [flat[c.param].new_empty(c.numel) for c in step[d]] for d in mine for l in range(L) if l != me_local}
+    sends = [(plan.partial_rank(me_node, d), src(c)) for d in range(W) if plan.partial_rank(me_node, d) != rank
+             for c in step[d]]
+    recvs = [(topology.rank(me_node, l), x) for d in mine for l in range(L) if l != me_local for x in staged[d, l]]
+    rails.exchange(group, sends, recvs, "intra")
+    # 2. fp32 node partials, local order (this rank's own contribution read in place)
+    partial = {}
+    for d in mine:
+        partial[d] = []
+        for i, c in enumerate(step[d]):
+            parts = [src(c) if l == me_local else staged[d, l][i] for l in range(L)]
             acc = parts[0].to(torch.float32, copy=True)
             for x in parts[1:]:
                 acc.add_(x)
-            partial[d] = acc
-        # 3. rail rounds: one fp32 partial out and one in per round
-        landed, sends, recvs = {}, [], []
-        for t in range(1, N):
-            send_to, dest_sent, recv_from, dest_received = plan.rs_rail_round(t, rank)
-            from_node = topology.node(recv_from)
-            landed[from_node, dest_received] = torch.empty(p.real_numel(dest_received), dtype=torch.float32,
-                                                           device=g.device)
-            if p.real_numel(dest_sent):
-                sends.append((send_to, partial[dest_sent]))
-            if p.real_numel(dest_received):
-                recvs.append((recv_from, landed[from_node, dest_received]))
-        rails.exchange(group, sends, recvs, "rail")
-        # 4. hand-off on the destination's node: the landing rank passes each partial to its destination
-        parts = {me_node: partial[rank]}
-        sends = [(dest, x) for (n, dest), x in sorted(landed.items()) if dest != rank and x.numel()]
-        recvs = []
-        for n in range(N):
-            if n == me_node:
-                continue
-            if plan.landing_rank(n, rank) == rank:
-                parts[n] = landed[n, rank]
-            else:
-                parts[n] = torch.empty(p.real_numel(rank), dtype=torch.float32, device=g.device)
-                if parts[n].numel():
-                    recvs.append((plan.landing_rank(n, rank), parts[n]))
-        rails.exchange(group, sends, recvs, "handoff")
-        # 5. the destination sums the N partials in node order
-        acc = parts[0].clone()
-        for n in range(1, N):
-            acc.add_(parts[n])
-        acc.mul_(scale)
-        out, real = shard.view(-1), acc.numel()
-        if accumulate:
-            out[:real].add_(acc)
+            partial[d].append(acc)
+    # 3. rail rounds: one destination's fp32 partials out and one's in per round
+    landed, sends, recvs = {}, [], []
+    for t in range(1, N):
+        send_to, dest_sent, recv_from, dest_received = plan.rs_rail_round(t, rank)
+        landed[topology.node(recv_from), dest_received] = fp32_like(step[dest_received])
+        sends += [(send_to, x) for x in partial[dest_sent]]
+        recvs += [(recv_from, x) for x in landed[topology.node(recv_from), dest_received]]
+    rails.exchange(group, sends, recvs, "rail")
+    # 4. hand-off on the destination's node: the landing rank passes each partial to its destination
+    parts = {me_node: partial[rank]}
+    sends = [(dest, x) for (n, dest), xs in sorted(landed.items()) if dest != rank for x in xs]
+    recvs = []
+    for n in range(N):
+        if n == me_node:
+            continue
+        if plan.landing_rank(n, rank) == rank:
+            parts[n] = landed[n, rank]
         else:
-            out[:real].copy_(acc)
-            out[real:].zero_()
+            parts[n] = fp32_like(step[rank])
+            recvs += [(plan.landing_rank(n, rank), x) for x in parts[n]]
+    rails.exchange(group, sends, recvs, "handoff")
+    # 5. the destination sums the N partials in node order
+    for i, c in enumerate(step[rank]):
+        acc = parts[0][i].clone()
+        for n in range(1, N):
+            acc.add_(parts[n][i])
+        acc.mul_(scale)
+        dst = out[c.param][c.shard_offset:c.shard_offset + c.numel]
+        if accumulate:
+            dst.add_(acc)
+        else:
+            dst.copy_(acc)
