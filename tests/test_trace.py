@@ -21,7 +21,7 @@ _TRACED = textwrap.dedent("""
     counters.count_fsdp("reduce_scatter", "hsdp")
     counters.count_op("all_gather_into_params_", "outputs_not_in_slot")
     dog = Watchdog(poll_s=0.05)
-    dog.track(Slow(), "reduce_scatter_params_", "'0' (ranks [0, 1], this rank 0)", 60.0, lambda: "")
+    dog.track(Slow(), "reduce_scatter_params_", "'0' (ranks [0, 1], this rank 0)", 60.0, lambda: iter(()))
     time.sleep(2.5)
     assert dog.pending() == 0 and dog.error is None
 """)

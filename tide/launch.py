@@ -59,7 +59,8 @@ def _thread_waits(pid: int) -> str:
             for name in ("comm", "wchan", "syscall"):
                 try:
                     with open(f"/proc/{pid}/task/{tid}/{name}") as f:
-                        fields.append(f.read().split(" ")[0].strip() or "-")
+                        text = f.read().strip()
+                    fields.append((text.split(" ")[0] if name == "syscall" else text) or "-")
                 except OSError:
                     fields.append("?")
             rows.append(f"{tid} {fields[0]} wchan={fields[1]} syscall={fields[2]}")

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <thread>
 
 namespace tide {
@@ -115,15 +114,12 @@ Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> bases, int64_t de
   TIDE_CUDA(cudaStreamCreateWithFlags(&report_, cudaStreamNonBlocking));
   for (auto* e : {&ev_start_, &ev_ag_push_, &ev_rs_push_, &ev_reduce_, &ev_report_})
     TIDE_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-  TIDE_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&completions_), kCompletionWords * sizeof(uint32_t),
-                          cudaHostAllocMapped | cudaHostAllocPortable));
-  std::memset(completions_, 0, kCompletionWords * sizeof(uint32_t));
-  void* dev = nullptr;
-  TIDE_CUDA(cudaHostGetDevicePointer(&dev, completions_, 0));
-  completions_dev_ = reinterpret_cast<uint64_t>(dev);
 }
 
 Arena::~Arena() {
+  // With an op still pending (a dead peer) the streams may never drain: they are left to process teardown
+  // rather than waited for. Otherwise every op has joined them into its caller's stream, so they are idle.
+  if (!completions::all_completed(device_)) return;
   // Streams and events are left to process teardown when the context is already gone.
   if (cudaSetDevice(static_cast<int>(device_)) != cudaSuccess) return;
   for (auto s : {ag_push_, rs_push_, reduce_, report_}) {
@@ -132,38 +128,28 @@ Arena::~Arena() {
   }
   for (auto e : {ev_start_, ev_ag_push_, ev_rs_push_, ev_reduce_, ev_report_}) cudaEventDestroy(e);
   for (auto e : ev_chunk_) cudaEventDestroy(e);
-  // An op that never completed (a dead peer) may still write its completion word should its stream ever
-  // move; those words stay allocated rather than be freed under it. Waiting here could hang.
-  bool all_completed = true;
-  for (uint32_t op = ops_ > kCompletionWords ? ops_ - kCompletionWords + 1 : 1; op <= ops_ && all_completed; ++op)
-    all_completed = completed(op);
-  if (all_completed) cudaFreeHost(completions_);
 }
 
-bool Arena::completed(uint32_t op) const {
-  const uint32_t word = reinterpret_cast<const volatile uint32_t*>(completions_)[op % kCompletionWords];
-  return static_cast<int32_t>(word - op) >= 0;  // a later op on the same word implies this one
-}
-
-bool Arena::read_flags(const at::Tensor& host, double wait_s) {
+std::string Arena::read_flags(const at::Tensor& host, double wait_s) {
   TORCH_CHECK(host.is_pinned() && host.is_contiguous() && host.nbytes() >= static_cast<size_t>(4 * layout_.flags.words()),
               "tide.Arena.read_flags: host must be pinned and hold the flag words");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
-  if (cudaMemcpyAsync(host.data_ptr(), reinterpret_cast<const void*>(bases_[rank_]), 4 * layout_.flags.words(),
-                      cudaMemcpyDeviceToHost, report_) != cudaSuccess ||
-      cudaEventRecord(ev_report_, report_) != cudaSuccess)
-    return false;
-  while (cudaEventQuery(ev_report_) == cudaErrorNotReady) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
+  cudaError_t err = cudaMemcpyAsync(host.data_ptr(), reinterpret_cast<const void*>(bases_[rank_]),
+                                    4 * layout_.flags.words(), cudaMemcpyDeviceToHost, report_);
+  if (err == cudaSuccess) err = cudaEventRecord(ev_report_, report_);
+  while (err == cudaSuccess && (err = cudaEventQuery(ev_report_)) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() > deadline) return "timeout";
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    err = cudaSuccess;
   }
-  return cudaEventQuery(ev_report_) == cudaSuccess;
+  return err == cudaSuccess ? "ok" : cudaGetErrorString(err);
 }
 
 void Arena::mark_completion(cudaStream_t stream) {
-  ++ops_;
-  memops(stream, {driver::MemOp{completions_dev_ + 4 * (ops_ % kCompletionWords), ops_}}, {});
+  const driver::MemOp write = completions::claim(device_);
+  memops(stream, {write}, {});
+  last_op_ = write.value;
 }
 
 // ------------------------------------------------------------------------------------ plans, checks
@@ -238,7 +224,6 @@ Ran Arena::all_gather(const std::vector<at::Tensor>& shards, const std::vector<a
   const int64_t slot = bound_slot(*it->second, outs);
   if (slot < 0) return Ran::kNotBound;
   run_all_gather(*it->second, shards, slot);
-  mark_completion(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
   return Ran::kTide;
 }
 
@@ -248,7 +233,6 @@ Ran Arena::reduce_scatter(const std::vector<at::Tensor>& grads, const std::vecto
   auto it = rs_plans_.find(rs_key(grads));
   if (it == rs_plans_.end()) return Ran::kNoPlan;
   run_reduce_scatter(*it->second, grads, shard_grads, static_cast<float>(scale), accumulate);
-  mark_completion(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
   return Ran::kTide;
 }
 
@@ -355,6 +339,7 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
     memops(S, {}, waits);
   }
   join(S, ag_push_, ev_ag_push_);
+  mark_completion(S);
 }
 
 // ------------------------------------------------------------------------------------ TIDE-RS
@@ -442,6 +427,7 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
   }
   join(S, rs_push_, ev_rs_push_);
   join(S, reduce_, ev_reduce_);
+  mark_completion(S);
 }
 
 std::vector<int64_t> Arena::ag_uses() const {

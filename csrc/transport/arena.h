@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "transport/completions.h"
 #include "transport/copies.h"
 #include "transport/driver.h"
 #include "transport/flags.h"
@@ -78,15 +79,11 @@ class Arena {
   std::vector<int64_t> ag_uses() const;
   std::vector<int64_t> rs_rounds() const;
   std::vector<std::pair<std::string, int64_t>> counters() const;
-  // The watchdog's view, which makes no CUDA call: a driver lock held by a launch blocked on a full queue
-  // (the streams stalled on a dead peer's flags) cannot block it. Each op issued by this rank gets a
-  // sequence number; a stream memop on the caller's stream writes it into a pinned host word (ring of
-  // kCompletionWords) when the op has completed.
-  uint32_t last_op() const { return ops_; }
-  bool completed(uint32_t op) const;
-  // Copies the flag words into pinned `host` on a stream of its own; false if that did not finish within
-  // wait_s (the driver may be wedged). Called without the GIL.
-  bool read_flags(const at::Tensor& host, double wait_s);
+  // The id of this arena's latest op (transport/completions.h: the watchdog reads its completion word).
+  uint32_t last_op() const { return last_op_; }
+  // Copies the flag words into pinned `host` on a stream of its own: "ok", "timeout" (not done within
+  // wait_s: the driver may be wedged) or the CUDA error. Called without the GIL.
+  std::string read_flags(const at::Tensor& host, double wait_s);
 
  private:
   uint64_t local_flag(int64_t word) const { return bases_[rank_] + 4 * word; }
@@ -107,7 +104,7 @@ class Arena {
   void join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t ev);
   void launch_cast(CastArgs& a, cudaStream_t stream);
   void launch_sum(SumArgs& a);
-  void mark_completion(cudaStream_t stream);
+  void mark_completion(cudaStream_t stream);  // the op's last stream operation
 
   int64_t rank_, world_, device_, sum_ctas_, cast_ctas_;
   ArenaLayout layout_;
@@ -118,10 +115,7 @@ class Arena {
   cudaStream_t ag_push_ = nullptr, rs_push_ = nullptr, reduce_ = nullptr;
   cudaEvent_t ev_start_ = nullptr, ev_ag_push_ = nullptr, ev_rs_push_ = nullptr, ev_reduce_ = nullptr;
   std::vector<cudaEvent_t> ev_chunk_;
-  static constexpr uint32_t kCompletionWords = 1u << 16;
-  uint32_t* completions_ = nullptr;  // pinned, mapped: word op % kCompletionWords = op once op has completed
-  uint64_t completions_dev_ = 0;     // its device address
-  uint32_t ops_ = 0;                 // ops issued so far
+  uint32_t last_op_ = 0;
   cudaStream_t report_ = nullptr;
   cudaEvent_t ev_report_ = nullptr;
   std::unordered_map<PlanKey, std::shared_ptr<AgPlan>, PlanKeyHash> ag_plans_;

@@ -168,12 +168,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("rank"), py::arg("world"), py::arg("bases"), py::arg("device"), py::arg("num_slots"),
            py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"), py::arg("cast_ctas"))
+      // Both return (what ran, the op's id for tide.transport's watchdog: completions.h).
       .def("all_gather", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
-             return std::string(ran_name(a.all_gather(shards, outs)));
+             const Ran ran = a.all_gather(shards, outs);
+             return std::make_pair(std::string(ran_name(ran)), a.last_op());
            }, py::arg("shards"), py::arg("outs"), py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", [](Arena& a, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
                                 double scale, bool accumulate) {
-             return std::string(ran_name(a.reduce_scatter(grads, shard_grads, scale, accumulate)));
+             const Ran ran = a.reduce_scatter(grads, shard_grads, scale, accumulate);
+             return std::make_pair(std::string(ran_name(ran)), a.last_op());
            }, py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"),
            py::call_guard<py::gil_scoped_release>())
       .def("add_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
@@ -181,8 +184,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shards"), py::arg("outs"), py::arg("plan"))
       .def("add_rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads, const RsPlan& plan) { a.add_rs_plan(grads, plan); },
            py::arg("grads"), py::arg("plan"))
-      .def("last_op", &Arena::last_op)
-      .def("completed", &Arena::completed, py::arg("op"))
       .def("read_flags", &Arena::read_flags, py::arg("host"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>())
       .def("counters", &counters)
       .def("progress", [](const Arena& a) {
@@ -191,6 +192,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              d["rs_rounds"] = a.rs_rounds();
              return d;
            });
+  m.def("op_completed", &completions::completed, py::arg("device"), py::arg("op"));
   m.def("sum_strided", &sum_strided, py::arg("out"), py::arg("base"), py::arg("k"), py::arg("stride_bytes"), py::arg("n"),
         py::arg("scale"), py::arg("accumulate"), py::arg("ctas"));
   m.def("cast_into", &cast_into, py::arg("dst"), py::arg("src"), py::arg("max_ctas"));

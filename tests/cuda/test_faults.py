@@ -31,15 +31,23 @@ def _assert_ends_in_errors(verdict):
     assert verdict["s_to_error"] is not None and verdict["s_to_error"] < BOUND, verdict
 
 
-def _assert_error_or_report(outcomes, err: str) -> None:
+def _assert_error_or_report(outcomes, err: str, *, wedged_driver_known: bool = False) -> None:
     """Rank 0 raised (the watchdog's error at its next op, a plan agreement's, or its process group's), or
-    the watchdog ended it after writing its report to stderr."""
+    the watchdog ended it after writing its report to stderr: what rank 0 issued and which peers are
+    behind. ``wedged_driver_known``: where a launch can hold the driver (FSDP2 keeps launching behind a
+    stalled all-gather, GPU run 34), unreadable flags are the known gap of issue 11, reported as xfail."""
     rank0 = outcomes[0]
-    if rank0.status == "exited":
-        assert rank0.detail == EXIT_CODE, rank0
-        assert "did not complete" in err and "is behind" in err, err[-3000:]
-    else:
+    if rank0.status != "exited":
         assert rank0.status == "error", rank0
+        return
+    assert rank0.detail == EXIT_CODE, rank0
+    assert "did not complete" in err and "this rank issued" in err, err[-3000:]
+    if "is behind" not in err:
+        assert "flag words unreadable" in err, err[-3000:]
+        if wedged_driver_known:
+            pytest.xfail("the peers' flag words could not be read: a launch blocked on the stalled queue "
+                         "holds the driver (issue 11, open)")
+        raise AssertionError(err[-3000:])
 
 
 @pytest.mark.parametrize("scenario", ["dies_in_all_gather", "dies_in_reduce_scatter", "stalls"])
@@ -54,7 +62,7 @@ def test_a_peer_killed_or_stalled_during_a_collective(ext, scenario, tmp_path, c
 def test_a_peer_killed_in_fsdp_training(ext, scenario, rs_mode, tmp_path, capfd):
     outcomes, verdict = _run(faults.fsdp_steps, "cuda", scenario, rs_mode, 2, 3, tmp_path=tmp_path)
     _assert_ends_in_errors(verdict)
-    _assert_error_or_report(outcomes, capfd.readouterr().err)
+    _assert_error_or_report(outcomes, capfd.readouterr().err, wedged_driver_known=scenario == "dies_in_all_gather")
 
 
 @pytest.mark.parametrize("scenario", ["skips_a_collective", "other_plan"])

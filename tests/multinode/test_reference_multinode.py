@@ -104,9 +104,10 @@ def test_one_node_keeps_the_rank_order():
     assert run_ranks(_check, 3, 77, 2, (1, 3), env={"LOCAL_WORLD_SIZE": "3"}, timeout=240) == [2] * 3
 
 
-def _in_small_steps(rank, world_size, seed, expect_nodes):
+def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
     """The reduce-scatter in many steps (16-byte chunks, 4 per destination per step): the documented fp32
-    order bit for bit, and no exchange receives more than one step's worth, for a model 4 times larger too."""
+    order bit for bit (written or added), and no exchange receives more than one step's worth, for a model
+    4 times larger too."""
     import torch.distributed as dist
 
     from tide import topology
@@ -131,17 +132,19 @@ def _in_small_steps(rank, world_size, seed, expect_nodes):
         for size in (4, 16):
             shapes = [(size * (3 * W + 1), 5), (size * W, 3), (7,)]
             grads_all = [_inputs(seed + size, W, r, shapes, [torch.bfloat16] * 3) for r in range(W)]
-            shard_grads = [torch.full((shard_rows(sh[0], W), *sh[1:]), float("nan")) for sh in shapes]
+            init = [torch.randn((shard_rows(sh[0], W), *sh[1:]), generator=torch.Generator().manual_seed(seed + rank))
+                    for sh in shapes]
+            shard_grads = [x.clone() if accumulate else torch.full_like(x, float("nan")) for x in init]
             received.clear()
-            reference_multinode.reduce_scatter(grads_all[rank], shard_grads, 0.5, False, group, topo,
+            reference_multinode.reduce_scatter(grads_all[rank], shard_grads, 0.5, accumulate, group, topo,
                                                rs_chunk_bytes=chunk, pace_bytes=per_step * chunk)
             for i, sh in enumerate(shapes):
                 d0, row = rows_and_row_numel(sh)
                 start, stop = rank_row_range(d0, W, rank)
                 rows = [grads_all[r][i].reshape(-1)[start * row:stop * row] for r in range(W)]
-                want = torch.zeros(shard_grads[i].numel())
+                want = init[i].reshape(-1).clone() if accumulate else torch.zeros(shard_grads[i].numel())
                 exact = _hierarchical(rows, N, L).mul_(0.5)
-                want[:exact.numel()] = exact
+                want[:exact.numel()] = want[:exact.numel()] + exact if accumulate else exact
                 assert torch.equal(shard_grads[i].reshape(-1), want), f"seed {seed} size {size} rank {rank}: param {i}"
             peaks.append(max(received))
     finally:
@@ -152,8 +155,8 @@ def _in_small_steps(rank, world_size, seed, expect_nodes):
     return peaks
 
 
-@pytest.mark.parametrize("nodes,local", [(2, 2), (3, 2)])
-def test_reduce_scatter_staging_is_bounded_by_the_step_not_the_model(nodes, local):
-    results = run_ranks(_in_small_steps, nodes * local, 5100 + nodes, (nodes, local),
+@pytest.mark.parametrize("nodes,local,accumulate", [(2, 2, False), (3, 2, True), (2, 3, False), (4, 1, True)])
+def test_reduce_scatter_staging_is_bounded_by_the_step_not_the_model(nodes, local, accumulate):
+    results = run_ranks(_in_small_steps, nodes * local, 5100 + 10 * nodes + local, (nodes, local), accumulate,
                         env={"LOCAL_WORLD_SIZE": str(local)}, timeout=240)
     assert all(small == large for small, large in results), results  # the peak does not grow with the model

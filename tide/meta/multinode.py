@@ -106,8 +106,8 @@ class MultiNodePlan:
         layout: the group's :class:`GroupLayout` (its ``world_size`` must be N*L; its ``rs_chunk_bytes``
             bounds every reduce-scatter chunk).
         topology: N nodes of L ranks.
-        pace_bytes: rail bytes a rank sends per step (the pacing knob): of all-gather pieces, and of
-            reduce-scatter chunks per destination (:meth:`rs_steps`).
+        pace_bytes: the pacing knob: all-gather rail bytes a rank sends per step, and reduce-scatter
+            gradient bytes of every destination per step (:meth:`rs_steps`).
     """
 
     def __init__(self, layout: GroupLayout, topology: Topology, *, pace_bytes: int = DEFAULT_PACE_BYTES) -> None:

@@ -52,17 +52,17 @@ def _env_int(name: str, default: int) -> int:
 
 
 class _Completion:
-    """One issued op's completion, for the watchdog: the op's word in the extension's pinned host ring,
-    read with no CUDA call (a driver lock held by a launch that waits on a stalled, full queue cannot
-    block it; ``cudaEventQuery`` did, GPU runs 32-33)."""
+    """One issued op's completion, for the watchdog: the op's word in the extension's pinned host ring
+    (csrc/transport/completions.h), read with no CUDA call. It holds no arena: a closed arena is never
+    kept alive, or destroyed, by the watchdog's thread."""
 
-    __slots__ = ("_arena", "_op")
+    __slots__ = ("_ext", "_device", "_op")
 
-    def __init__(self, arena, op: int) -> None:
-        self._arena, self._op = arena, op
+    def __init__(self, ext, device: int, op: int) -> None:
+        self._ext, self._device, self._op = ext, device, op
 
     def query(self) -> bool:
-        return self._arena.completed(self._op)
+        return self._ext.op_completed(self._device, self._op)
 
 
 class Arena:
@@ -190,15 +190,15 @@ class Arena:
         """TIDE-AG of ``shards`` into ``outs`` bound in a slot (:meth:`bind_outputs`, :meth:`slot_views`):
         ``"tide"``, or ``"not_bound"`` when ``outs`` lie in no slot at their plan's addresses (nothing
         issued; the caller gathers another way)."""
-        ran = self._c.all_gather(shards=shards, outs=outs)
+        ran, op = self._c.all_gather(shards=shards, outs=outs)
         if ran == "no_plan":
             self._add_ag_plan(shards, outs)
-            ran = self._c.all_gather(shards=shards, outs=outs)
+            ran, op = self._c.all_gather(shards=shards, outs=outs)
         if ran == "bad_args":
             checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, self.world_size)
             self._raise_device_error("all_gather_into_params_", ("shards", shards), ("outs", outs))
         if ran == "tide":
-            self._watch("all_gather_into_params_")
+            self._watch("all_gather_into_params_", op)
         return ran
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
@@ -207,22 +207,22 @@ class Arena:
         holds some of them (FSDP's Slot-Reuse hooks put gradients at their parameters' places there) is
         busy until the reduce-scatter has read them."""
         kw = dict(grads=grads, shard_grads=shard_grads, scale=float(scale), accumulate=bool(accumulate))
-        ran = self._c.reduce_scatter(**kw)
+        ran, op = self._c.reduce_scatter(**kw)
         if ran == "no_plan":
             self._add_rs_plan(grads)
-            ran = self._c.reduce_scatter(**kw)
+            ran, op = self._c.reduce_scatter(**kw)
         if ran == "bad_args":
             checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
             self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
-        self._watch("reduce_scatter_params_")
+        self._watch("reduce_scatter_params_", op)
         slots = {s for s in map(self.slot_of, grads) if s is not None}
         if slots:
             event = torch.cuda.current_stream(self.device).record_event()
             for slot in slots:
                 self.slots.used(slot, event)
 
-    def _watch(self, op: str) -> None:
-        watchdog.WATCHDOG.track(_Completion(self._c, self._c.last_op()), op, self._label, self.timeout_s,
+    def _watch(self, name: str, op: int) -> None:
+        watchdog.WATCHDOG.track(_Completion(self.ext, self.device.index, op), name, self._label, self.timeout_s,
                                 self.flag_report)
 
     def flag_report(self, wait_s: float = 2.0) -> Iterator[str]:
@@ -232,8 +232,10 @@ class Arena:
         on the stalled streams' full queue can hold (GPU run 34): the issued line goes out first."""
         progress = self._c.progress()
         yield "  " + flag_report.issued(progress)
-        if not self._c.read_flags(self._report_host, wait_s):
-            yield f"  flag words unreadable: their copy to the host did not finish in {wait_s:g} s"
+        status = self._c.read_flags(self._report_host, wait_s)
+        if status != "ok":
+            yield ("  flag words unreadable: " + (f"their copy to the host did not finish in {wait_s:g} s"
+                                                  if status == "timeout" else f"their copy failed: {status}"))
             return
         yield flag_report.describe(self._report_host.tolist(), self.flag_index, progress, self.rank, self.ranks)
 

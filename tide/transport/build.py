@@ -26,6 +26,7 @@ SOURCES = (
     "ops/cast_segments.cu",
     "transport/driver.cpp",
     "transport/copies.cpp",
+    "transport/completions.cpp",
     "transport/arena.cpp",
     "transport/bindings.cpp",
 )

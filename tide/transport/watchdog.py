@@ -156,10 +156,12 @@ def _bounded_call(describe: Callable[[], Iterable[str]], seconds: float) -> str:
     worker = threading.Thread(target=call, name="tide-watchdog-report", daemon=True)
     worker.start()
     worker.join(seconds)
+    done = finished.is_set()  # before the lines are read: a line added after this is not lost unmarked
     got = list(lines)
-    if not finished.is_set():
+    if not done:
         got.append(f"  flag words unreadable: the report did not finish in {seconds:g} s")
     return "\n".join(got)
+
 
 WATCHDOG = Watchdog()
 

@@ -1,0 +1,64 @@
+#include "transport/completions.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+namespace tide::completions {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+struct Ring {
+  std::once_flag allocated;
+  uint32_t* host = nullptr;  // kWords words
+  uint64_t dev = 0;          // their device address
+  std::atomic<uint32_t> issued{0};
+};
+
+Ring& ring(int64_t device) {
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "tide.completions: device ", device, " out of range");
+  static Ring rings[kMaxDevices];
+  Ring& r = rings[device];
+  std::call_once(r.allocated, [&] {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    void* host = nullptr;
+    void* dev = nullptr;
+    TORCH_CHECK(cudaHostAlloc(&host, kWords * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess,
+                "tide.completions: cudaHostAlloc failed");
+    std::memset(host, 0, kWords * sizeof(uint32_t));
+    TORCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess, "tide.completions: cudaHostGetDevicePointer failed");
+    r.host = static_cast<uint32_t*>(host);
+    r.dev = reinterpret_cast<uint64_t>(dev);
+  });
+  return r;
+}
+
+bool word_reached(const Ring& r, uint32_t op) {
+  const uint32_t word = reinterpret_cast<const volatile uint32_t*>(r.host)[op % kWords];
+  return static_cast<int32_t>(word - op) >= 0;
+}
+
+}  // namespace
+
+driver::MemOp claim(int64_t device) {
+  Ring& r = ring(device);
+  const uint32_t op = r.issued.fetch_add(1) + 1;
+  return driver::MemOp{r.dev + 4 * static_cast<uint64_t>(op % kWords), op};
+}
+
+bool completed(int64_t device, uint32_t op) { return word_reached(ring(device), op); }
+
+bool all_completed(int64_t device) {
+  const Ring& r = ring(device);
+  const uint32_t last = r.issued.load();
+  for (uint32_t op = last > kWords ? last - kWords + 1 : 1; op <= last; ++op)
+    if (!word_reached(r, op)) return false;
+  return true;
+}
+
+}  // namespace tide::completions
