@@ -1,5 +1,7 @@
 #include "transport/completions.h"
 
+#include "kernels.h"
+
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
@@ -21,7 +23,7 @@ struct Ring {
 };
 
 Ring& ring(int64_t device) {
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "tide.completions: device ", device, " out of range");
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "tide.completions: device ", num(device), " out of range");
   static Ring rings[kMaxDevices];
   Ring& r = rings[device];
   std::call_once(r.allocated, [&] {
