@@ -60,17 +60,21 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
 
 def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group: dist.ProcessGroup,
                          plan: MultiNodePlan) -> None:
-    """One step of :meth:`MultiNodePlan.rs_steps`: ``step[d]`` are destination d's chunks in it."""
+    """One step of :meth:`MultiNodePlan.rs_steps`: ``step[d]`` are destination d's chunks in it. A
+    destination's fp32 partials of the step are one buffer (one send per rail and hand-off peer)."""
     topology, rank = plan.topology, group.rank()
     N, L, W = topology.num_nodes, topology.local_size, topology.world_size
     me_node, me_local = topology.node(rank), topology.local(rank)
     mine = [d for d in range(W) if plan.partial_rank(me_node, d) == rank]  # the partials this rank sums
+    device = flat[0].device
 
     def src(c):
         return flat[c.param][c.grad_offset:c.grad_offset + c.numel]
 
-    def fp32_like(chunks):
-        return [torch.empty(c.numel, dtype=torch.float32, device=flat[c.param].device) for c in chunks]
+    def partials(d):
+        """An fp32 buffer for destination d's chunks of the step, and its view of each chunk."""
+        buf = torch.empty(sum(c.numel for c in step[d]), dtype=torch.float32, device=device)
+        return buf, list(buf.split([c.numel for c in step[d]]))
 
     # 1. node-local contributions to the rank that sums the node's partial for each destination
     staged = {(d, l): [flat[c.param].new_empty(c.numel) for c in step[d]] for d in mine for l in range(L) if l != me_local}
@@ -81,24 +85,26 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     # 2. fp32 node partials, local order (this rank's own contribution read in place)
     partial = {}
     for d in mine:
-        partial[d] = []
+        partial[d] = partials(d)
         for i, c in enumerate(step[d]):
-            parts = [src(c) if l == me_local else staged[d, l][i] for l in range(L)]
-            acc = parts[0].to(torch.float32, copy=True)
-            for x in parts[1:]:
-                acc.add_(x)
-            partial[d].append(acc)
+            acc = partial[d][1][i]
+            acc.copy_(src(c) if me_local == 0 else staged[d, 0][i])  # the exact conversion to fp32
+            for l in range(1, L):
+                acc.add_(src(c) if l == me_local else staged[d, l][i])
     # 3. rail rounds: one destination's fp32 partials out and one's in per round
     landed, sends, recvs = {}, [], []
     for t in range(1, N):
         send_to, dest_sent, recv_from, dest_received = plan.rs_rail_round(t, rank)
-        landed[topology.node(recv_from), dest_received] = fp32_like(step[dest_received])
-        sends += [(send_to, x) for x in partial[dest_sent]]
-        recvs += [(recv_from, x) for x in landed[topology.node(recv_from), dest_received]]
+        landed[topology.node(recv_from), dest_received] = partials(dest_received)
+        if step[dest_sent]:
+            sends.append((send_to, partial[dest_sent][0]))
+        if step[dest_received]:
+            recvs.append((recv_from, landed[topology.node(recv_from), dest_received][0]))
     rails.exchange(group, sends, recvs, "rail")
     # 4. hand-off on the destination's node: the landing rank passes each partial to its destination
     parts = {me_node: partial[rank]}
-    sends = [(dest, x) for (n, dest), xs in sorted(landed.items()) if dest != rank for x in xs]
+    sends = [(dest, buf) for (n, dest), (buf, _) in sorted(landed.items(), key=lambda kv: kv[0])
+             if dest != rank and buf.numel()]
     recvs = []
     for n in range(N):
         if n == me_node:
@@ -106,14 +112,15 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
         if plan.landing_rank(n, rank) == rank:
             parts[n] = landed[n, rank]
         else:
-            parts[n] = fp32_like(step[rank])
-            recvs += [(plan.landing_rank(n, rank), x) for x in parts[n]]
+            parts[n] = partials(rank)
+            if step[rank]:
+                recvs.append((plan.landing_rank(n, rank), parts[n][0]))
     rails.exchange(group, sends, recvs, "handoff")
     # 5. the destination sums the N partials in node order
     for i, c in enumerate(step[rank]):
-        acc = parts[0][i].clone()
+        acc = parts[0][1][i].clone()
         for n in range(1, N):
-            acc.add_(parts[n][i])
+            acc.add_(parts[n][1][i])
         acc.mul_(scale)
         dst = out[c.param][c.shard_offset:c.shard_offset + c.numel]
         if accumulate:
