@@ -40,32 +40,32 @@ CUDA_RANK_ENV = {
 STACKS_SIGNAL = signal.SIGUSR1
 
 
+def _proc_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _proc_state(pid: int) -> str:
     """The kernel's state of a process (a rank stuck exiting in the driver shows 'D' and prints no stack)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("State:")), "state unknown")
-    except OSError:
-        return "state unknown"
+    status = _proc_text(f"/proc/{pid}/status") or ""
+    return next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")),
+                "state unknown")
 
 
 def _thread_waits(pid: int) -> str:
     """Where each thread of a process waits in the kernel: name, wait channel and system call number (a
     thread blocked in the GPU driver shows an ioctl, one waiting for a lock a futex; no Python stack says)."""
-    rows = []
     try:
-        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
-            fields = []
-            for name in ("comm", "wchan", "syscall"):
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/{name}") as f:
-                        text = f.read().strip()
-                    fields.append((text.split(" ")[0] if name == "syscall" else text) or "-")
-                except OSError:
-                    fields.append("?")
-            rows.append(f"{tid} {fields[0]} wchan={fields[1]} syscall={fields[2]}")
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
     except OSError:
         return "threads unknown"
+    rows = []
+    for tid in tids:
+        comm, wchan, syscall = (_proc_text(f"/proc/{pid}/task/{tid}/{name}") for name in ("comm", "wchan", "syscall"))
+        rows.append(f"{tid} {comm or '?'} wchan={wchan or '?'} syscall={syscall.split(' ')[0] if syscall else '?'}")
     return "; ".join(rows)
 
 

@@ -29,6 +29,21 @@ def _hierarchical(contribs, N, L):
     return total
 
 
+def _expected_shard(grads_all, i, shape, rank, N, L, scale, init, accumulate):
+    """Rank ``rank``'s shard of param ``i`` in the documented order (flat; padding zero, or ``init`` where
+    accumulating), and the float64 sum of its real elements."""
+    from tide.meta.layout import rank_row_range, rows_and_row_numel
+
+    W = len(grads_all)
+    d0, row = rows_and_row_numel(shape)
+    start, stop = rank_row_range(d0, W, rank)
+    rows = [grads_all[r][i].reshape(-1)[start * row:stop * row] for r in range(W)]
+    exact = _hierarchical(rows, N, L).mul_(scale)
+    want = init.reshape(-1).clone() if accumulate else torch.zeros(init.numel())
+    want[:exact.numel()] = (want[:exact.numel()] + exact) if accumulate else exact
+    return want, sum(x.double() for x in rows) * scale
+
+
 def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
     """The schedule's answers on this rank, inputs and outputs on ``device_type`` (tests/cuda runs the
     same check on GPUs); the expected values are computed on the host."""
@@ -36,7 +51,7 @@ def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
 
     import tide
     from tide import topology
-    from tide.meta.layout import rank_row_range, rows_and_row_numel, shard_rows
+    from tide.meta.layout import shard_rows
     from tide.transport import rails
 
     dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -71,17 +86,11 @@ def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
                                        accumulate=accumulate)
         shard_grads = [x.cpu() for x in shard_grads]
         for i, sh in enumerate(gshapes):
-            d0, row = rows_and_row_numel(sh)
-            start, stop = rank_row_range(d0, W, rank)
-            rows = [grads_all[r][i].reshape(-1)[start * row:stop * row] for r in range(W)]
-            exact = _hierarchical(rows, N, L).mul_(scale)
-            f64 = sum(x.double() for x in rows) * scale
-            want = init[i].reshape(-1).clone() if accumulate else torch.zeros(shard_grads[i].numel())
-            want[:exact.numel()] = (want[:exact.numel()] + exact) if accumulate else exact
+            want, f64 = _expected_shard(grads_all, i, sh, rank, N, L, scale, init[i], accumulate)
             got = shard_grads[i].reshape(-1)
             assert torch.equal(got, want), f"seed {seed} trial {t} rank {rank}: reduce-scatter param {i} differs"
             if not accumulate:
-                assert torch.allclose(got[:exact.numel()].double(), f64, rtol=1e-5, atol=1e-5), \
+                assert torch.allclose(got[:f64.numel()].double(), f64, rtol=1e-5, atol=1e-5), \
                     f"seed {seed} trial {t} rank {rank}: param {i} far from the float64 sum"
     rounds = tide.stats()["multinode"]
     if N > 1:  # the rails carried pieces, by the implementation the group and device call for
@@ -111,7 +120,7 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
     import torch.distributed as dist
 
     from tide import topology
-    from tide.meta.layout import rank_row_range, rows_and_row_numel, shard_rows
+    from tide.meta.layout import shard_rows
     from tide.ops import reference_multinode
     from tide.transport import rails
 
@@ -139,12 +148,7 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
             reference_multinode.reduce_scatter(grads_all[rank], shard_grads, 0.5, accumulate, group, topo,
                                                rs_chunk_bytes=chunk, pace_bytes=per_step * chunk)
             for i, sh in enumerate(shapes):
-                d0, row = rows_and_row_numel(sh)
-                start, stop = rank_row_range(d0, W, rank)
-                rows = [grads_all[r][i].reshape(-1)[start * row:stop * row] for r in range(W)]
-                want = init[i].reshape(-1).clone() if accumulate else torch.zeros(shard_grads[i].numel())
-                exact = _hierarchical(rows, N, L).mul_(0.5)
-                want[:exact.numel()] = want[:exact.numel()] + exact if accumulate else exact
+                want, _ = _expected_shard(grads_all, i, sh, rank, N, L, 0.5, init[i], accumulate)
                 assert torch.equal(shard_grads[i].reshape(-1), want), f"seed {seed} size {size} rank {rank}: param {i}"
             peaks.append(max(received))
     finally:
