@@ -130,3 +130,44 @@ def test_timeout_is_the_groups_unless_tide_timeout_s_says_otherwise(monkeypatch)
         monkeypatch.setenv("TIDE_TIMEOUT_S", bad)
         with pytest.raises(ValueError, match="TIDE_TIMEOUT_S must be a number of seconds > 0"):
             watchdog.timeout_for(None)
+
+
+@pytest.mark.parametrize("returns", ["an_op", "nothing_issued", "raises"])
+def test_an_op_is_watched_from_before_its_call_returns(monkeypatch, returns):
+    """A launch can block inside the extension (a stream queue full behind a dead peer's flags, GPU run
+    35): the arena tracks each op before calling in, pending while the call runs, then by its completion
+    word (an op that issued nothing, or raised, is complete at once)."""
+    from types import SimpleNamespace
+
+    from tide.transport.arena import Arena
+
+    words: dict[int, bool] = {}
+    ext = SimpleNamespace(op_completed=lambda device, op: words.get(op, False))
+    arena = SimpleNamespace(ext=ext, device=SimpleNamespace(index=0), _label="'g'", timeout_s=60.0,
+                            flag_report=lambda: iter(()))
+    dog = Watchdog(poll_s=0.01)
+    monkeypatch.setattr(watchdog, "WATCHDOG", dog)
+    pending_during_call = []
+
+    def call(**kw):
+        time.sleep(0.1)  # ten polls: an unfinished call is never taken for a completed op
+        pending_during_call.append(dog.pending())
+        if returns == "raises":
+            raise RuntimeError("launch failed")
+        return ("tide", 7) if returns == "an_op" else ("no_plan", 0)
+
+    if returns == "raises":
+        with pytest.raises(RuntimeError, match="launch failed"):
+            Arena._issue(arena, "all_gather_into_params_", call, shards=[])
+    else:
+        assert Arena._issue(arena, "all_gather_into_params_", call, shards=[]) == ("tide" if returns == "an_op" else "no_plan")
+    assert pending_during_call == [1]
+    if returns == "an_op":
+        time.sleep(0.1)
+        assert dog.pending() == 1, "op 7's completion word is not written yet"
+        words[7] = True
+    deadline = time.monotonic() + 5
+    while dog.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dog.pending() == 0
+    assert dog.error is None

@@ -52,17 +52,25 @@ def _env_int(name: str, default: int) -> int:
 
 
 class _Completion:
-    """One issued op's completion, for the watchdog: the op's word in the extension's pinned host ring
-    (csrc/transport/completions.h), read with no CUDA call. It holds no arena: a closed arena is never
-    kept alive, or destroyed, by the watchdog's thread."""
+    """One op's completion, for the watchdog, tracked from before its issue: the op's word in the
+    extension's pinned host ring (csrc/transport/completions.h), read with no CUDA call. Until the issuing
+    call returns it is pending, since a launch can block on a stream whose queue is full behind a dead
+    peer's flags (GPU run 35). It holds no arena: a closed arena is never kept alive, or destroyed, by the
+    watchdog's thread."""
 
-    __slots__ = ("_ext", "_device", "_op")
+    __slots__ = ("_ext", "_device", "_op", "_issuing")
 
-    def __init__(self, ext, device: int, op: int) -> None:
-        self._ext, self._device, self._op = ext, device, op
+    def __init__(self, ext, device: int) -> None:
+        self._ext, self._device, self._op, self._issuing = ext, device, None, True
+
+    def issued(self, op: int | None) -> None:
+        """The issuing call returned: ``op`` is the id its completion word gets, or None if it issued nothing."""
+        self._op, self._issuing = op, False
 
     def query(self) -> bool:
-        return self._ext.op_completed(self._device, self._op)
+        if self._issuing:
+            return False
+        return self._op is None or self._ext.op_completed(self._device, self._op)
 
 
 class Arena:
@@ -190,15 +198,13 @@ class Arena:
         """TIDE-AG of ``shards`` into ``outs`` bound in a slot (:meth:`bind_outputs`, :meth:`slot_views`):
         ``"tide"``, or ``"not_bound"`` when ``outs`` lie in no slot at their plan's addresses (nothing
         issued; the caller gathers another way)."""
-        ran, op = self._c.all_gather(shards=shards, outs=outs)
+        ran = self._issue("all_gather_into_params_", self._c.all_gather, shards=shards, outs=outs)
         if ran == "no_plan":
             self._add_ag_plan(shards, outs)
-            ran, op = self._c.all_gather(shards=shards, outs=outs)
+            ran = self._issue("all_gather_into_params_", self._c.all_gather, shards=shards, outs=outs)
         if ran == "bad_args":
             checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, self.world_size)
             self._raise_device_error("all_gather_into_params_", ("shards", shards), ("outs", outs))
-        if ran == "tide":
-            self._watch("all_gather_into_params_", op)
         return ran
 
     def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
@@ -207,23 +213,29 @@ class Arena:
         holds some of them (FSDP's Slot-Reuse hooks put gradients at their parameters' places there) is
         busy until the reduce-scatter has read them."""
         kw = dict(grads=grads, shard_grads=shard_grads, scale=float(scale), accumulate=bool(accumulate))
-        ran, op = self._c.reduce_scatter(**kw)
+        ran = self._issue("reduce_scatter_params_", self._c.reduce_scatter, **kw)
         if ran == "no_plan":
             self._add_rs_plan(grads)
-            ran, op = self._c.reduce_scatter(**kw)
+            ran = self._issue("reduce_scatter_params_", self._c.reduce_scatter, **kw)
         if ran == "bad_args":
             checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
             self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
-        self._watch("reduce_scatter_params_", op)
         slots = {s for s in map(self.slot_of, grads) if s is not None}
         if slots:
             event = torch.cuda.current_stream(self.device).record_event()
             for slot in slots:
                 self.slots.used(slot, event)
 
-    def _watch(self, name: str, op: int) -> None:
-        watchdog.WATCHDOG.track(_Completion(self.ext, self.device.index, op), name, self._label, self.timeout_s,
-                                self.flag_report)
+    def _issue(self, name: str, call, **kw) -> str:
+        """One call into the extension, watched from before it issues anything; its outcome's name."""
+        done = _Completion(self.ext, self.device.index)
+        watchdog.WATCHDOG.track(done, name, self._label, self.timeout_s, self.flag_report)
+        ran, op = None, None
+        try:
+            ran, op = call(**kw)
+        finally:
+            done.issued(op if ran == "tide" else None)
+        return ran
 
     def flag_report(self, wait_s: float = 2.0) -> Iterator[str]:
         """The watchdog's report lines: what this rank has issued (no CUDA call), then which peers' flag
