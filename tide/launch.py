@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from tide import procfs
+
 
 # Environment of CUDA ranks: NVLink multicast stays off (NCCL, torch symmetric memory, NVSHMEM), and
 # several ranks may share one GPU through torch symmetric memory over a gloo group.
@@ -40,21 +42,6 @@ CUDA_RANK_ENV = {
 STACKS_SIGNAL = signal.SIGUSR1
 
 
-def _proc_text(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _proc_state(pid: int) -> str:
-    """The kernel's state of a process (a rank stuck exiting in the driver shows 'D' and prints no stack)."""
-    status = _proc_text(f"/proc/{pid}/status") or ""
-    return next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")),
-                "state unknown")
-
-
 def _thread_waits(pid: int) -> str:
     """Where each thread of a process waits in the kernel: name, wait channel and system call number (a
     thread blocked in the GPU driver shows an ioctl, one waiting for a lock a futex; no Python stack says)."""
@@ -64,7 +51,7 @@ def _thread_waits(pid: int) -> str:
         return "threads unknown"
     rows = []
     for tid in tids:
-        comm, wchan, syscall = (_proc_text(f"/proc/{pid}/task/{tid}/{name}") for name in ("comm", "wchan", "syscall"))
+        comm, wchan, syscall = (procfs.text(f"/proc/{pid}/task/{tid}/{name}") for name in ("comm", "wchan", "syscall"))
         rows.append(f"{tid} {comm or '?'} wchan={wchan or '?'} syscall={syscall.split(' ')[0] if syscall else '?'}")
     return "; ".join(rows)
 
@@ -75,7 +62,7 @@ def _kill(procs) -> None:
     for p in alive:  # one at a time, so that their stacks do not interleave
         if not p.is_alive():  # it ended meanwhile
             continue
-        print(f"tide.launch: rank process {p.pid} still running ({_proc_state(p.pid)}): its threads "
+        print(f"tide.launch: rank process {p.pid} still running ({procfs.state(p.pid)}): its threads "
               f"[{_thread_waits(p.pid)}], its stacks, then kill", file=sys.stderr, flush=True)
         os.kill(p.pid, STACKS_SIGNAL)
         time.sleep(0.5)

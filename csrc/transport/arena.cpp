@@ -287,6 +287,7 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
   {
     std::lock_guard<std::mutex> lock(progress_mu_);
     v = ++ag_uses_[slot];
+    if (published_) published_[slot] = v;
   }
   const uint64_t mine = slot_base(rank_, slot);
   join(ag_push_, S, ev_start_);
@@ -423,7 +424,10 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
   memops(reduce_, handed_back, {});
   {
     std::lock_guard<std::mutex> lock(progress_mu_);
-    for (int64_t d = 0; d < world_; ++d) rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
+    for (int64_t d = 0; d < world_; ++d) {
+      rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
+      if (published_) published_[ag_uses_.size() + d] = static_cast<uint32_t>(rs_rounds_[d]);
+    }
   }
   join(S, rs_push_, ev_rs_push_);
   join(S, reduce_, ev_reduce_);
@@ -438,6 +442,14 @@ std::vector<int64_t> Arena::ag_uses() const {
 std::vector<int64_t> Arena::rs_rounds() const {
   std::lock_guard<std::mutex> lock(progress_mu_);
   return rs_rounds_;
+}
+
+void Arena::publish_progress_to(uint64_t address) {
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  published_ = reinterpret_cast<volatile uint32_t*>(address);
+  if (!published_) return;
+  for (size_t i = 0; i < ag_uses_.size(); ++i) published_[i] = ag_uses_[i];
+  for (size_t d = 0; d < rs_rounds_.size(); ++d) published_[ag_uses_.size() + d] = static_cast<uint32_t>(rs_rounds_[d]);
 }
 
 std::vector<std::pair<std::string, int64_t>> Arena::counters() const {

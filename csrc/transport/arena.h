@@ -79,6 +79,10 @@ class Arena {
   std::vector<int64_t> ag_uses() const;
   std::vector<int64_t> rs_rounds() const;
   std::vector<std::pair<std::string, int64_t>> counters() const;
+  // Mirrors ag_uses() then rs_rounds() as K + W uint32 words at `address`, host memory that the other
+  // processes of the host map (tide/transport/board.py): a peer's watchdog reads them with no CUDA call,
+  // even while a launch wedged in the driver keeps the flag words unreadable. 0 stops the mirror.
+  void publish_progress_to(uint64_t address);
   // The id of this arena's latest op (transport/completions.h: the watchdog reads its completion word).
   uint32_t last_op() const { return last_op_; }
   // Copies the flag words into pinned `host` on a stream of its own: "ok", "timeout" (not done within
@@ -111,7 +115,8 @@ class Arena {
   std::vector<uint64_t> bases_;
   std::vector<uint32_t> ag_uses_;   // per slot: all-gathers so far (the flag value of the next is + 1)
   std::vector<int64_t> rs_rounds_;  // per destination: reduce-scatter rounds so far
-  mutable std::mutex progress_mu_;  // guards the two above against the readers of ag_uses() / rs_rounds()
+  volatile uint32_t* published_ = nullptr;  // the two above's mirror (publish_progress_to)
+  mutable std::mutex progress_mu_;  // guards the three above against the readers of ag_uses() / rs_rounds()
   cudaStream_t ag_push_ = nullptr, rs_push_ = nullptr, reduce_ = nullptr;
   cudaEvent_t ev_start_ = nullptr, ev_ag_push_ = nullptr, ev_rs_push_ = nullptr, ev_reduce_ = nullptr;
   std::vector<cudaEvent_t> ev_chunk_;

@@ -185,6 +185,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads, const RsPlan& plan) { a.add_rs_plan(grads, plan); },
            py::arg("grads"), py::arg("plan"))
       .def("read_flags", &Arena::read_flags, py::arg("host"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>())
+      .def("publish_progress_to", &Arena::publish_progress_to, py::arg("address"))
       .def("counters", &counters)
       .def("progress", [](const Arena& a) {
              py::dict d;

@@ -4,6 +4,8 @@ group's (as in a real job); every rank but the faulty one ends within 5 + 15 s o
 watchdog's report and exit, its error raised at the next op, or the group's own timeout), and none
 hangs. The stalled-peer test sets ``TIDE_TIMEOUT_S=5`` under a 120 s group timeout instead: only TIDE's
 watchdog can end that survivor in time."""
+import re
+
 import pytest
 
 from tests.cuda import ranks
@@ -31,30 +33,29 @@ def _assert_ends_in_errors(verdict):
     assert verdict["s_to_error"] is not None and verdict["s_to_error"] < BOUND, verdict
 
 
-def _assert_error_or_report(outcomes, err: str, *, wedged_driver_known: bool = False) -> None:
+def _assert_error_or_report(outcomes, err: str, *, peer_died: bool) -> None:
     """Rank 0 raised (the watchdog's error at its next op, a plan agreement's, or its process group's), or
-    the watchdog ended it after writing its report to stderr: what rank 0 issued and which peers are
-    behind. ``wedged_driver_known``: where a launch can hold the driver (FSDP2 keeps launching behind a
-    stalled all-gather, GPU run 34), unreadable flags are the known gap of issue 11, reported as xfail."""
+    the watchdog ended it after writing its report to stderr: what rank 0 issued, and peer 1 named by its
+    flag words or, where a launch holds the driver and keeps them unreadable (FSDP2 keeps launching behind
+    a stalled all-gather, GPU run 34), by the issued board with its process's state."""
     rank0 = outcomes[0]
     if rank0.status != "exited":
         assert rank0.status == "error", rank0
         return
     assert rank0.detail == EXIT_CODE, rank0
     assert "did not complete" in err and "this rank issued" in err, err[-3000:]
+    board_line = re.search(r"peer 1 \(global rank 1\), process \d+ \(([^)]*)", err)
+    assert board_line, err[-3000:]
+    assert (board_line.group(1) == "gone" or board_line.group(1).startswith("Z")) == peer_died, err[-3000:]
     if "is behind" not in err:
         assert "flag words unreadable" in err, err[-3000:]
-        if wedged_driver_known:
-            pytest.xfail("the peers' flag words could not be read: a launch blocked on the stalled queue "
-                         "holds the driver (issue 11, open)")
-        raise AssertionError(err[-3000:])
 
 
 @pytest.mark.parametrize("scenario", ["dies_in_all_gather", "dies_in_reduce_scatter", "stalls"])
 def test_a_peer_killed_or_stalled_during_a_collective(ext, scenario, tmp_path, capfd):
     outcomes, verdict = _run(faults.op_sequence, "cuda", scenario, 7, 2, tmp_path=tmp_path)
     _assert_ends_in_errors(verdict)
-    _assert_error_or_report(outcomes, capfd.readouterr().err)
+    _assert_error_or_report(outcomes, capfd.readouterr().err, peer_died=scenario != "stalls")
 
 
 @pytest.mark.parametrize("scenario", faults.STEP_SCENARIOS)
@@ -62,7 +63,7 @@ def test_a_peer_killed_or_stalled_during_a_collective(ext, scenario, tmp_path, c
 def test_a_peer_killed_in_fsdp_training(ext, scenario, rs_mode, tmp_path, capfd):
     outcomes, verdict = _run(faults.fsdp_steps, "cuda", scenario, rs_mode, 2, 3, tmp_path=tmp_path)
     _assert_ends_in_errors(verdict)
-    _assert_error_or_report(outcomes, capfd.readouterr().err, wedged_driver_known=scenario == "dies_in_all_gather")
+    _assert_error_or_report(outcomes, capfd.readouterr().err, peer_died=True)
 
 
 @pytest.mark.parametrize("scenario", ["skips_a_collective", "other_plan"])

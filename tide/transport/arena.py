@@ -31,7 +31,7 @@ import torch.distributed as dist
 from tide import topology
 from tide.meta import checks
 from tide.meta.layout import GroupLayout, align_up
-from tide.transport import agreement, flag_report, plans, watchdog
+from tide.transport import agreement, board, flag_report, plans, watchdog
 from tide.transport.slots import SlotLeases
 
 log = logging.getLogger("tide.transport")
@@ -123,6 +123,8 @@ class Arena:
         self._plans = 0  # plans agreed on so far (tide/transport/agreement.py)
         self.ring_off, self.total_bytes = layout["ring_off"], layout["total_bytes"]
 
+        self._board = board.IssuedBoard.rendezvous(self._store, f"{self._store_prefix}/board", self.rank, W,
+                                                   self.num_slots)
         self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self.buffer, group)
         bases = [int(p) for p in self.handle.buffer_ptrs]
@@ -131,11 +133,15 @@ class Arena:
         self.buffer[: self.flags_bytes].zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
+        if self._board is not None and self.rank == 0:
+            self._board.unlink()  # every rank has mapped it (before the rendezvous)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._c = self.ext.Arena(rank=self.rank, world=W, bases=bases, device=self.device.index,
                                  num_slots=self.num_slots, slot_bytes=self.slot_bytes, ring_depth=self.ring_depth,
                                  entry_bytes=self.entry_bytes, sum_ctas=self.sum_ctas,
                                  cast_ctas=CAST_CTAS_PER_SM * sms)
+        if self._board is not None:
+            self._c.publish_progress_to(self._board.progress_address())
         self.slots = SlotLeases(self.num_slots)
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
         self._report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
@@ -155,7 +161,11 @@ class Arena:
             return
         watchdog.WATCHDOG.check()
         torch.cuda.synchronize(self.device)
+        self._c.publish_progress_to(0)
         self._c = None  # destroys the streams and events
+        if self._board is not None:
+            self._board.close()
+            self._board = None
         self.handle = None
         self.buffer = None  # the symmetric allocation goes back to the driver
 
@@ -238,12 +248,15 @@ class Arena:
         return ran
 
     def flag_report(self, wait_s: float = 2.0) -> Iterator[str]:
-        """The watchdog's report lines: what this rank has issued (no CUDA call), then which peers' flag
-        words are behind it (tide/transport/flag_report.py), from a host copy of the words taken on a
-        stream of the extension's own, without the GIL. That copy needs the driver, which a launch blocked
-        on the stalled streams' full queue can hold (GPU run 34): the issued line goes out first."""
+        """The watchdog's report lines: what this rank and its peers have issued, and their processes'
+        state (the issued board, tide/transport/board.py: no CUDA call), then which peers' flag words are
+        behind it (tide/transport/flag_report.py), from a host copy of the words taken on a stream of the
+        extension's own, without the GIL. That copy needs the driver, which a launch blocked on the
+        stalled streams' full queue can hold (GPU run 34): the lines that need no driver go out first."""
         progress = self._c.progress()
         yield "  " + flag_report.issued(progress)
+        if self._board is not None:  # the peers' issued work and processes, read with no CUDA call
+            yield from board.report(self._board.records(), self.rank, self.ranks)
         status = self._c.read_flags(self._report_host, wait_s)
         if status != "ok":
             yield ("  flag words unreadable: " + (f"their copy to the host did not finish in {wait_s:g} s"

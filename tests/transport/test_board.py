@@ -1,0 +1,95 @@
+"""The issued board (tide/transport/board.py) across real processes on CPU: every rank maps rank 0's
+file, the name is gone once all have, a rank's mirrored words reach its peers, and the report names a
+peer that died behind or level with this rank, and its process's state, with no CUDA call."""
+import ctypes
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tide.launch import run_ranks_outcomes
+from tide.transport import board
+
+K = 2  # all-gather slots
+
+
+def _mirror(b: board.IssuedBoard, ag_uses, rs_rounds) -> None:
+    """What the extension's publish_progress_to mirror writes (csrc/transport/arena.cpp), from Python."""
+    words = (ctypes.c_uint32 * (K + b.world)).from_address(b.progress_address())
+    for i, v in enumerate([*ag_uses, *rs_rounds]):
+        words[i] = v
+
+
+def _ended(pid) -> bool:
+    state = board.procfs.state(pid)
+    return state == "gone" or state.startswith(("Z", "X"))
+
+
+def _ranks(rank, world, peer_ag_uses, peer_dies):
+    store = dist.distributed_c10d._get_default_store()
+    b = board.IssuedBoard.rendezvous(store, "tide/test/board", rank, world, K)
+    assert b is not None
+    dist.barrier()
+    if rank == 0:
+        b.unlink()
+        assert not os.path.exists(b.path), "the board's name outlives the rendezvous"
+    dist.barrier()
+    if rank == 1:
+        _mirror(b, peer_ag_uses, [3, 3])
+        dist.barrier()
+        if peer_dies:
+            os._exit(3)
+        dist.barrier()
+        return "peer"
+    _mirror(b, [4, 3], [3, 3])
+    dist.barrier()
+    if peer_dies:
+        deadline = time.monotonic() + 10
+        while not _ended(b.records()[1].pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        dist.barrier()
+    records = b.records()
+    assert [r.pid for r in records][0] == os.getpid() and all(r.mapped for r in records)
+    assert records[1].ag_uses == list(peer_ag_uses) and records[1].rs_rounds == [3, 3]
+    lines = board.report(records, 0, [5, 9])
+    b.close()
+    return lines
+
+
+@pytest.mark.parametrize("peer_ag_uses,peer_dies,expect", [
+    ([3, 3], True, "1 all-gather use(s) behind this rank"),
+    ([4, 3], True, "issued as far as this rank"),
+    ([4, 3], False, "issued as far as this rank"),
+    ([5, 3], False, "1 all-gather use(s) ahead of this rank"),
+])
+def test_peers_issued_work_and_process_state_reach_the_report(peer_ag_uses, peer_dies, expect):
+    outcomes = run_ranks_outcomes(_ranks, 2, peer_ag_uses, peer_dies, timeout=60, pg_timeout=30)
+    assert outcomes[0].status == "ok", outcomes[0]
+    (line,) = outcomes[0].detail
+    assert line.startswith("  peer 1 (global rank 9), process ") and expect in line, line
+    assert ("(gone)" in line or "(Z (zombie))" in line) == peer_dies, line
+    if peer_dies:
+        assert outcomes[1].status == "exited" and outcomes[1].detail == 3, outcomes[1]
+
+
+def test_a_peer_without_a_record_is_named():
+    rec = board.Record(pid=0, mapped=False, ag_uses=[0, 0], rs_rounds=[0, 0])
+    mine = board.Record(pid=os.getpid(), mapped=True, ag_uses=[1, 0], rs_rounds=[0, 0])
+    assert board.report([mine, rec], 0, [0, 1]) == [
+        "  peer 1 (global rank 1): no record on the issued board (another host, or it could not map the board)"]
+
+
+def test_a_board_that_cannot_be_created_is_none_on_every_rank(monkeypatch, tmp_path):
+    class Store(dict):
+        def set(self, k, v):
+            self[k] = v.encode()
+
+        def get(self, k):
+            return self[k]
+
+    monkeypatch.setattr(board, "_DIR", str(tmp_path / "missing"))
+    store = Store()
+    assert board.IssuedBoard.rendezvous(store, "k", 0, 2, K) is None
+    assert board.IssuedBoard.rendezvous(store, "k", 1, 2, K) is None

@@ -1,0 +1,122 @@
+"""The issued board: what every rank of an arena has issued, in host memory that all its processes map,
+so that a stalled rank's watchdog says which peer is behind, and whether that peer's process is still
+there, with no CUDA call. The flag words need one (a copy from the GPU), and a launch spinning on a
+stream queue full behind a dead peer holds the driver lock that copy needs (GPU runs 34-35).
+
+One file in /dev/shm per arena: rank 0 creates it, every rank maps it during the arena's rendezvous,
+and rank 0 unlinks it once all have mapped it, so a rank that dies leaves nothing behind. Rank r's
+record is ``2 + K + W`` uint32 words at word ``r * (2 + K + W)``:
+
+    + 0          the rank's process id
+    + 1          1 once the rank has mapped the board
+    + 2 + i      all-gather uses of slot i < K   (the arena's ``ag_uses``, mirrored by the extension
+    + 2 + K + d  reduce-scatter rounds toward destination d < W    under its progress lock: ``rs_rounds``)
+
+A rank that cannot open the file (a process on another host) has no board; the others' reports say its
+record is missing.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+import uuid
+from dataclasses import dataclass
+
+from tide import procfs
+
+_DIR = "/dev/shm"
+_HEADER = 2  # pid, mapped
+
+
+@dataclass(frozen=True)
+class Record:
+    """One rank's words as read from the board."""
+    pid: int
+    mapped: bool
+    ag_uses: list[int]
+    rs_rounds: list[int]
+
+
+class IssuedBoard:
+    """This process's mapping of an arena's board (see the module docstring)."""
+
+    def __init__(self, path: str, rank: int, world: int, num_slots: int, create: bool) -> None:
+        self.path, self.rank, self.world, self.num_slots = path, rank, world, num_slots
+        self.record_words = _HEADER + num_slots + world
+        size = 4 * self.record_words * world
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        struct.pack_into("<2I", self._map, 4 * self.record_words * rank, os.getpid(), 1)
+
+    @classmethod
+    def rendezvous(cls, store, key: str, rank: int, world: int, num_slots: int) -> "IssuedBoard | None":
+        """Every rank of the arena calls this together; rank 0 names the file through ``store``. None where
+        the file cannot be created or opened (no /dev/shm, or a rank on another host)."""
+        if rank == 0:
+            path = os.path.join(_DIR, f"tide-board-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            try:
+                board = cls(path, rank, world, num_slots, create=True)
+            except OSError:
+                board, path = None, ""
+            store.set(key, path)
+            return board
+        path = store.get(key).decode()
+        try:
+            return cls(path, rank, world, num_slots, create=False) if path else None
+        except OSError:
+            return None
+
+    def unlink(self) -> None:
+        """Rank 0, once every rank has mapped the board: the mappings outlive the name."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def progress_address(self) -> int:
+        """Address of this rank's ``ag_uses`` words, for the extension's mirror (``publish_progress_to``)."""
+        view = ctypes.c_char.from_buffer(self._map, 4 * (self.record_words * self.rank + _HEADER))
+        address = ctypes.addressof(view)
+        del view  # the mapping stays; only the export that would keep it from closing goes
+        return address
+
+    def records(self) -> list[Record]:
+        words = struct.unpack_from(f"<{self.record_words * self.world}I", self._map)
+        out = []
+        for r in range(self.world):
+            w = words[r * self.record_words:(r + 1) * self.record_words]
+            out.append(Record(pid=w[0], mapped=w[1] == 1, ag_uses=list(w[_HEADER:_HEADER + self.num_slots]),
+                              rs_rounds=list(w[_HEADER + self.num_slots:])))
+        return out
+
+    def close(self) -> None:
+        """After the extension's mirror has stopped (``publish_progress_to(0)``)."""
+        self._map.close()
+
+
+def report(records: list[Record], rank: int, ranks, state=procfs.state) -> list[str]:
+    """One line per peer for the watchdog's report: its process and its state (``state(pid)``, from
+    /proc), and how far its issued work is behind or ahead of this rank's."""
+    mine = records[rank]
+    lines = []
+    for p, rec in enumerate(records):
+        if p == rank:
+            continue
+        who = f"  peer {p} (global rank {ranks[p]})"
+        if not rec.mapped:
+            lines.append(f"{who}: no record on the issued board (another host, or it could not map the board)")
+            continue
+        lags = [f"{abs(n)} {what} {'behind' if n < 0 else 'ahead of'} this rank"
+                for n, what in ((sum(rec.ag_uses) - sum(mine.ag_uses), "all-gather use(s)"),
+                                (sum(rec.rs_rounds) - sum(mine.rs_rounds), "reduce-scatter round(s)")) if n]
+        lines.append(f"{who}, process {rec.pid} ({state(rec.pid)}): "
+                     + (f"issued all-gather uses {rec.ag_uses} per slot and reduce-scatter rounds {rec.rs_rounds}, "
+                        + ", ".join(lags) if lags else "issued as far as this rank"))
+    return lines
