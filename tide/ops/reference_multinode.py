@@ -14,6 +14,8 @@ bounded whatever the model's size.
 """
 from __future__ import annotations
 
+from functools import reduce
+
 import torch
 import torch.distributed as dist
 
@@ -60,50 +62,54 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
 
 def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group: dist.ProcessGroup,
                          plan: MultiNodePlan) -> None:
-    """One step of :meth:`MultiNodePlan.rs_steps`: ``step[d]`` are destination d's chunks in it. A
-    destination's fp32 partials of the step are one buffer (one send per rail and hand-off peer)."""
+    """One step of :meth:`MultiNodePlan.rs_steps`: ``step[d]`` are destination d's chunks in it. Each stage
+    moves and sums a destination's chunks of the step as one buffer (one send per peer and destination,
+    a few kernels per destination), in the same element order as chunk by chunk."""
     topology, rank = plan.topology, group.rank()
     N, L, W = topology.num_nodes, topology.local_size, topology.world_size
     me_node, me_local = topology.node(rank), topology.local(rank)
     mine = [d for d in range(W) if plan.partial_rank(me_node, d) == rank]  # the partials this rank sums
     device = flat[0].device
+    numel = {d: sum(c.numel for c in step[d]) for d in range(W)}
 
-    def src(c):
-        return flat[c.param][c.grad_offset:c.grad_offset + c.numel]
+    def contribution(d):
+        """This rank's gradient chunks for destination d, gathered (one kernel; mixed dtypes promote, which
+        is exact, since every sum runs in fp32)."""
+        return torch.cat([flat[c.param][c.grad_offset:c.grad_offset + c.numel] for c in step[d]])
 
-    def partials(d):
-        """An fp32 buffer for destination d's chunks of the step, and its view of each chunk."""
-        buf = torch.empty(sum(c.numel for c in step[d]), dtype=torch.float32, device=device)
-        return buf, list(buf.split([c.numel for c in step[d]]))
+    def empty(d, dtype):
+        return torch.empty(numel[d], dtype=dtype, device=device)
 
     # 1. node-local contributions to the rank that sums the node's partial for each destination
-    staged = {(d, l): [flat[c.param].new_empty(c.numel) for c in step[d]] for d in mine for l in range(L) if l != me_local}
-    sends = [(plan.partial_rank(me_node, d), src(c)) for d in range(W) if plan.partial_rank(me_node, d) != rank
-             for c in step[d]]
-    recvs = [(topology.rank(me_node, l), x) for d in mine for l in range(L) if l != me_local for x in staged[d, l]]
+    sends = [(plan.partial_rank(me_node, d), contribution(d)) for d in range(W)
+             if plan.partial_rank(me_node, d) != rank and numel[d]]
+    staged = {(d, l): empty(d, reduce(torch.promote_types, [flat[c.param].dtype for c in step[d]]))
+              for d in mine for l in range(L) if l != me_local and numel[d]}
+    recvs = [(topology.rank(me_node, l), staged[d, l]) for d in mine for l in range(L) if l != me_local and numel[d]]
     rails.exchange(group, sends, recvs, "intra")
-    # 2. fp32 node partials, local order (this rank's own contribution read in place)
+    # 2. fp32 node partials, local order (the first term's conversion to fp32 is exact)
     partial = {}
     for d in mine:
-        partial[d] = partials(d)
-        for i, c in enumerate(step[d]):
-            acc = partial[d][1][i]
-            acc.copy_(src(c) if me_local == 0 else staged[d, 0][i])  # the exact conversion to fp32
-            for l in range(1, L):
-                acc.add_(src(c) if l == me_local else staged[d, l][i])
+        if not numel[d]:
+            partial[d] = empty(d, torch.float32)
+            continue
+        terms = [contribution(d) if l == me_local else staged[d, l] for l in range(L)]
+        partial[d] = terms[0].to(torch.float32, copy=True)
+        for x in terms[1:]:
+            partial[d].add_(x)
     # 3. rail rounds: one destination's fp32 partials out and one's in per round
     landed, sends, recvs = {}, [], []
     for t in range(1, N):
         send_to, dest_sent, recv_from, dest_received = plan.rs_rail_round(t, rank)
-        landed[topology.node(recv_from), dest_received] = partials(dest_received)
-        if step[dest_sent]:
-            sends.append((send_to, partial[dest_sent][0]))
-        if step[dest_received]:
-            recvs.append((recv_from, landed[topology.node(recv_from), dest_received][0]))
+        landed[topology.node(recv_from), dest_received] = empty(dest_received, torch.float32)
+        if numel[dest_sent]:
+            sends.append((send_to, partial[dest_sent]))
+        if numel[dest_received]:
+            recvs.append((recv_from, landed[topology.node(recv_from), dest_received]))
     rails.exchange(group, sends, recvs, "rail")
     # 4. hand-off on the destination's node: the landing rank passes each partial to its destination
     parts = {me_node: partial[rank]}
-    sends = [(dest, buf) for (n, dest), (buf, _) in sorted(landed.items(), key=lambda kv: kv[0])
+    sends = [(dest, buf) for (n, dest), buf in sorted(landed.items(), key=lambda kv: kv[0])
              if dest != rank and buf.numel()]
     recvs = []
     for n in range(N):
@@ -112,18 +118,20 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
         if plan.landing_rank(n, rank) == rank:
             parts[n] = landed[n, rank]
         else:
-            parts[n] = partials(rank)
-            if step[rank]:
-                recvs.append((plan.landing_rank(n, rank), parts[n][0]))
+            parts[n] = empty(rank, torch.float32)
+            if numel[rank]:
+                recvs.append((plan.landing_rank(n, rank), parts[n]))
     rails.exchange(group, sends, recvs, "handoff")
-    # 5. the destination sums the N partials in node order
-    for i, c in enumerate(step[rank]):
-        acc = parts[0][1][i].clone()
-        for n in range(1, N):
-            acc.add_(parts[n][1][i])
-        acc.mul_(scale)
-        dst = out[c.param][c.shard_offset:c.shard_offset + c.numel]
-        if accumulate:
-            dst.add_(acc)
-        else:
-            dst.copy_(acc)
+    # 5. the destination sums the N partials in node order, scales, and writes (or adds) each chunk
+    if not numel[rank]:
+        return
+    total = parts[0].clone()
+    for n in range(1, N):
+        total.add_(parts[n])
+    total.mul_(scale)
+    dsts = [out[c.param][c.shard_offset:c.shard_offset + c.numel] for c in step[rank]]
+    sums = list(total.split([c.numel for c in step[rank]]))
+    if accumulate:
+        torch._foreach_add_(dsts, sums)
+    else:
+        torch._foreach_copy_(dsts, sums)
