@@ -247,7 +247,7 @@ class Arena:
             done.issued(op if ran == "tide" else None)
         return ran
 
-    def flag_report(self, wait_s: float = 2.0) -> Iterator[str]:
+    def flag_report(self, wait_s: float = 1.5) -> Iterator[str]:
         """The watchdog's report lines: what this rank and its peers have issued, and their processes'
         state (the issued board, tide/transport/board.py: no CUDA call), then which peers' flag words are
         behind it (tide/transport/flag_report.py), from a host copy of the words taken on a stream of the
