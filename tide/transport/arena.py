@@ -125,16 +125,18 @@ class Arena:
 
         self._board = board.IssuedBoard.rendezvous(self._store, f"{self._store_prefix}/board", self.rank, W,
                                                    self.num_slots)
-        self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
-        self.handle = symm_mem.rendezvous(self.buffer, group)
+        try:
+            self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+            self.handle = symm_mem.rendezvous(self.buffer, group)
+        finally:  # the rendezvous returns once every rank has joined it, so every rank has mapped the board
+            if self._board is not None and self.rank == 0:
+                self._board.unlink()  # and if it failed, no rank will map it any more
         bases = [int(p) for p in self.handle.buffer_ptrs]
         if bases[self.rank] != self.buffer.data_ptr():
             raise RuntimeError("tide.transport.Arena: symmetric buffer does not start at its allocation base")
         self.buffer[: self.flags_bytes].zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
-        if self._board is not None and self.rank == 0:
-            self._board.unlink()  # every rank has mapped it (before the rendezvous)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._c = self.ext.Arena(rank=self.rank, world=W, bases=bases, device=self.device.index,
                                  num_slots=self.num_slots, slot_bytes=self.slot_bytes, ring_depth=self.ring_depth,

@@ -3,8 +3,9 @@ so that a stalled rank's watchdog says which peer is behind, and whether that pe
 there, with no CUDA call. The flag words need one (a copy from the GPU), and a launch spinning on a
 stream queue full behind a dead peer holds the driver lock that copy needs (GPU runs 34-35).
 
-One file in /dev/shm per arena: rank 0 creates it, every rank maps it during the arena's rendezvous,
-and rank 0 unlinks it once all have mapped it, so a rank that dies leaves nothing behind. Rank r's
+One file in /dev/shm per arena: rank 0 creates it, every rank maps it before the arena's symmetric-memory
+rendezvous, and rank 0 unlinks it when that rendezvous returns (every rank has joined it, so every rank
+has mapped the board) or fails, so a rank that dies leaves nothing behind. Rank r's
 record is ``2 + K + W`` uint32 words at word ``r * (2 + K + W)``:
 
     + 0          the rank's process id
