@@ -130,7 +130,9 @@ def _rank(rank: int, world: int, slot_mib: int, push_mib: int, phases: int, reps
             b.synchronize()
             times.append(a.elapsed_time(b))
         dist.barrier()  # every push into every slot has landed
-        landed = bool((slot[:src.numel()] == _value(peer, k)).all()) and bool((slot[src.numel():] == 0).all())
+        # Min and max of each part (no slot-sized temporary, which would add a segment of its own).
+        lo, hi = torch.aminmax(slot[:src.numel()])
+        landed = lo.item() == hi.item() == _value(peer, k) and slot[src.numel():].max().item() == 0
         address = slot.data_ptr()
         reserved = torch.cuda.memory_reserved(dev)
         del slot  # the lease ends: back to the allocator
@@ -195,18 +197,19 @@ def main(argv=None) -> None:
         fig.suptitle(f"Slot leases from the caching allocator, {meta['device']}, {meta['date']}", fontsize=9)
         fig.tight_layout()
         fig.savefig(out / "lease_probe.png", dpi=120)
-    last = [r for r in rows if r["phase"] == "empty_cache"]
-    print("SUMMARY lease_probe: "
-          f"landed {all(r['landed'] for r in phases)}, same address after phase 0 "
-          f"{all(r['same_address'] for r in phases if r['phase'])}, same handle after phase 0 "
-          f"{all(r['same_handle'] for r in phases if r['phase'])}, map "
-          f"{max(r['peer_map_ms'] for r in phases):.2f} ms (phase 0), push "
-          f"{statistics.median(r['push_gbps'] for r in phases):.0f} GB/s, activation reuses the block "
-          f"{all(r['activation_reuses_block'] for r in phases)}, reserved growth "
-          f"{max(r['reserved_growth_mib'] for r in phases):.0f} MiB; empty_cache while mapped "
-          + ", ".join(f"rank {r['rank']} {r['empty_cache_ms']:.1f} ms freed {r['freed_by_empty_cache_mib']:.0f} MiB "
-                      f"(+{r['freed_after_peer_close_mib']:.0f} after the peer closed)" for r in last))
-
+    later = [r for r in phases if r["phase"]]
+    maps = [f"{r['peer_map_ms']:.2f} ms (rank {r['rank']}, phase {r['phase']})" for r in phases if r["peer_map_ms"]]
+    parts = [f"landed {all(r['landed'] for r in phases)}",
+             f"same address after phase 0 {all(r['same_address'] for r in later)}",
+             f"same handle after phase 0 {all(r['same_handle'] for r in later)}",
+             "mapped " + (", ".join(maps) or "never"),
+             f"push {statistics.median(r['push_gbps'] for r in phases):.0f} GB/s",
+             f"activation reuses the block {all(r['activation_reuses_block'] for r in phases)}",
+             f"reserved growth {max(r['reserved_growth_mib'] for r in phases):.0f} MiB"]
+    parts += [f"empty_cache while mapped: rank {r['rank']} {r['empty_cache_ms']:.1f} ms, freed "
+              f"{r['freed_by_empty_cache_mib']:.0f} MiB, +{r['freed_after_peer_close_mib']:.0f} after the peer closed"
+              for r in rows if r["phase"] == "empty_cache"]
+    print("SUMMARY lease_probe: " + "; ".join(parts))
 
 if __name__ == "__main__":
     main()

@@ -352,6 +352,17 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
   cudaStream_t S = current_stream(device_, "reduce_scatter_params_");
   const FlagLayout& f = layout_.flags;
   const int64_t R = f.R;
+  // Counted (and mirrored to the issued board) before anything launches, as an all-gather's use is: a
+  // launch can block behind a dead peer's flags, and the peers' reports must see this op as issued.
+  std::vector<int64_t> before;  // rounds per destination before this op: its flag values build on them
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    before = rs_rounds_;
+    for (int64_t d = 0; d < world_; ++d) {
+      rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
+      if (published_) published_[ag_uses_.size() + d] = static_cast<uint32_t>(rs_rounds_[d]);
+    }
+  }
   join(rs_push_, S, ev_start_);
   TIDE_CUDA(cudaStreamWaitEvent(reduce_, ev_start_, 0));
   SumArgs a{};
@@ -373,7 +384,7 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
     for (int64_t k = 1; k < world_; ++k) {
       const int64_t d = (rank_ + k) % world_;
       if (j >= static_cast<int64_t>(plan.rounds[d].size())) continue;
-      const uint32_t g = static_cast<uint32_t>(rs_rounds_[d] + j + 1);
+      const uint32_t g = static_cast<uint32_t>(before[d] + j + 1);
       const int64_t s = (g - 1) % R;
       if (g > R) waits.push_back(driver::MemOp{local_flag(f.rs_free(d, s)), g - static_cast<uint32_t>(R)});
       writes.push_back(driver::MemOp{local_flag(f.rs_push_src(d, s)), g});
@@ -392,7 +403,7 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
     // My own round j: hand the previous round's entries back and wait for every contributor's entry
     // (one memop batch), then sum in rank order.
     if (j >= static_cast<int64_t>(plan.rounds[rank_].size())) continue;
-    const uint32_t g = static_cast<uint32_t>(rs_rounds_[rank_] + j + 1);
+    const uint32_t g = static_cast<uint32_t>(before[rank_] + j + 1);
     const int64_t s = (g - 1) % R;
     if (world_ > 1) {
       waits.clear();
@@ -422,13 +433,6 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
     for (int64_t k = 1; k < world_; ++k) handed_back.push_back(driver::MemOp{peer_flag((rank_ + k) % world_, f.rs_free(rank_, s)), g});
   }
   memops(reduce_, handed_back, {});
-  {
-    std::lock_guard<std::mutex> lock(progress_mu_);
-    for (int64_t d = 0; d < world_; ++d) {
-      rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
-      if (published_) published_[ag_uses_.size() + d] = static_cast<uint32_t>(rs_rounds_[d]);
-    }
-  }
   join(S, rs_push_, ev_rs_push_);
   join(S, reduce_, ev_reduce_);
   mark_completion(S);

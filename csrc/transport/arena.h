@@ -114,7 +114,7 @@ class Arena {
   ArenaLayout layout_;
   std::vector<uint64_t> bases_;
   std::vector<uint32_t> ag_uses_;   // per slot: all-gathers so far (the flag value of the next is + 1)
-  std::vector<int64_t> rs_rounds_;  // per destination: reduce-scatter rounds so far
+  std::vector<int64_t> rs_rounds_;  // per destination: reduce-scatter rounds issued (counted as an op starts)
   volatile uint32_t* published_ = nullptr;  // the two above's mirror (publish_progress_to)
   mutable std::mutex progress_mu_;  // guards the three above against the readers of ag_uses() / rs_rounds()
   cudaStream_t ag_push_ = nullptr, rs_push_ = nullptr, reduce_ = nullptr;

@@ -14,6 +14,20 @@ from tide.transport import board
 K = 2  # all-gather slots
 
 
+class _DictStore(dict):
+    """The three calls of a c10d store the board makes, in one process."""
+
+    def set(self, k, v):
+        self[k] = v.encode()
+
+    def get(self, k, default=None):
+        return dict.get(self, k, default)
+
+    def add(self, k, n):
+        self[k] = dict.get(self, k, 0) + n
+        return self[k]
+
+
 def _mirror(b: board.IssuedBoard, ag_uses, rs_rounds) -> None:
     """What the extension's publish_progress_to mirror writes (csrc/transport/arena.cpp), from Python."""
     words = (ctypes.c_uint32 * (K + b.world)).from_address(b.progress_address())
@@ -31,10 +45,7 @@ def _ranks(rank, world, peer_ag_uses, peer_dies):
     b = board.IssuedBoard.rendezvous(store, "tide/test/board", rank, world, K)
     assert b is not None
     dist.barrier()
-    if rank == 0:
-        b.unlink()
-        assert not os.path.exists(b.path), "the board's name outlives the rendezvous"
-    dist.barrier()
+    assert not os.path.exists(b.path), "the board's name outlives the rendezvous"
     if rank == 1:
         _mirror(b, peer_ag_uses, [3, 3])
         dist.barrier()
@@ -74,6 +85,27 @@ def test_peers_issued_work_and_process_state_reach_the_report(peer_ag_uses, peer
         assert outcomes[1].status == "exited" and outcomes[1].detail == 3, outcomes[1]
 
 
+def test_counts_in_another_order_are_not_taken_for_level():
+    """A peer that used slot 1 where this rank used slot 0 issued as many all-gathers, but not the same."""
+    mine = board.Record(pid=1, mapped=True, ag_uses=[4, 3], rs_rounds=[2, 2])
+    peer = board.Record(pid=2, mapped=True, ag_uses=[3, 4], rs_rounds=[2, 2])
+    (line,) = board.report([mine, peer], 0, [0, 1], state=lambda pid: "S (sleeping)")
+    assert "all-gather use(s) in another order than this rank's [4, 3]" in line and "[3, 4]" in line, line
+
+
+def test_a_board_that_cannot_reserve_its_pages_leaves_no_file(monkeypatch, tmp_path):
+    """A full /dev/shm: the pages are reserved at creation, so it fails there (no SIGBUS at a later write),
+    and the half-made file goes."""
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(board, "_DIR", str(tmp_path))
+    monkeypatch.setattr(board.os, "posix_fallocate", full)
+
+    assert board.IssuedBoard.rendezvous(_DictStore(), "k", 0, 2, K) is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_peer_without_a_record_is_named():
     rec = board.Record(pid=0, mapped=False, ag_uses=[0, 0], rs_rounds=[0, 0])
     mine = board.Record(pid=os.getpid(), mapped=True, ag_uses=[1, 0], rs_rounds=[0, 0])
@@ -82,14 +114,7 @@ def test_a_peer_without_a_record_is_named():
 
 
 def test_a_board_that_cannot_be_created_is_none_on_every_rank(monkeypatch, tmp_path):
-    class Store(dict):
-        def set(self, k, v):
-            self[k] = v.encode()
-
-        def get(self, k):
-            return self[k]
-
     monkeypatch.setattr(board, "_DIR", str(tmp_path / "missing"))
-    store = Store()
+    store = _DictStore()
     assert board.IssuedBoard.rendezvous(store, "k", 0, 2, K) is None
     assert board.IssuedBoard.rendezvous(store, "k", 1, 2, K) is None

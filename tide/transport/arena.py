@@ -128,9 +128,10 @@ class Arena:
         try:
             self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
             self.handle = symm_mem.rendezvous(self.buffer, group)
-        finally:  # the rendezvous returns once every rank has joined it, so every rank has mapped the board
+        except BaseException:
             if self._board is not None and self.rank == 0:
-                self._board.unlink()  # and if it failed, no rank will map it any more
+                self._board.unlink()  # a peer that never reached the board leaves no count to unlink it
+            raise
         bases = [int(p) for p in self.handle.buffer_ptrs]
         if bases[self.rank] != self.buffer.data_ptr():
             raise RuntimeError("tide.transport.Arena: symmetric buffer does not start at its allocation base")

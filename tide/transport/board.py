@@ -3,9 +3,9 @@ so that a stalled rank's watchdog says which peer is behind, and whether that pe
 there, with no CUDA call. The flag words need one (a copy from the GPU), and a launch spinning on a
 stream queue full behind a dead peer holds the driver lock that copy needs (GPU runs 34-35).
 
-One file in /dev/shm per arena: rank 0 creates it, every rank maps it before the arena's symmetric-memory
-rendezvous, and rank 0 unlinks it when that rendezvous returns (every rank has joined it, so every rank
-has mapped the board) or fails, so a rank that dies leaves nothing behind. Rank r's
+One file in /dev/shm per arena: rank 0 creates it and names it through the store, every rank maps it,
+and the last rank to have tried unlinks it (a count in the store), so a rank that dies afterwards leaves
+nothing behind; the arena's rank 0 also unlinks it should its rendezvous fail. Rank r's
 record is ``2 + K + W`` uint32 words at word ``r * (2 + K + W)``:
 
     + 0          the rank's process id
@@ -49,9 +49,13 @@ class IssuedBoard:
         size = 4 * self.record_words * world
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
-            if create:
-                os.ftruncate(fd, size)
+            if create:  # pages reserved now: a full /dev/shm raises here instead of a SIGBUS at a write
+                os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size)
+        except OSError:
+            if create:
+                _unlink(path)
+            raise
         finally:
             os.close(fd)
         struct.pack_into("<2I", self._map, 4 * self.record_words * rank, os.getpid(), 1)
@@ -59,27 +63,28 @@ class IssuedBoard:
     @classmethod
     def rendezvous(cls, store, key: str, rank: int, world: int, num_slots: int) -> "IssuedBoard | None":
         """Every rank of the arena calls this together; rank 0 names the file through ``store``. None where
-        the file cannot be created or opened (no /dev/shm, or a rank on another host)."""
+        the file cannot be created or opened (no /dev/shm, a full one, or a rank on another host)."""
+        board = None
         if rank == 0:
             path = os.path.join(_DIR, f"tide-board-{os.getpid()}-{uuid.uuid4().hex[:12]}")
             try:
                 board = cls(path, rank, world, num_slots, create=True)
             except OSError:
-                board, path = None, ""
+                path = ""
             store.set(key, path)
-            return board
-        path = store.get(key).decode()
-        try:
-            return cls(path, rank, world, num_slots, create=False) if path else None
-        except OSError:
-            return None
+        else:
+            path = store.get(key).decode()
+            try:
+                board = cls(path, rank, world, num_slots, create=False) if path else None
+            except OSError:
+                board = None
+        if path and store.add(f"{key}/tried", 1) == world:
+            _unlink(path)  # every rank has mapped it, or failed to: the mappings outlive the name
+        return board
 
     def unlink(self) -> None:
-        """Rank 0, once every rank has mapped the board: the mappings outlive the name."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Remove the name (the arena's rank 0, when its rendezvous failed before every rank tried)."""
+        _unlink(self.path)
 
     def progress_address(self) -> int:
         """Address of this rank's ``ag_uses`` words, for the extension's mirror (``publish_progress_to``)."""
@@ -102,9 +107,29 @@ class IssuedBoard:
         self._map.close()
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _compare(peer: list[int], mine: list[int], what: str) -> str | None:
+    """How a peer's per-slot (or per-destination) counts stand against this rank's: None when equal."""
+    diff = [p - m for p, m in zip(peer, mine)]
+    if not any(diff):
+        return None
+    if all(d <= 0 for d in diff):
+        return f"{-sum(diff)} {what} behind this rank"
+    if all(d >= 0 for d in diff):
+        return f"{sum(diff)} {what} ahead of this rank"
+    return f"{what} in another order than this rank's {mine}"
+
+
 def report(records: list[Record], rank: int, ranks, state=procfs.state) -> list[str]:
     """One line per peer for the watchdog's report: its process and its state (``state(pid)``, from
-    /proc), and how far its issued work is behind or ahead of this rank's."""
+    /proc), and how its issued work stands against this rank's, slot by slot and destination by
+    destination."""
     mine = records[rank]
     lines = []
     for p, rec in enumerate(records):
@@ -114,9 +139,8 @@ def report(records: list[Record], rank: int, ranks, state=procfs.state) -> list[
         if not rec.mapped:
             lines.append(f"{who}: no record on the issued board (another host, or it could not map the board)")
             continue
-        lags = [f"{abs(n)} {what} {'behind' if n < 0 else 'ahead of'} this rank"
-                for n, what in ((sum(rec.ag_uses) - sum(mine.ag_uses), "all-gather use(s)"),
-                                (sum(rec.rs_rounds) - sum(mine.rs_rounds), "reduce-scatter round(s)")) if n]
+        lags = [c for c in (_compare(rec.ag_uses, mine.ag_uses, "all-gather use(s)"),
+                            _compare(rec.rs_rounds, mine.rs_rounds, "reduce-scatter round(s)")) if c]
         lines.append(f"{who}, process {rec.pid} ({state(rec.pid)}): "
                      + (f"issued all-gather uses {rec.ag_uses} per slot and reduce-scatter rounds {rec.rs_rounds}, "
                         + ", ".join(lags) if lags else "issued as far as this rank"))
