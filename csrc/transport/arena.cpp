@@ -287,7 +287,7 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
   {
     std::lock_guard<std::mutex> lock(progress_mu_);
     v = ++ag_uses_[slot];
-    if (published_) published_[slot] = v;
+    publish_locked();
   }
   const uint64_t mine = slot_base(rank_, slot);
   join(ag_push_, S, ev_start_);
@@ -358,10 +358,8 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
   {
     std::lock_guard<std::mutex> lock(progress_mu_);
     before = rs_rounds_;
-    for (int64_t d = 0; d < world_; ++d) {
-      rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
-      if (published_) published_[ag_uses_.size() + d] = static_cast<uint32_t>(rs_rounds_[d]);
-    }
+    for (int64_t d = 0; d < world_; ++d) rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
+    publish_locked();
   }
   join(rs_push_, S, ev_start_);
   TIDE_CUDA(cudaStreamWaitEvent(reduce_, ev_start_, 0));
@@ -451,6 +449,10 @@ std::vector<int64_t> Arena::rs_rounds() const {
 void Arena::publish_progress_to(uint64_t address) {
   std::lock_guard<std::mutex> lock(progress_mu_);
   published_ = reinterpret_cast<volatile uint32_t*>(address);
+  publish_locked();
+}
+
+void Arena::publish_locked() {
   if (!published_) return;
   for (size_t i = 0; i < ag_uses_.size(); ++i) published_[i] = ag_uses_[i];
   for (size_t d = 0; d < rs_rounds_.size(); ++d) published_[ag_uses_.size() + d] = static_cast<uint32_t>(rs_rounds_[d]);

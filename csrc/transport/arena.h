@@ -109,6 +109,7 @@ class Arena {
   void launch_cast(CastArgs& a, cudaStream_t stream);
   void launch_sum(SumArgs& a);
   void mark_completion(cudaStream_t stream);  // the op's last stream operation
+  void publish_locked();  // the counters into the issued board's words (progress_mu_ held)
 
   int64_t rank_, world_, device_, sum_ctas_, cast_ctas_;
   ArenaLayout layout_;
