@@ -10,7 +10,7 @@ explicit forward/backward prefetch of the neighbouring block. ``--ranks`` ranks 
 **What is counted** (per rank, the step after one warm-up step; the layer is the *last* block, the first
 one backward reaches, while the previous block is prefetched):
 
-    live = max_memory_allocated(window) - memory_allocated(window start) + arena_bytes
+    live = max_memory_allocated(window) - memory_allocated(window start) + TIDE's symmetric memory
 
 * window: from just before ``loss.backward()`` to the return of the last block's FSDP ``post_backward``
   (its unshard, the prefetch of the block before it, its backward, its reshard and the issue of its
@@ -20,9 +20,11 @@ one backward reaches, while the previous block is prefetched):
   TIDE gathers the root's outputs in place, outside the arena). No block is unsharded then
   (``reshard_after_forward=True``; the script checks it). The window also holds the root's head
   gradients (vocab x dim, ~0.5 % of NS here), counted as they are.
-* ``arena_bytes``: TIDE's symmetric arena (``Arena.total_bytes``: flag words, K = 2 all-gather slots
-  sized for the largest block, the reduce-scatter staging ring, 32 MiB by default), counted in full
-  because symmetric memory is not in ``max_memory_allocated``. The CSV also gives
+* ``arena_bytes``: TIDE's arena (flag words, K = 2 all-gather slots sized for the largest block, the
+  reduce-scatter staging ring, 64 MiB by default). The flag words are symmetric memory, outside
+  ``max_memory_allocated``, and added; the slots and ring are leased from the caching allocator for
+  backward (tide/transport/lease.py), so the window's peak holds them already. ``alloc_ns`` is the
+  window's peak less that lease: what else the allocator holds. The CSV also gives
   ``live_ns_arena_amortized`` (arena divided by the groups sharing it), an accounting view only.
 * NS: the layer's bf16 unsharded bytes (2 x the block's parameter count).
 * Slot-Reuse moves each gradient into its own parameter's slot region as autograd finishes it (the
@@ -31,7 +33,7 @@ one backward reaches, while the previous block is prefetched):
 * G, the fp32 sharded gradients the reduce writes (``grad_shard_bytes``), is 2/W NS: the rank count
   matters (``--ranks``; 8 = one NVLink domain of 8 GPUs, the design's target).
 
-Nothing is estimated: every number comes from the allocator's counters and ``Arena.total_bytes``.
+Nothing is estimated: every number comes from the allocator's counters and the arena's sizes.
 Writes ``memory.csv`` and ``memory.png`` under ``--out`` and prints one ``SUMMARY memory`` line.
 """
 from __future__ import annotations
@@ -107,12 +109,14 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
     optim.zero_grad(set_to_none=True)
     torch.cuda.synchronize(dev)
 
-    arena_bytes = slot_bytes = ring_bytes = 0
+    arena_bytes = symmetric = leased = slot_bytes = ring_bytes = 0
     groups_sharing = 1
     if rs_mode is not None:
         arena = transport.get(group._all_gather_process_group.group_name)
-        arena_bytes, slot_bytes = arena.total_bytes, arena.num_slots * arena.slot_bytes
-        ring_bytes = arena.total_bytes - arena.ring_off
+        arena_bytes, slot_bytes = arena.flags_bytes + arena.data_bytes, arena.num_slots * arena.slot_bytes
+        ring_bytes = arena.data_bytes - arena.ring_off
+        symmetric = arena.symmetric_bytes
+        leased = arena.data_bytes if arena.leases.mode == "allocator" else 0  # in the window's allocator peak
         groups_sharing = len(tide.fsdp.param_groups(model))
     stats, arena_stats = tide.stats()["fsdp"], tide.stats()["wiring"]
     if rs_mode is not None:
@@ -128,8 +132,9 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
         "variant": name, "ns_bytes": ns, "base_bytes": base, "peak_alloc_bytes": window["peak"],
         "window_alloc_bytes": peak, "arena_bytes": arena_bytes, "slot_bytes_total": slot_bytes,
         "ring_bytes": ring_bytes, "grad_shard_bytes": grad_shard,
-        "live_ns": (peak + arena_bytes) / ns, "alloc_ns": peak / ns, "arena_ns": arena_bytes / ns,
-        "grad_shard_ns": grad_shard / ns, "live_ns_arena_amortized": (peak + arena_bytes / groups_sharing) / ns,
+        "live_ns": (peak + symmetric) / ns, "alloc_ns": (peak - leased) / ns, "arena_ns": arena_bytes / ns,
+        "grad_shard_ns": grad_shard / ns,
+        "live_ns_arena_amortized": (peak - leased + arena_bytes / groups_sharing) / ns,
         "unsharded_blocks_at_start": unsharded_blocks, "window_end": window_end, "fsdp_stats": str(stats), "arena_stats": str(arena_stats),
         "grads_into_slot": arena_stats.get("rs:grad_into_slot", 0),
         "target_ns": TARGETS[name],

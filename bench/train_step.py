@@ -94,9 +94,10 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         graphs = graph_instantiations(lambda: step(warmup + steps))
-        arena_bytes = sum(a.total_bytes for a in transport.arenas())
+        arena_bytes = sum(a.symmetric_bytes for a in transport.arenas())  # outside the allocator's counters
         rows.append({"variant": variant, "tokens_per_gpu": tokens, "median_step_ms": statistics.median(times) * 1e3,
                      "peak_mib": (torch.cuda.max_memory_allocated(device) + arena_bytes) / 2**20,
+                     "peak_reserved_mib": (torch.cuda.max_memory_reserved(device) + arena_bytes) / 2**20,
                      "graphs_built_per_step": graphs, "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                      "arena_mib": arena_bytes / 2**20, "final_loss": float(loss), "stats": str(tide.stats()["fsdp"]),
                      "arena_stats": str(tide.stats()["wiring"])})

@@ -122,9 +122,10 @@ def _run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device:
             print(f"[{label:5s}] step {step + 1}/{args.steps}  loss {loss:.6f}  {times[-1] * 1e3:8.1f} ms", flush=True)
     peak, peak_kind = _peak_memory(device)
     if use_tide and device.type == "cuda":
-        # TIDE's symmetric arena is not in the caching allocator's counters: add it.
-        peak += sum(a.total_bytes for a in transport.arenas())
-        peak_kind += " + TIDE's symmetric arena"
+        # TIDE's symmetric memory is not in the caching allocator's counters: add it (the flag words; the
+        # slots and ring are leased from the allocator, which counts them).
+        peak += sum(a.symmetric_bytes for a in transport.arenas())
+        peak_kind += " + TIDE's symmetric memory"
     stats = tide.stats()["fsdp"]
     ran_tide = stats["all_gather"].get("tide", 0) + stats["reduce_scatter"].get("tide", 0) > 0
     return {"losses": losses, "median_step_s": statistics.median(times[1:] or times), "peak": peak,

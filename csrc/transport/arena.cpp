@@ -91,17 +91,18 @@ const char* ran_name(Ran r) {
   return "unknown";
 }
 
-Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> bases, int64_t device, int64_t num_slots,
+Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64_t device, int64_t num_slots,
              int64_t slot_bytes, int64_t ring_depth, int64_t entry_bytes, int64_t sum_ctas, int64_t cast_ctas)
     : rank_(rank), world_(world), device_(device), sum_ctas_(sum_ctas), cast_ctas_(cast_ctas),
       layout_{FlagLayout{num_slots, ring_depth, world}, slot_bytes, entry_bytes} {
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tide.Arena: rank ", num(rank), " not in [0, ", num(world), ")");
-  TORCH_CHECK(static_cast<int64_t>(bases.size()) == world, "tide.Arena: need one base pointer per rank");
+  TORCH_CHECK(static_cast<int64_t>(flag_bases.size()) == world, "tide.Arena: need one flag base pointer per rank");
   TORCH_CHECK(num_slots >= 0 && ring_depth >= 1, "tide.Arena: num_slots must be >= 0 and ring_depth >= 1");
   TORCH_CHECK(entry_bytes % 16 == 0 && slot_bytes % 16 == 0, "tide.Arena: entry_bytes and slot_bytes must be multiples of 16");
   TORCH_CHECK(sum_ctas >= 1 && cast_ctas >= 1, "tide.Arena: sum_ctas and cast_ctas must be >= 1");
   TORCH_CHECK(driver::available(), "tide.Arena: the CUDA driver lacks stream memory operations (cuStreamBatchMemOp)");
-  for (auto b : bases) bases_.push_back(static_cast<uint64_t>(b));
+  for (auto b : flag_bases) flag_bases_.push_back(static_cast<uint64_t>(b));
+  data_bases_.assign(world, 0);
   ag_uses_.assign(num_slots, 0);
   rs_rounds_.assign(world, 0);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -135,7 +136,7 @@ std::string Arena::read_flags(const at::Tensor& host, double wait_s) {
               "tide.Arena.read_flags: host must be pinned and hold the flag words");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
-  cudaError_t err = cudaMemcpyAsync(host.data_ptr(), reinterpret_cast<const void*>(bases_[rank_]),
+  cudaError_t err = cudaMemcpyAsync(host.data_ptr(), reinterpret_cast<const void*>(flag_bases_[rank_]),
                                     4 * layout_.flags.words(), cudaMemcpyDeviceToHost, report_);
   if (err == cudaSuccess) err = cudaEventRecord(ev_report_, report_);
   while (err == cudaSuccess && (err = cudaEventQuery(ev_report_)) == cudaErrorNotReady) {
@@ -144,6 +145,27 @@ std::string Arena::read_flags(const at::Tensor& host, double wait_s) {
     err = cudaSuccess;
   }
   return err == cudaSuccess ? "ok" : cudaGetErrorString(err);
+}
+
+void Arena::set_data_bases(const std::vector<int64_t>& bases) {
+  TORCH_CHECK(static_cast<int64_t>(bases.size()) == world_, "tide.Arena.set_data_bases: need one base per rank");
+  for (int64_t p = 0; p < world_; ++p) data_bases_[p] = static_cast<uint64_t>(bases[p]);
+  if (bases[rank_] != 0) {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    fresh_lease_ = true;
+  }
+}
+
+void Arena::sync_pushes() {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  TIDE_CUDA(cudaStreamSynchronize(ag_push_));
+  TIDE_CUDA(cudaStreamSynchronize(rs_push_));
+}
+
+void Arena::check_leased(const char* op) const {
+  for (int64_t p = 0; p < world_; ++p)
+    TORCH_CHECK(data_bases_[p] != 0, "tide.", op, ": the arena's data region is not leased (tide/transport/lease.py "
+                "leases it before every op)");
 }
 
 void Arena::mark_completion(cudaStream_t stream) {
@@ -205,7 +227,7 @@ bool Arena::rs_args_ok(const std::vector<at::Tensor>& grads, const std::vector<a
 }
 
 int64_t Arena::bound_slot(const AgPlan& plan, const std::vector<at::Tensor>& outs) const {
-  if (outs.empty() || plan.slot_bytes > layout_.slot_bytes) return -1;
+  if (outs.empty() || plan.slot_bytes > layout_.slot_bytes || data_bases_[rank_] == 0) return -1;  // 0: no lease
   for (int64_t i = 0; i < layout_.flags.K; ++i) {
     const uint64_t base = slot_base(rank_, i);
     bool all = true;
@@ -223,6 +245,7 @@ Ran Arena::all_gather(const std::vector<at::Tensor>& shards, const std::vector<a
   if (it == ag_plans_.end()) return Ran::kNoPlan;
   const int64_t slot = bound_slot(*it->second, outs);
   if (slot < 0) return Ran::kNotBound;
+  check_leased("all_gather_into_params_");
   run_all_gather(*it->second, shards, slot);
   return Ran::kTide;
 }
@@ -232,6 +255,7 @@ Ran Arena::reduce_scatter(const std::vector<at::Tensor>& grads, const std::vecto
   if (!rs_args_ok(grads, shard_grads)) return Ran::kBadArgs;
   auto it = rs_plans_.find(rs_key(grads));
   if (it == rs_plans_.end()) return Ran::kNoPlan;
+  check_leased("reduce_scatter_params_");
   run_reduce_scatter(*it->second, grads, shard_grads, static_cast<float>(scale), accumulate);
   return Ran::kTide;
 }
@@ -355,14 +379,28 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
   // Counted (and mirrored to the issued board) before anything launches, as an all-gather's use is: a
   // launch can block behind a dead peer's flags, and the peers' reports must see this op as issued.
   std::vector<int64_t> before;  // rounds per destination before this op: its flag values build on them
+  bool fresh = false;
   {
     std::lock_guard<std::mutex> lock(progress_mu_);
+    if ((fresh = fresh_lease_)) {  // no permit into the old region may count for the new one (flags.h)
+      for (auto& n : rs_rounds_) n += R;
+      fresh_lease_ = false;
+    }
     before = rs_rounds_;
     for (int64_t d = 0; d < world_; ++d) rs_rounds_[d] += static_cast<int64_t>(plan.rounds[d].size());
     publish_locked();
   }
   join(rs_push_, S, ev_start_);
   TIDE_CUDA(cudaStreamWaitEvent(reduce_, ev_start_, 0));
+  // Permits go out on D, which has waited for S: after a lease, the ring is leased and this op issued.
+  const int64_t my_rounds = static_cast<int64_t>(plan.rounds[rank_].size());
+  std::vector<driver::MemOp> writes, waits, permits;
+  auto permit = [&](uint32_t g) {
+    for (int64_t k = 1; k < world_; ++k)
+      permits.push_back(driver::MemOp{peer_flag((rank_ + k) % world_, f.rs_free(rank_, (g - 1) % R)), g});
+  };
+  if (fresh)
+    for (int64_t j = 0; j < R; ++j) permit(static_cast<uint32_t>(before[rank_] + j + 1));
   SumArgs a{};
   if (!accumulate && !plan.pads.empty()) {
     a.k = 1;
@@ -373,8 +411,7 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
     }
     launch_sum(a);
   }
-  const uint64_t my_ring = bases_[rank_] + layout_.ring_off();
-  std::vector<driver::MemOp> writes, waits, handed_back;
+  const uint64_t my_ring = data_bases_[rank_] + layout_.ring_off();
   for (int64_t j = 0; j < plan.max_rounds; ++j) {
     // My round-j pieces for every destination, rotated so that the W producers start on different peers.
     writes.clear();
@@ -384,7 +421,7 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
       if (j >= static_cast<int64_t>(plan.rounds[d].size())) continue;
       const uint32_t g = static_cast<uint32_t>(before[d] + j + 1);
       const int64_t s = (g - 1) % R;
-      if (g > R) waits.push_back(driver::MemOp{local_flag(f.rs_free(d, s)), g - static_cast<uint32_t>(R)});
+      waits.push_back(driver::MemOp{local_flag(f.rs_free(d, s)), g});
       writes.push_back(driver::MemOp{local_flag(f.rs_push_src(d, s)), g});
       for (const RsChunk& c : plan.rounds[d][j]) {
         const int sz = dtype_size(plan.grad_dtype[c.param]);
@@ -398,17 +435,17 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
       data_.issue(rs_push_, false, copied_);
       flags_.issue(rs_push_, true, copied_);
     }
-    // My own round j: hand the previous round's entries back and wait for every contributor's entry
-    // (one memop batch), then sum in rank order.
-    if (j >= static_cast<int64_t>(plan.rounds[rank_].size())) continue;
+    // My own round j: post the pending permits and wait for every contributor's entry (one memop
+    // batch), then sum in rank order.
+    if (j >= my_rounds) continue;
     const uint32_t g = static_cast<uint32_t>(before[rank_] + j + 1);
     const int64_t s = (g - 1) % R;
     if (world_ > 1) {
       waits.clear();
       for (int64_t q = 0; q < world_; ++q)
         if (q != rank_) waits.push_back(driver::MemOp{local_flag(f.rs_ready(s, q)), g});
-      memops(reduce_, handed_back, waits);
-      handed_back.clear();
+      memops(reduce_, permits, waits);
+      permits.clear();
     }
     a = SumArgs{};
     a.staging = reinterpret_cast<const char*>(my_ring + s * world_ * layout_.entry_bytes);
@@ -428,9 +465,9 @@ void Arena::run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>
     launch_sum(a);
     // Written by a stream memop straight into the producers' flags: the sum has read the entries when
     // the stream reaches it (a write-after-read order, so no data has to land first).
-    for (int64_t k = 1; k < world_; ++k) handed_back.push_back(driver::MemOp{peer_flag((rank_ + k) % world_, f.rs_free(rank_, s)), g});
+    permit(g + static_cast<uint32_t>(R));
   }
-  memops(reduce_, handed_back, {});
+  memops(reduce_, permits, {});
   join(S, rs_push_, ev_rs_push_);
   join(S, reduce_, ev_reduce_);
   mark_completion(S);

@@ -1,5 +1,5 @@
 // The host side of TIDE-AG and TIDE-RS inside one NVLink domain: one Arena per set of ranks, over a
-// symmetric allocation laid out as csrc/transport/flags.h says.
+// symmetric flag region and a leased data region laid out as csrc/transport/flags.h says.
 //
 // TIDE-AG, rank r, outputs bound in slot i, use v (slot i's use count, identical on all ranks):
 //   S (caller's stream): record "start"; per pipeline chunk c: one kernel writes the chunk's ranges of my
@@ -13,14 +13,17 @@
 // TIDE-RS, rank r, every gradient read where it lies (autograd's memory, or its param-major place in a
 // slot where FSDP's Slot-Reuse hooks moved it); round j, destination d, g = rounds done for d + 1, ring
 // slot s = (g - 1) % R:
-//   Q (RS push stream): wait rs_free[d][s] >= g - R (d has summed what last used ring slot s);
+//   Q (RS push stream): wait rs_free[d][s] >= g (d's permit: it has summed what last used ring slot s);
 //                       rs_push_src[d][s] = g; one batch of my round-j pieces for every d into their
 //                       entries (s, r); then one batch of 4-B flags rs_ready[s][r] = g into every d;
 //   D (reduce stream), my own round j: wait rs_ready[s][q] >= g for every q != r; summing kernel over
-//                       the round's chunks (own contribution read in place); write rs_free[r][s] = g
+//                       the round's chunks (own contribution read in place); write rs_free[r][s] = g + R
 //                       into every q (stream memop, batched with the next round's waits).
-//   Every rank issues rounds in one order, a push depends only on sums R rounds back and a sum only on
-//   pushes of its own round, so no wait cycle can form. No kernel ever spins on a flag.
+//   After a new lease the round counters skip R and the first reduce-scatter's D permits its first R
+//   rounds at its start: a producer writes into a fresh ring only once its destination has issued an
+//   op after the lease (flags.h). Every rank issues rounds in one order, a push depends only on its
+//   destination's issue or sums R rounds back and a sum only on pushes of its own round, so no wait
+//   cycle can form. No kernel ever spins on a flag.
 // "free" flags (write after read) are stream-memop writes into the peer's word: the stream has finished
 // reading when it reaches them. "ready" flags (read after write) are 4-B copy-engine copies that follow
 // the data on the same stream, as in NCCL's CE collectives.
@@ -57,7 +60,8 @@ const char* ran_name(Ran r);
 
 class Arena {
  public:
-  Arena(int64_t rank, int64_t world, std::vector<int64_t> bases, int64_t device, int64_t num_slots,
+  // flag_bases: every rank's flag region (symmetric memory). The data region comes later, per lease.
+  Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64_t device, int64_t num_slots,
         int64_t slot_bytes, int64_t ring_depth, int64_t entry_bytes, int64_t sum_ctas, int64_t cast_ctas);
   ~Arena();
   Arena(const Arena&) = delete;
@@ -73,6 +77,12 @@ class Arena {
   void add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan);
 
   const ArenaLayout& layout() const { return layout_; }
+  // Every rank's data region (slots and ring) for the ops from now on: set at each lease, on every rank
+  // at the same point (tide/transport/lease.py). Copy lists are built per call, so nothing is re-planned.
+  void set_data_bases(const std::vector<int64_t>& bases);
+  // Waits for this arena's push streams: nothing of this rank's still writes into a peer's old lease
+  // before its mapping is closed.
+  void sync_pushes();
   // What this rank has issued (the flag values its waits expect): all-gathers per slot, reduce-scatter
   // rounds per destination.
   // Safe from another thread (the watchdog's) while an op runs: the ops release the GIL.
@@ -90,14 +100,15 @@ class Arena {
   std::string read_flags(const at::Tensor& host, double wait_s);
 
  private:
-  uint64_t local_flag(int64_t word) const { return bases_[rank_] + 4 * word; }
-  uint64_t peer_flag(int64_t p, int64_t word) const { return bases_[p] + 4 * word; }
+  uint64_t local_flag(int64_t word) const { return flag_bases_[rank_] + 4 * word; }
+  uint64_t peer_flag(int64_t p, int64_t word) const { return flag_bases_[p] + 4 * word; }
   uint64_t slot_base(int64_t p, int64_t slot) const {
-    return bases_[p] + layout_.slots_off() + slot * layout_.slot_bytes;
+    return data_bases_[p] + layout_.slots_off() + slot * layout_.slot_bytes;
   }
   uint64_t entry(int64_t d, int64_t s, int64_t q) const {
-    return bases_[d] + layout_.ring_off() + (s * world_ + q) * layout_.entry_bytes;
+    return data_bases_[d] + layout_.ring_off() + (s * world_ + q) * layout_.entry_bytes;
   }
+  void check_leased(const char* op) const;
   int64_t bound_slot(const AgPlan& plan, const std::vector<at::Tensor>& outs) const;
   bool ag_args_ok(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) const;
   bool rs_args_ok(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads) const;
@@ -113,9 +124,10 @@ class Arena {
 
   int64_t rank_, world_, device_, sum_ctas_, cast_ctas_;
   ArenaLayout layout_;
-  std::vector<uint64_t> bases_;
+  std::vector<uint64_t> flag_bases_, data_bases_;  // data_bases_ all 0 until the first lease
   std::vector<uint32_t> ag_uses_;   // per slot: all-gathers so far (the flag value of the next is + 1)
   std::vector<int64_t> rs_rounds_;  // per destination: reduce-scatter rounds issued (counted as an op starts)
+  bool fresh_lease_ = false;        // the next reduce-scatter skips R rounds and posts its first permits
   volatile uint32_t* published_ = nullptr;  // the two above's mirror (publish_progress_to)
   mutable std::mutex progress_mu_;  // guards the three above against the readers of ag_uses() / rs_rounds()
   cudaStream_t ag_push_ = nullptr, rs_push_ = nullptr, reduce_ = nullptr;

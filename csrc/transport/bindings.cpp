@@ -10,6 +10,7 @@
 #include "kernels.h"
 #include "transport/arena.h"
 #include "transport/flags.h"
+#include "transport/ipc.h"
 
 namespace tide {
 namespace {
@@ -36,7 +37,7 @@ py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int6
   d["flags_bytes"] = l.flags_bytes();
   d["slots_off"] = l.slots_off();
   d["ring_off"] = l.ring_off();
-  d["total_bytes"] = l.total_bytes();
+  d["data_bytes"] = l.data_bytes();
   // Every flag word's index by name (the watchdog reads a host copy of the words; the formula stays here).
   const FlagLayout& f = l.flags;
   py::dict index;
@@ -130,21 +131,29 @@ void cast_into(const at::Tensor& dst, const at::Tensor& src, int64_t max_ctas) {
 }
 
 // Points the storage of each output (all its views see it) at `nbytes[i]` of device memory at
-// `base + offsets[i]`, not owned: the way FSDP2's resize_ gives an all-gather output its memory, but into
-// an arena slot. One call per unshard. False, with nothing bound, unless every output is a 1-D tensor on
-// `device` that starts its storage and has exactly `nbytes[i]` bytes (the caller raises the error).
-bool bind_storages(const std::vector<at::Tensor>& outs, int64_t device, int64_t base,
+// `base + offsets[i]` inside `region` (the leased data region): the way FSDP2's resize_ gives an
+// all-gather output its memory, but into an arena slot. Each output's storage holds a reference to the
+// region's storage until FSDP's reshard (resize_(0)) drops its memory, so a released lease goes back to
+// the caching allocator only once no output points into it. One call per unshard. False, with nothing
+// bound, unless every output is a 1-D tensor on `device` that starts its storage and has exactly
+// `nbytes[i]` bytes inside `region` (the caller raises the error).
+bool bind_storages(const std::vector<at::Tensor>& outs, int64_t device, const at::Tensor& region, int64_t base,
                    const std::vector<int64_t>& offsets, const std::vector<int64_t>& nbytes) {
   if (offsets.size() != outs.size() || nbytes.size() != outs.size()) return false;
+  const auto lo = reinterpret_cast<int64_t>(region.data_ptr());
+  const int64_t hi = lo + static_cast<int64_t>(region.nbytes());
   for (size_t i = 0; i < outs.size(); ++i) {
     const at::Tensor& t = outs[i];
     if (!t.defined() || !t.is_cuda() || t.get_device() != device || t.dim() != 1 || t.storage_offset() != 0 ||
-        t.numel() * static_cast<int64_t>(t.element_size()) != nbytes[i])
+        t.numel() * static_cast<int64_t>(t.element_size()) != nbytes[i] || base + offsets[i] < lo ||
+        base + offsets[i] + nbytes[i] > hi)
       return false;
   }
   for (size_t i = 0; i < outs.size(); ++i) {
     auto* impl = outs[i].storage().unsafeGetStorageImpl();
-    impl->set_data_ptr_noswap(c10::DataPtr(reinterpret_cast<void*>(base + offsets[i]), outs[i].device()));
+    auto* keep = new c10::Storage(region.storage());  // dropped with this data pointer
+    impl->set_data_ptr_noswap(c10::DataPtr(reinterpret_cast<void*>(base + offsets[i]), keep,
+                                           [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, outs[i].device()));
     impl->set_nbytes(static_cast<size_t>(nbytes[i]));
   }
   return true;
@@ -166,7 +175,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&make_rs_plan), py::arg("rounds"), py::arg("pads"), py::arg("grad_dtype"));
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
-           py::arg("rank"), py::arg("world"), py::arg("bases"), py::arg("device"), py::arg("num_slots"),
+           py::arg("rank"), py::arg("world"), py::arg("flag_bases"), py::arg("device"), py::arg("num_slots"),
            py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"), py::arg("cast_ctas"))
       // Both return (what ran, the op's id for tide.transport's watchdog: completions.h).
       .def("all_gather", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
@@ -186,6 +195,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("grads"), py::arg("plan"))
       .def("read_flags", &Arena::read_flags, py::arg("host"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>())
       .def("publish_progress_to", &Arena::publish_progress_to, py::arg("address"))
+      .def("set_data_bases", &Arena::set_data_bases, py::arg("bases"))
+      .def("sync_pushes", &Arena::sync_pushes, py::call_guard<py::gil_scoped_release>())
       .def("counters", &counters)
       .def("progress", [](const Arena& a) {
              py::dict d;
@@ -197,6 +208,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sum_strided", &sum_strided, py::arg("out"), py::arg("base"), py::arg("k"), py::arg("stride_bytes"), py::arg("n"),
         py::arg("scale"), py::arg("accumulate"), py::arg("ctas"));
   m.def("cast_into", &cast_into, py::arg("dst"), py::arg("src"), py::arg("max_ctas"));
-  m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("base"), py::arg("offsets"),
+  m.def("ipc_export", [](const at::Tensor& t) {
+          const ipc::Export e = ipc::export_segment(t);
+          return py::make_tuple(py::bytes(e.handle), e.offset, e.error);
+        }, py::arg("tensor"));
+  m.def("ipc_open", &ipc::open_segment, py::arg("handle"), py::arg("device"));
+  m.def("ipc_close", &ipc::close_segment, py::arg("base"), py::arg("device"));
+  m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("region"), py::arg("base"), py::arg("offsets"),
         py::arg("nbytes"));
 }

@@ -1,11 +1,14 @@
 // The byte layout of a TIDE arena and its int32 flag words: the one definition (Python asks the
 // extension for it before allocating, tide.transport.arena).
 //
-// Arena of one set of ranks, identical on every rank p (peers' copies mapped at bases[p]):
+// Arena of one set of ranks, identical on every rank p, in two regions:
 //
-//   [0, flags_bytes)                        int32 flag words (FlagLayout)
-//   slots_off + i * slot_bytes              all-gather slot i < K: param-major, GroupLayout offsets
-//   ring_off + (s * W + q) * entry_bytes    reduce-scatter staging entry of ring slot s < R that
+//   flags (symmetric memory, mapped for the arena's life; peers' copies at flag_bases[p]):
+//     [0, flags_bytes)                      int32 flag words (FlagLayout)
+//   data (leased from the caching allocator per phase, tide/transport/lease.py; peers' copies at
+//   data_bases[p], which change only at a lease):
+//     slots_off + i * slot_bytes            all-gather slot i < K: param-major, GroupLayout offsets
+//     ring_off + (s * W + q) * entry_bytes  reduce-scatter staging entry of ring slot s < R that
 //                                           contributor q fills for this rank
 //
 // Flag words are sequence numbers that only grow (nothing is ever reset); each carries the value of the
@@ -15,7 +18,12 @@
 //   ag_free[i][p]   peer p's slot i may receive my pieces for its use v           (written by p)
 //   ag_ready[i][p]  peer p's pieces of use v have landed in my slot i             (written by p)
 //   rs_ready[s][q]  contributor q's entry for my ring slot s holds its round g    (written by q)
-//   rs_free[d][s]   destination d has summed my entry of its ring slot s, round g (written by d)
+//   rs_free[d][s]   destination d lets me push its round g into its ring slot s      (written by d)
+//                   d posts it once it has summed round g - R; after a new lease of its data region,
+//                   at the start of its next reduce-scatter, for that op's first R rounds. The round
+//                   counters skip R at a lease, so no permit into the old region reaches a round of
+//                   the new one: no peer writes into a ring before its destination leased it and
+//                   issued an op after the lease (tide/transport/lease.py).
 //   ag_src[i], rs_push_src[d][s]: the local source words of the "ready" copies. One word per slot /
 //   (destination, ring slot), so no copy can read a value meant for another.
 #pragma once
@@ -39,14 +47,14 @@ constexpr int64_t kPage = 4096;
 
 inline int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
-// Byte offsets of one arena (all page-aligned).
+// Byte sizes and offsets of one arena (all page-aligned): the flag region, and inside the data region.
 struct ArenaLayout {
   FlagLayout flags;
   int64_t slot_bytes, entry_bytes;
   int64_t flags_bytes() const { return round_up(4 * flags.words(), kPage); }
-  int64_t slots_off() const { return flags_bytes(); }
+  int64_t slots_off() const { return 0; }
   int64_t ring_off() const { return slots_off() + flags.K * slot_bytes; }
-  int64_t total_bytes() const { return ring_off() + flags.R * flags.W * entry_bytes; }
+  int64_t data_bytes() const { return ring_off() + flags.R * flags.W * entry_bytes; }
 };
 
 }  // namespace tide

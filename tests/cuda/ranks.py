@@ -281,6 +281,46 @@ def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
     return {"checked": checked, "slots": sorted(slots), "counters": arena.counters(), "stats": tide.stats()["ops"]}
 
 
+def lease_cycles(rank: int, world_size: int, seed: int, cycles: int) -> dict:
+    """Ops across releases of the data region (tide/transport/lease.py): each cycle all-gathers into a
+    slot and reduce-scatters through the ring (new data, checked bit for bit), then releases, so the next
+    cycle leases again. Slot views taken in cycle 1 keep that lease's memory alive past its release:
+    their bytes must come through the later cycles untouched (no peer writes into a region it no
+    longer leases). Store keys of old leases are deleted."""
+    import tide  # noqa: F401
+    from tide import transport
+    from tide.transport import plans
+
+    group = dist.new_group(backend="gloo")
+    name = group.group_name
+    arena = transport.enable(group, slot_bytes=1 << 20, rs_ring_bytes=(8 << 10) * world_size, ring_depth=2)
+    rng = random.Random(seed)  # the same cases on every rank
+    kept, kept_copy, addresses = None, None, []
+    for cycle in range(cycles):
+        shards, out_dtypes = ag_case(rng, world_size, rank, seed + cycle, 5)
+        got = cuda_all_gather(arena, shards, out_dtypes, world_size, name, bound=True)
+        addresses.append(arena.leases.held.data_ptr())
+        for i, (g, w) in enumerate(zip(got, ref_all_gather(shards, out_dtypes, world_size, name))):
+            assert_bits(f"rank {rank} cycle {cycle} all_gather param {i}", g, w)
+        grads, init, scale, acc = rs_case(rng, world_size, rank, seed + 100 + cycle, 7)
+        got = cuda_reduce_scatter(arena, grads, init, scale, acc, world_size, name, "autograd")
+        for i, (g, w) in enumerate(zip(got, ref_reduce_scatter(grads, init, scale, acc, world_size, name))):
+            assert_bits(f"rank {rank} cycle {cycle} reduce_scatter param {i}", g, w)
+        if cycle == 1:
+            layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, world_size)
+            kept = arena.slot_views(layout, out_dtypes, arena.slots.acquire())
+            for k in kept:
+                k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(seed + rank)).to(k.dtype))
+            kept_copy = [k.clone() for k in kept]
+        arena.release()  # no barrier: the flags alone keep peers out of a released region
+    torch.cuda.synchronize()
+    store = dist.distributed_c10d._get_default_store()
+    old_keys = [f"{arena._store_prefix}/lease{n}/{rank}" for n in range(1, cycles - 1)]
+    return {"leases": arena.leases.count, "mode": arena.leases.mode, "addresses": addresses,
+            "kept_intact": all(bits_equal(k, c) for k, c in zip(kept, kept_copy)),
+            "old_keys_left": [k for k in old_keys if store.check([k])]}
+
+
 def grads_in_slot(rank: int, world_size: int, seed: int) -> dict:
     """A reduce-scatter of gradients at their places in a slot (where the FSDP hooks put them) issues
     exactly the copies and kernels of one from autograd's tensors (ring depth 1: every round waits for
@@ -352,7 +392,7 @@ def bad_input(rank: int, world_size: int) -> dict:
     # An error raised inside the extension (TORCH_CHECK, a number in its message) reaches Python as a
     # RuntimeError instead of crashing the process (see num() in csrc/kernels.h).
     ext = transport.get(name).ext
-    cases["extension_error"] = (lambda: ext.Arena(rank=5, world=2, bases=[0, 0], device=0, num_slots=0, slot_bytes=0,
+    cases["extension_error"] = (lambda: ext.Arena(rank=5, world=2, flag_bases=[0, 0], device=0, num_slots=0, slot_bytes=0,
                                                   ring_depth=1, entry_bytes=16, sum_ctas=1, cast_ctas=1),
                                 RuntimeError, "rank 5 not in [0, 2)")
     # bind_outputs checks every output in its one extension call before binding any.
@@ -386,8 +426,8 @@ def bad_input(rank: int, world_size: int) -> dict:
     messages["bind_nothing_bound"] = "ok" if [t.data_ptr() for t in loose] == loose_ptrs else "bound before the error"
     # Bound for real, the outputs live in the arena and the all-gather writes them in place.
     arena.bind_outputs(loose, 0)
-    base = arena.buffer.data_ptr()
-    in_arena = all(base <= t.data_ptr() < base + arena.total_bytes for t in loose)
+    base = arena.leases.held.data_ptr()
+    in_arena = all(base <= t.data_ptr() < base + arena.data_bytes for t in loose)
     for t in loose:
         t.fill_(float("nan"))
     ag(shards, loose, W, name)
@@ -522,6 +562,8 @@ def disable_frees(rank: int, world_size: int) -> dict:
     def measure():
         gc.collect()
         torch.cuda.synchronize()
+        dist.barrier()  # every rank has closed its mappings of its peers' leases
+        torch.cuda.empty_cache()  # a released lease is in the allocator's cache
         dist.barrier()
         free.append(torch.cuda.mem_get_info()[0])
         dist.barrier()
@@ -530,7 +572,7 @@ def disable_frees(rank: int, world_size: int) -> dict:
     arena_bytes = 0
     for _ in range(2):
         arena = transport.enable(group, slot_bytes=256 << 20, rs_ring_bytes=64 << 20)
-        arena_bytes = arena.total_bytes
+        arena_bytes = arena.symmetric_bytes + arena.data_bytes
         cuda_all_gather(arena, [torch.randn(64, 8)], [torch.bfloat16], world_size, group.group_name, bound=True)
         del arena
         measure()
@@ -559,12 +601,14 @@ def recover_after_error(rank: int, world_size: int) -> dict:
         error = "no error"
     except RuntimeError as e:
         error = str(e)
-    first_bytes = arena.total_bytes
+    first_bytes = arena.symmetric_bytes + arena.data_bytes
     del arena, outs
 
     def free_memory():
         torch.cuda.synchronize()
         dist.barrier()  # on a shared GPU every rank's arena goes at once
+        torch.cuda.empty_cache()  # a released lease is in the allocator's cache
+        dist.barrier()
         free = torch.cuda.mem_get_info()[0]
         dist.barrier()
         return free

@@ -63,7 +63,12 @@ def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool
     tide.reset_stats()
     losses = [train_step(model, optim, cfg, step, rank, device=dev).item() for step in range(steps)]
     tokens, targets = batch(cfg, steps, rank, device=dev)
-    loss_fn(model(tokens), targets).backward()
+    logits = model(tokens)
+    leased_at_loss = [a.leases.held is not None for a in transport.arenas()]
+    loss_fn(logits, targets).backward()
+    del logits
+    leased_after_backward = [a.leases.held is not None for a in transport.arenas()]
+    leases = sum(a.leases.count for a in transport.arenas())
     torch.cuda.synchronize()
     # This rank's shards (stock and TIDE shard alike, so shards compare like full tensors): DTensor's
     # full_tensor() all-gathers through functional collectives, which segfault on gloo with CUDA tensors
@@ -73,7 +78,8 @@ def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool
     params = [p.detach().to_local().float().cpu().numpy().copy() for p in model.parameters()]
     stats = tide.stats()
     out = {"losses": losses, "params": params, "grads": grads, "stats": stats["fsdp"], "arena": stats["wiring"],
-           "transport": stats["ops"], "multinode": stats["multinode"], "arenas": len(transport.arenas())}
+           "transport": stats["ops"], "multinode": stats["multinode"], "arenas": len(transport.arenas()),
+           "leased_at_loss": leased_at_loss, "leased_after_backward": leased_after_backward, "leases": leases}
     if use_tide:
         tide.fsdp.disable(model)
         out["arenas_after_disable"] = len(transport.arenas())
@@ -163,6 +169,10 @@ def _assert_transport_ran(name: str, t: dict, rs_mode: str, raf: bool, ag_tide: 
     assert t["stats"]["reduce_scatter"]["tide"] > 0, (name, t["stats"])
     arena = t["arena"]
     assert arena.get("arena:created") == 1 and t["arenas"] == 1 and t["arenas_after_disable"] == 0, (name, arena, t)
+    # The data region is leased per phase: none at the loss or after backward, at most a forward and a
+    # backward lease per step (STEPS steps and one more forward and backward).
+    assert t["leased_at_loss"] == [False] and t["leased_after_backward"] == [False], (name, t)
+    assert 0 < t["leases"] <= 2 * (STEPS + 1), (name, t["leases"])
     if ag_tide:
         ag = t["stats"]["all_gather"]
         assert ag.get("tide", 0) > 0 and set(ag) <= {"tide", "stock:arena_busy"}, (name, ag)

@@ -3,7 +3,7 @@ or a missing peer is an error naming it (2 CPU ranks, the real default store).""
 import torch
 
 from tide.launch import run_ranks_outcomes
-from tide.transport.agreement import agree, call_desc, first_difference
+from tide.transport.agreement import agree, call_desc, exchange, first_difference
 
 
 def _agree(rank, world_size, scenario):
@@ -35,6 +35,20 @@ def test_a_peer_that_never_gets_there_is_named_after_the_timeout():
     rank0, rank1 = run_ranks_outcomes(_agree, 2, "missing", timeout=120)
     assert rank1.detail == "skipped"
     assert rank0.status == "error" and "rank(s) [1] did not reach this call within 3 s" in rank0.detail, rank0
+
+
+def _exchange(rank, world_size):
+    """Three exchanges in a row (as the leases of tide/transport/lease.py make them): every rank gets every
+    rank's value of each, in rank order."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    return [exchange(store, f"tide/test/lease{n}", rank, world_size, f"r{rank}n{n}", 30.0, "lease") for n in (1, 2, 3)]
+
+
+def test_exchange_returns_every_ranks_value_in_rank_order():
+    for o in run_ranks_outcomes(_exchange, 3, timeout=120):
+        assert o.detail == [[f"r{p}n{n}" for p in range(3)] for n in (1, 2, 3)], o
 
 
 def test_call_desc_and_first_difference():

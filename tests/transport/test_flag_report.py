@@ -72,7 +72,7 @@ def test_a_peer_that_stopped_summing_my_contributions():
     for s in range(R):
         words[index["rs_free"][0][s]] = min(words[index["rs_free"][0][s]], 3)
     assert flag_report.behind(words, index, progress, rank) == {
-        0: ["reduce-scatter: summed this rank's contributions through round 3 of 5 (2 behind)"]}
+        0: ["reduce-scatter: permits this rank's contributions through round 3 of 5 (2 behind)"]}
 
 
 def test_words_are_read_as_unsigned():

@@ -43,13 +43,16 @@ def param_groups(module: nn.Module) -> list:
     return [g for g, _ in _groups_and_leaf(module)]
 
 
+def _fsdp_modules(module: nn.Module) -> list:
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
 def _groups_and_leaf(module: nn.Module) -> list:
     """(param group, whether its FSDP module has no FSDP module below it) for every group in the tree."""
     out = []
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            leaf = not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)
-            out.extend((g, leaf) for g in compat.param_groups(m._get_fsdp_state()))
+    for m in _fsdp_modules(module):
+        leaf = not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)
+        out.extend((g, leaf) for g in compat.param_groups(m._get_fsdp_state()))
     return out
 
 
@@ -99,6 +102,8 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
         g._all_gather_comm = TideAllGather(g._all_gather_comm, g, transport, leaf)
         g._reduce_scatter_comm = TideReduceScatter(g._reduce_scatter_comm, rs_mode, transport)
         wiring.register_group(g)
+    for m in _fsdp_modules(module):
+        wiring.watch_forward(m)
     return module
 
 
@@ -112,6 +117,8 @@ def disable(module: nn.Module) -> nn.Module:
     emptied = [key for key in map(wiring.unregister_group, groups) if key is not None]
     for key in emptied:
         wiring.drop_arena(key)
+    for m in _fsdp_modules(module):
+        wiring.unwatch_forward(m)
     for g in groups:
         hooks.remove(g)
         g._all_gather_comm = g._all_gather_comm.fallback

@@ -86,6 +86,9 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     world_size = group.size()
     compute_stream = handle.current_stream()
     mode, slot = plan
+    if mode == "bound":
+        # Leased (if it is not) on the compute stream, so a released region serves its activations.
+        arena.region()
     with handle.stream(copy_in_stream):
         if mode == "bound":
             # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the
@@ -145,6 +148,8 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, 
     # the reduce-scatter event (as stock does with its packed buffer).
     grads = list(unsharded_grads)
     unsharded_grads.clear()
+    if arena is not None:  # leased (if it is not) on the compute stream, as for the all-gather
+        arena.region()
     rs_stream.wait_stream(handle.current_stream())
     with handle.stream(rs_stream):
         in_place = _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size)
@@ -201,6 +206,8 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
     if reason is not None:
         return _ORIG["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                            all_gather_stream, device, all_gather_comm, *args, **kwargs)
+    if arena is not None:
+        wiring.release_at_backward_end()
     result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena, plan)
     param_group = all_gather_comm.param_group
     if plan[0] == "bound" and getattr(param_group._reduce_scatter_comm, "rs_mode", None) == "slot_reuse":
@@ -236,6 +243,8 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         _order_slot_after_stock_reduce(fsdp_params, reduce_scatter_comm, reduce_scatter_group, reduce_scatter_stream)
         return out
     arena = wiring.arena_for(reduce_scatter_group, device, getattr(reduce_scatter_comm, "transport", "auto"))
+    if arena is not None:
+        wiring.release_at_backward_end()
     return _tide_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, orig_dtype, device,
                         gradient_divide_factor, arena)
 

@@ -117,6 +117,51 @@ def drop_arena(key: tuple) -> None:
         transport.disable(name)
 
 
+def release_leases() -> None:
+    """Give the data regions of the arenas the seam created back to the caching allocator (the phase
+    ended: nothing TIDE leases sits beside the activations at the loss or beside the optimizer step;
+    tide/transport/lease.py). Every rank reaches the same points."""
+    for name in _CREATED.values():
+        arena = transport.get(name)
+        if arena is not None:
+            arena.release()
+
+
+def _release_after_root_forward(module, args, output) -> None:
+    if getattr(module._get_fsdp_state(), "_is_root", False):
+        release_leases()
+
+
+_FORWARD_HOOKS: dict[int, object] = {}  # id(FSDP module) -> its release hook's handle
+
+
+def watch_forward(module) -> None:
+    """Release the leases when ``module``'s forward ends if it is FSDP's root (a forward hook, registered
+    after FSDP's own, so its post-forward reshards have run). Once per module."""
+    if id(module) not in _FORWARD_HOOKS:
+        _FORWARD_HOOKS[id(module)] = module.register_forward_hook(_release_after_root_forward)
+
+
+def unwatch_forward(module) -> None:
+    handle = _FORWARD_HOOKS.pop(id(module), None)
+    if handle is not None:
+        handle.remove()
+
+
+_QUEUED_IN = [None]  # the backward (graph task) whose end already releases
+
+
+def release_at_backward_end() -> None:
+    """Release the leases when the running backward ends (an autograd final callback, queued after FSDP's
+    own, so its last reduce-scatters have been issued); outside backward nothing is queued and the lease
+    lasts until the root's next forward ends."""
+    task = torch._C._current_graph_task_id()
+    if task == -1 or _QUEUED_IN[0] == task:
+        return
+    _QUEUED_IN[0] = task
+    torch.autograd.Variable._execution_engine.queue_callback(release_leases)
+
+
 def plan_all_gather(arena, comm, fsdp_params, world_size: int) -> tuple[str, int | None]:
     """(how this all-gather uses the arena, its slot): ``bound`` (slot; outputs bound there, zero-copy),
     ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups

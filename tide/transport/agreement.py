@@ -29,11 +29,11 @@ def first_difference(a: str, b: str, context: int = 60) -> str:
     return f"{cut(a)!r} vs {cut(b)!r}"
 
 
-def agree(store, prefix: str, rank: int, world_size: int, desc: str, timeout_s: float, what: str) -> None:
-    """Publish ``desc`` under ``prefix`` for ``rank`` and check that all ``world_size`` ranks published the
-    same; raises ``RuntimeError`` (the message starts with ``what``) on a mismatch, or when a peer has not
-    published within ``timeout_s``."""
-    store.set(f"{prefix}/{rank}", desc)
+def exchange(store, prefix: str, rank: int, world_size: int, value: str, timeout_s: float, what: str) -> list[str]:
+    """Publish ``value`` under ``prefix`` for ``rank`` and return every rank's value, in rank order; raises
+    ``RuntimeError`` (the message starts with ``what``) when a peer has not published within ``timeout_s``.
+    One store round trip; the keys stay (a call site numbers its prefixes)."""
+    store.set(f"{prefix}/{rank}", value)
     keys = [f"{prefix}/{p}" for p in range(world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
@@ -41,8 +41,13 @@ def agree(store, prefix: str, rank: int, world_size: int, desc: str, timeout_s: 
         missing = [p for p in range(world_size) if not store.check([keys[p]])]
         raise RuntimeError(f"{what}: rank(s) {missing} did not reach this call within {timeout_s:g} s (a peer "
                            f"died or issued fewer TIDE ops): {e}") from None
-    for p in range(world_size):
-        theirs = store.get(keys[p]).decode()
+    return [value if p == rank else store.get(keys[p]).decode() for p in range(world_size)]
+
+
+def agree(store, prefix: str, rank: int, world_size: int, desc: str, timeout_s: float, what: str) -> None:
+    """Check that all ``world_size`` ranks publish the same ``desc`` under ``prefix`` (:func:`exchange`);
+    raises ``RuntimeError`` (the message starts with ``what``) on a mismatch or a missing peer."""
+    for p, theirs in enumerate(exchange(store, prefix, rank, world_size, desc, timeout_s, what)):
         if theirs != desc:
             raise RuntimeError(f"{what}: ranks issued different calls at the same point: this rank {rank} issued "
                                f"{desc[:200]!r}, rank {p} issued {theirs[:200]!r} (they first differ at "

@@ -1,12 +1,18 @@
-"""The symmetric arena of one set of ranks, and the registry the ``tide`` ops consult (by ranks: every
-process group over the same ranks, in the same order, finds the same arena).
+"""The arena of one set of ranks, and the registry the ``tide`` ops consult (by ranks: every process
+group over the same ranks, in the same order, finds the same arena).
 
-One arena per set of ranks, rendezvoused once (never inside CUDA-graph capture) through torch symmetric
-memory (CUDA backend; several processes may share one GPU with
-``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` over a gloo group). Its byte layout and flag words are
-defined once, in ``csrc/transport/flags.h``; this module asks the extension for the offsets::
+One arena per set of ranks, rendezvoused once (never inside CUDA-graph capture). Its byte layout and
+flag words are defined once, in ``csrc/transport/flags.h``; this module asks the extension for the
+offsets. Two regions per rank:
+
+- flags, in torch symmetric memory for the arena's life (CUDA backend; several processes may share one
+  GPU with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` over a gloo group)::
 
     [0, flags_bytes)                       int32 flag words
+
+- data, leased from the caching allocator per phase and released between phases
+  (:mod:`tide.transport.lease`; :meth:`Arena.release`)::
+
     slots_off + i * slot_bytes             all-gather slot i < K (param-major, GroupLayout offsets)
     ring_off + (s * W + q) * entry_bytes   reduce-scatter staging entry of ring slot s < R, contributor q
 
@@ -32,6 +38,7 @@ from tide import topology
 from tide.meta import checks
 from tide.meta.layout import GroupLayout, align_up
 from tide.transport import agreement, board, flag_report, plans, watchdog
+from tide.transport.lease import Leases
 from tide.transport.slots import SlotLeases
 
 log = logging.getLogger("tide.transport")
@@ -74,7 +81,7 @@ class _Completion:
 
 
 class Arena:
-    """Symmetric memory, flags and CUDA streams of one set of ranks.
+    """Flags (symmetric memory), the leased data region and the CUDA streams of one set of ranks.
 
     Arguments:
         group: the ranks' process group (gloo or NCCL); every rank must construct its arena together.
@@ -113,7 +120,7 @@ class Arena:
         self.entry_bytes = max(4096, (ring // (self.ring_depth * W)) // 4096 * 4096)
         layout = self.ext.arena_layout(num_slots=self.num_slots, ring_depth=self.ring_depth, world=W,
                                        slot_bytes=self.slot_bytes, entry_bytes=self.entry_bytes)
-        self.flags_bytes, self.slots_off = layout["flags_bytes"], layout["slots_off"]
+        self.flags_bytes, self.slots_off, self.data_bytes = layout["flags_bytes"], layout["slots_off"], layout["data_bytes"]
         self.flag_words, self.flag_index = layout["flag_words"], layout["flag_index"]
         self.timeout_s = watchdog.timeout_for(group)
         self._label = f"{self.group_name!r} (ranks {list(self.ranks)}, this rank {self.rank})"
@@ -121,31 +128,35 @@ class Arena:
         self._store = dist.distributed_c10d._get_default_store()
         self._store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{generation}"
         self._plans = 0  # plans agreed on so far (tide/transport/agreement.py)
-        self.ring_off, self.total_bytes = layout["ring_off"], layout["total_bytes"]
+        self.ring_off = layout["ring_off"]
 
         self._board = board.IssuedBoard.rendezvous(self._store, f"{self._store_prefix}/board", self.rank, W,
                                                    self.num_slots)
         try:
-            self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
-            self.handle = symm_mem.rendezvous(self.buffer, group)
+            self.flags = symm_mem.empty(self.flags_bytes, dtype=torch.uint8, device=self.device)
+            self.handle = symm_mem.rendezvous(self.flags, group)
         except BaseException:
             if self._board is not None and self.rank == 0:
                 self._board.unlink()  # a peer that never reached the board leaves no count to unlink it
             raise
         bases = [int(p) for p in self.handle.buffer_ptrs]
-        if bases[self.rank] != self.buffer.data_ptr():
+        if bases[self.rank] != self.flags.data_ptr():
             raise RuntimeError("tide.transport.Arena: symmetric buffer does not start at its allocation base")
-        self.buffer[: self.flags_bytes].zero_()
+        self.flags.zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._c = self.ext.Arena(rank=self.rank, world=W, bases=bases, device=self.device.index,
+        self._c = self.ext.Arena(rank=self.rank, world=W, flag_bases=bases, device=self.device.index,
                                  num_slots=self.num_slots, slot_bytes=self.slot_bytes, ring_depth=self.ring_depth,
                                  entry_bytes=self.entry_bytes, sum_ctas=self.sum_ctas,
                                  cast_ctas=CAST_CTAS_PER_SM * sms)
         if self._board is not None:
             self._c.publish_progress_to(self._board.progress_address())
         self.slots = SlotLeases(self.num_slots)
+        c = self._c
+        self.leases = Leases(self.ext, group, self._store, self._store_prefix, self.rank, W, self.device,
+                             self.data_bytes, self.timeout_s, self._label,
+                             set_bases=lambda bases: c.set_data_bases(bases=bases), sync_pushes=c.sync_pushes)
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
         self._report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
         self._logged = False
@@ -154,7 +165,27 @@ class Arena:
     def __repr__(self) -> str:
         return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"
                 f"{self.slot_bytes}, ring={self.ring_depth}x{self.world_size}x{self.entry_bytes}, "
-                f"sum_ctas={self.sum_ctas})")
+                f"sum_ctas={self.sum_ctas}, data={self.leases.mode})")
+
+    @property
+    def symmetric_bytes(self) -> int:
+        """This rank's symmetric memory, which the caching allocator's counters do not see: the flag words,
+        plus the data region when it fell back to symmetric memory (:mod:`tide.transport.lease`)."""
+        return self.flags_bytes + (self.data_bytes if self.leases.mode != "allocator" else 0)
+
+    def region(self) -> torch.Tensor:
+        """This rank's data region (slots and ring), leased if none is held (collective then: every rank
+        at the same point); the current stream is recorded as a user of it."""
+        region = self.leases.acquire()
+        region.record_stream(torch.cuda.current_stream(self.device))
+        return region
+
+    def release(self) -> None:
+        """Let the data region go back to the caching allocator once nothing points into it any more (bound
+        outputs and gradient views keep it alive). Every rank must release at the same point: the next
+        op or view leases again, collectively. FSDP releases after the root's forward and at the end of
+        backward (tide/fsdp/wiring.py)."""
+        self.leases.release()
 
     def close(self) -> None:
         """Wait for this arena's work and release its memory and streams (after :func:`disable`). After a
@@ -163,14 +194,15 @@ class Arena:
         if self._c is None:
             return
         watchdog.WATCHDOG.check()
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)  # nothing of this rank writes into a peer's region any more
         self._c.publish_progress_to(0)
+        self.leases.close()
         self._c = None  # destroys the streams and events
         if self._board is not None:
             self._board.close()
             self._board = None
         self.handle = None
-        self.buffer = None  # the symmetric allocation goes back to the driver
+        self.flags = None  # the symmetric allocation goes back to the driver
 
     # ------------------------------------------------------------------------------------ ops
     # The extension checks the arguments and looks the plan up (one C++ call per op); a layout it has
@@ -180,7 +212,8 @@ class Arena:
     def _log_once(self) -> None:
         if not self._logged:
             self._logged = True
-            log.info("tide.transport: %r, %d bytes of symmetric memory", self, self.total_bytes)
+            log.info("tide.transport: %r, %d bytes of symmetric memory, %d leased", self, self.symmetric_bytes,
+                     self.data_bytes)
 
     def _agree(self, op: str, desc: str) -> None:
         """Every rank reaches its next new plan with the same call (one store round trip per plan)."""
@@ -211,6 +244,8 @@ class Arena:
         """TIDE-AG of ``shards`` into ``outs`` bound in a slot (:meth:`bind_outputs`, :meth:`slot_views`):
         ``"tide"``, or ``"not_bound"`` when ``outs`` lie in no slot at their plan's addresses (nothing
         issued; the caller gathers another way)."""
+        if self.leases.held is not None:  # outputs can only be bound in a held lease; record the stream
+            self.region()
         ran = self._issue("all_gather_into_params_", self._c.all_gather, shards=shards, outs=outs)
         if ran == "no_plan":
             self._add_ag_plan(shards, outs)
@@ -226,6 +261,7 @@ class Arena:
         holds some of them (FSDP's Slot-Reuse hooks put gradients at their parameters' places there) is
         busy until the reduce-scatter has read them."""
         kw = dict(grads=grads, shard_grads=shard_grads, scale=float(scale), accumulate=bool(accumulate))
+        self.region()
         ran = self._issue("reduce_scatter_params_", self._c.reduce_scatter, **kw)
         if ran == "no_plan":
             self._add_rs_plan(grads)
@@ -286,9 +322,12 @@ class Arena:
         return self.slots_off + slot * self.slot_bytes
 
     def slot_of(self, tensor: torch.Tensor) -> int | None:
-        """The slot whose bytes ``tensor`` starts in, or None."""
-        offset = tensor.data_ptr() - self.buffer.data_ptr()
-        if self.num_slots == 0 or not self.slots_off <= offset < self.ring_off:
+        """The slot of the leased region whose bytes ``tensor`` starts in, or None."""
+        region = self.leases.held
+        if region is None or self.num_slots == 0:
+            return None
+        offset = tensor.data_ptr() - region.data_ptr()
+        if not self.slots_off <= offset < self.ring_off:
             return None
         return (offset - self.slots_off) // self.slot_bytes
 
@@ -297,8 +336,8 @@ class Arena:
         slot = self._check_slot("slot_views", slot)
         if layout.slot_bytes > self.slot_bytes:
             raise ValueError(f"tide.transport: group needs {layout.slot_bytes} slot bytes, the arena has {self.slot_bytes}")
-        base = self._slot_base(slot)
-        return [self.buffer[base + p.slot_offset:base + p.slot_offset + p.out_bytes].view(dt)
+        base, region = self._slot_base(slot), self.region()
+        return [region[base + p.slot_offset:base + p.slot_offset + p.out_bytes].view(dt)
                 for p, dt in zip(layout.params, dtypes)]
 
     def grad_views(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], slot: int) -> list[torch.Tensor]:
@@ -309,19 +348,22 @@ class Arena:
         if layout.slot_bytes > self.slot_bytes:
             raise ValueError(f"tide.transport.grad_views: group needs {layout.slot_bytes} slot bytes, the arena has "
                              f"{self.slot_bytes}")
-        base = self._slot_base(slot)
-        return [self.buffer[base + p.slot_offset:base + p.slot_offset + math.prod(s) * d.itemsize].view(d).view(tuple(s))
+        base, region = self._slot_base(slot), self.region()
+        return [region[base + p.slot_offset:base + p.slot_offset + math.prod(s) * d.itemsize].view(d).view(tuple(s))
                 for s, d, p in zip(shapes, dtypes, layout.params)]
 
     def view_at(self, tensor: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor of ``shape`` and ``dtype`` over the arena bytes where ``tensor`` starts, or None when
         those bytes do not lie inside one slot."""
         slot = self.slot_of(tensor)
-        offset = tensor.data_ptr() - self.buffer.data_ptr()
-        nbytes = math.prod(shape) * dtype.itemsize
-        if slot is None or offset + nbytes > self._slot_base(slot) + self.slot_bytes:
+        if slot is None:
             return None
-        return self.buffer[offset:offset + nbytes].view(dtype).view(tuple(shape))
+        region = self.region()
+        offset = tensor.data_ptr() - region.data_ptr()
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset + nbytes > self._slot_base(slot) + self.slot_bytes:
+            return None
+        return region[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
     def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int, owners: Sequence = ()) -> None:
         """Point the storages of the 1-D all-gather outputs ``outs`` (their views see it too) into slot
@@ -341,10 +383,11 @@ class Arena:
                                  f"the arena has {self.slot_bytes}")
             places = self._bind_places[key] = ([p.slot_offset for p in layout.params],
                                                [p.out_bytes for p in layout.params])
-        base = self.buffer.data_ptr() + self._slot_base(slot)
-        # All outputs are checked before any is bound.
-        if not self.ext.bind_storages(outs=outs, device=self.device.index, base=base, offsets=places[0],
-                                      nbytes=places[1]):
+        region = self.region()
+        base = region.data_ptr() + self._slot_base(slot)
+        # All outputs are checked before any is bound; each keeps the region alive until it is resharded.
+        if not self.ext.bind_storages(outs=outs, device=self.device.index, region=region, base=base,
+                                      offsets=places[0], nbytes=places[1]):
             raise ValueError("tide.transport.bind_outputs: outputs must be 1-D, on the arena's device, and start "
                              "their storage")
         self.slots.bind(slot, [o.untyped_storage() for o in outs], owners)
@@ -354,7 +397,8 @@ class Arena:
         kernel and stream-memop calls, op calls) and the host nanoseconds spent in the ops' C++ part
         (``host_ns_total``), split by kind of call."""
         out = dict(self._c.counters())
-        out.update(sum_ctas=self.sum_ctas, arena_bytes=self.total_bytes)
+        out.update(sum_ctas=self.sum_ctas, symmetric_bytes=self.symmetric_bytes, data_bytes=self.data_bytes,
+                   leases=self.leases.count)
         return out
 
 

@@ -27,6 +27,7 @@ SOURCES = (
     "transport/driver.cpp",
     "transport/copies.cpp",
     "transport/completions.cpp",
+    "transport/ipc.cpp",
     "transport/arena.cpp",
     "transport/bindings.cpp",
 )

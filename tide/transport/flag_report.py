@@ -10,7 +10,8 @@ waits expect:
   ``ag_src[i]`` below u means this rank's own pieces of use u are not posted yet (they wait for the
   peers' "free");
 - reduce-scatter: peer q is behind by ``rs_rounds[me] - max_s rs_ready[s][q]`` rounds of its
-  contributions to me, and by ``rs_rounds[q] - max_s rs_free[q][s]`` rounds of summing mine.
+  contributions to me, and by ``rs_rounds[q] - max_s rs_free[q][s]`` rounds of permits for mine (q
+  permits a round when it has issued the op that holds it and summed the round R before).
 """
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ def behind(words: Sequence[int], index: Mapping[str, list], progress: Mapping[st
         if delivered < rs_rounds[rank]:
             lags.append(f"reduce-scatter: contributions to this rank through round {delivered} of {rs_rounds[rank]} "
                         f"({rs_rounds[rank] - delivered} behind)")
-        summed = max(value[w] for w in index["rs_free"][p])
-        if summed < rs_rounds[p]:
-            lags.append(f"reduce-scatter: summed this rank's contributions through round {summed} of {rs_rounds[p]} "
-                        f"({rs_rounds[p] - summed} behind)")
+        permitted = max(value[w] for w in index["rs_free"][p])
+        if permitted < rs_rounds[p]:
+            lags.append(f"reduce-scatter: permits this rank's contributions through round {permitted} of {rs_rounds[p]} "
+                        f"({rs_rounds[p] - permitted} behind)")
         if lags:
             out[p] = lags
     return out

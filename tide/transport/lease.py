@@ -1,0 +1,131 @@
+"""The arena's data region (its all-gather slots and reduce-scatter ring), leased per phase of a step.
+
+A persistent region would sit beside the activations at their high-water mark (the loss) and beside
+AdamW's step, where stock FSDP2 holds no communication buffer at all (docs/performance.md, Memory). So
+the region is an ordinary tensor of torch's caching allocator, taken when an op or a view first needs
+it and given back by :meth:`Leases.release` (FSDP: after the root's forward and at the end of backward,
+tide/fsdp/wiring.py); the freed block then serves the activations.
+
+- **Mapping.** Each rank exports the allocator segment that holds its region with legacy CUDA IPC
+  (csrc/transport/ipc.h: torch never learns the segment is shared, so a freed lease is never parked).
+  At each lease the ranks exchange handle and offset through the store, one round trip
+  (:func:`tide.transport.agreement.exchange`), and map peers' segments they have not mapped yet: the
+  allocator hands the same block back phase after phase (GPU run 42, ``bench/lease_probe.py``), so a
+  step maps nothing. A peer's mapping is closed when it drops out of the last ``MAPPINGS_PER_PEER``
+  handles seen, after this rank's pushes have drained.
+- **Collective.** Every rank leases at the same point of its program (FSDP's decisions are identical on
+  every rank); a rank that leases alone waits for its peers' keys and raises after the group's timeout,
+  naming the lease.
+- **Safety.** No peer writes into a region its owner has not leased: an all-gather's "free" flag and a
+  reduce-scatter's permits are posted on the op's own stream, after the lease and the op's issue
+  (csrc/transport/flags.h). A released region stays alive while outputs bound into its slots or
+  gradient views point into it (their storages hold it), and the allocator reuses it only after every
+  stream that used it (``record_stream``) has passed that use.
+- **Fallback.** Legacy IPC cannot export expandable segments or cudaMallocAsync pools. When any rank's
+  export fails at the first lease, every rank puts the region in symmetric memory for the arena's life
+  instead (its peak then includes the region, as before leasing), and :attr:`Leases.mode` says why.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tide.transport import agreement
+
+MAPPINGS_PER_PEER = 4
+
+
+class Leases:
+    """The data region of one arena on this rank: leased, exchanged, mapped and released.
+
+    Arguments:
+        ext: the CUDA extension (ipc_export / ipc_open / ipc_close).
+        group: the arena's process group (the symmetric fallback rendezvous over it).
+        store, prefix: where the ranks exchange their handles.
+        nbytes: the region's size (identical on every rank).
+        set_bases: called with every rank's region address at each new lease.
+        sync_pushes: waits until none of this rank's copies still writes into a peer's region.
+    """
+
+    def __init__(self, ext, group, store, prefix: str, rank: int, world: int, device: torch.device, nbytes: int,
+                 timeout_s: float, label: str, set_bases: Callable[[list[int]], None],
+                 sync_pushes: Callable[[], None]) -> None:
+        self._ext, self._group, self._store, self._prefix = ext, group, store, prefix
+        self.rank, self.world, self.device, self.nbytes = rank, world, device, nbytes
+        self._timeout_s, self._label = timeout_s, label
+        self._set_bases, self._sync_pushes = set_bases, sync_pushes
+        self.mode = "allocator"  # or "symmetric (<why>)" once any rank's export failed
+        self.count = 0  # leases taken, all ranks alike
+        self._region: torch.Tensor | None = None
+        self._symmetric = None  # the fallback's rendezvous handle, kept with the region
+        self._mapped: list[dict[bytes, int]] = [{} for _ in range(world)]  # per peer: handle -> base, oldest first
+
+    @property
+    def held(self) -> torch.Tensor | None:
+        """The region while leased, else None."""
+        return self._region
+
+    def acquire(self) -> torch.Tensor:
+        """The leased region; a new lease (collective: every rank at the same point) when none is held."""
+        if self._region is None:
+            self._lease()
+        return self._region
+
+    def release(self) -> None:
+        """Give the region back to the caching allocator once nothing points into it (in symmetric mode it
+        stays). Local, but every rank must release at the same point: the next acquire is collective."""
+        if self._symmetric is None and self._region is not None:
+            self._region = None
+            self._set_bases([0] * self.world)  # no op may address a released region, here or at a peer
+
+    def close(self) -> None:
+        """Release the region and unmap every peer (the arena is closing; its work has completed)."""
+        self._region, self._symmetric = None, None
+        self._set_bases = self._sync_pushes = None  # they hold the extension's arena, which closes now
+        for maps in self._mapped:
+            for base in maps.values():
+                self._ext.ipc_close(base=base, device=self.device.index)
+            maps.clear()
+
+    # ------------------------------------------------------------------------------------ one lease
+    def _lease(self) -> None:
+        self.count += 1
+        what = f"tide.transport: lease #{self.count} of the arena of {self._label}"
+        if self.count > 2:  # every peer has read lease n-2's key: it published lease n-1's after reading it
+            self._store.delete_key(f"{self._prefix}/lease{self.count - 2}/{self.rank}")
+        if self.mode == "allocator":
+            region = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            handle, offset, error = self._ext.ipc_export(tensor=region)
+            mine = f"error:{error}" if error else f"{handle.hex()}:{offset}"
+            theirs = agreement.exchange(self._store, f"{self._prefix}/lease{self.count}", self.rank, self.world, mine,
+                                        self._timeout_s, what)
+            errors = [(p, v[len("error:"):]) for p, v in enumerate(theirs) if v.startswith("error:")]
+            if not errors:
+                self._region = region
+                self._set_bases([region.data_ptr() if p == self.rank else self._map(p, v) for p, v in enumerate(theirs)])
+                return
+            if self.count > 1:  # the mode was agreed at the first lease; a later failure is not expected
+                raise RuntimeError(f"{what}: rank(s) {[p for p, _ in errors]} cannot export the region: {errors[0][1]}")
+            self.mode = f"symmetric (rank {errors[0][0]} cannot export allocator memory by CUDA IPC: {errors[0][1]})"
+            del region
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._region = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self._symmetric = symm_mem.rendezvous(self._region, self._group)
+        self._set_bases([int(p) for p in self._symmetric.buffer_ptrs])
+
+    def _map(self, peer: int, value: str) -> int:
+        """Peer ``peer``'s region address here, mapping its segment unless this handle is mapped already."""
+        hex_handle, offset = value.split(":")
+        handle = bytes.fromhex(hex_handle)
+        maps = self._mapped[peer]
+        base = maps.pop(handle, None)
+        if base is None:
+            base = self._ext.ipc_open(handle=handle, device=self.device.index)
+            if len(maps) >= MAPPINGS_PER_PEER:  # the oldest handle goes, once no push can still target it
+                self._sync_pushes()
+                old = next(iter(maps))
+                self._ext.ipc_close(base=maps.pop(old), device=self.device.index)
+        maps[handle] = base  # the most recent last
+        return base + int(offset)
