@@ -12,8 +12,9 @@ from tide.launch import run_ranks
 pytestmark = pytest.mark.cuda
 
 
-def _run(fn, world_size, *args, backend="gloo", timeout=420):
-    return run_ranks(fn, world_size, *args, backend=backend, device_type="cuda", env=ranks.ENV, timeout=timeout)
+def _run(fn, world_size, *args, backend="gloo", timeout=420, env=None):
+    return run_ranks(fn, world_size, *args, backend=backend, device_type="cuda", env={**ranks.ENV, **(env or {})},
+                     timeout=timeout)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -53,6 +54,15 @@ def test_leases_cycle_without_stray_writes(ext):
         assert r["mode"] == "allocator" and r["leases"] == 4, (rank, r)
         assert r["kept_intact"], (rank, r)
         assert r["old_keys_left"] == [], (rank, r)
+
+
+def test_leases_fall_back_to_symmetric_memory_under_expandable_segments(ext):
+    """Legacy CUDA IPC cannot export expandable segments: every rank then keeps the data region in symmetric
+    memory, says why, and the ops stay bit-exact."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for rank, r in enumerate(_run(ranks.lease_cycles, 2, 516, 3, env=env)):
+        assert r["mode"].startswith("symmetric (rank "), (rank, r)
+        assert r["leases"] == 1, (rank, r)
 
 
 def test_gradients_in_a_slot_are_read_where_they_lie(ext):
