@@ -19,7 +19,13 @@ Export export_segment(const at::Tensor& t) {
   }
   c10::cuda::CUDAGuard guard(t.device());
   size_t size = 0;
-  void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(t.data_ptr(), &size);
+  void* base = nullptr;
+  try {  // the allocator refuses memory of expandable segments
+    base = c10::cuda::CUDACachingAllocator::getBaseAllocation(t.data_ptr(), &size);
+  } catch (const c10::Error& err) {
+    e.error = err.what_without_backtrace();
+    return e;
+  }
   cudaIpcMemHandle_t h;
   const cudaError_t err = cudaIpcGetMemHandle(&h, base);
   if (err != cudaSuccess) {
