@@ -97,7 +97,7 @@ class Leases:
         if self.mode == "allocator":
             region = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             handle, offset, error = self._ext.ipc_export(tensor=region)
-            mine = f"error:{error}" if error else f"{handle.hex()}:{offset}"
+            mine = f"error:{error.splitlines()[0]}" if error else f"{handle.hex()}:{offset}"
             theirs = agreement.exchange(self._store, f"{self._prefix}/lease{self.count}", self.rank, self.world, mine,
                                         self._timeout_s, what)
             errors = [(p, v[len("error:"):]) for p, v in enumerate(theirs) if v.startswith("error:")]
