@@ -1,8 +1,9 @@
 """TIDE for FSDP2: ``enable(module)`` routes every opted-in param group's unshard and gradient
 reduce through ``tide::all_gather_into_params_`` / ``tide::reduce_scatter_params_`` (no flat
 rank-major buffers); unsupported cases take the original FSDP2 path per call (see docs/fsdp.md), and
-``tide.stats()`` counts both. On CUDA the groups run on the CUDA transport: one symmetric arena per set
-of ranks, block all-gather outputs bound in its slots (docs/fsdp.md, "CUDA transport wiring").
+``tide.stats()`` counts both. On CUDA the groups run on the CUDA transport: one arena per set of ranks,
+block all-gather outputs bound in its slots, its data region leased for forward and for backward
+(docs/fsdp.md, "CUDA transport wiring").
 
 Modules: ``comms`` (the opt-in markers), ``fallbacks`` (why a call takes stock), ``seam`` (the three
 wrappers and their install), ``wiring`` (arena and slots), ``hooks`` (Slot-Reuse), ``compat`` (torch

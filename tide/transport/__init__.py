@@ -1,4 +1,5 @@
-"""TIDE's CUDA transport inside one NVLink domain: a symmetric arena per set of ranks, TIDE-AG (copy-engine
+"""TIDE's CUDA transport inside one NVLink domain: an arena per set of ranks (symmetric flag words, a data
+region leased per phase from the caching allocator), TIDE-AG (copy-engine
 copies + stream-memop flags, one kernel for the own shard) and TIDE-RS (copy-engine pushes into a bounded
 staging ring, a bounded-grid fp32 summing kernel). See docs/design.md ("CUDA transport").
 
