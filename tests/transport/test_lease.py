@@ -1,0 +1,109 @@
+"""The lease bookkeeping of tide/transport/lease.py on CPU: what is exchanged, mapped, closed and deleted
+at each lease. The extension's three IPC calls are recorded by a stand-in (CUDA IPC needs GPUs; the GPU
+tests in tests/cuda/test_transport.py run the real ones), and the peers' keys are put in a real store as
+the peers would."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tide.transport import lease
+from tide.transport.lease import Leases
+
+WORLD, RANK, NBYTES = 3, 1, 4096
+MY_HANDLE = b"\x01" * 64
+
+
+class RecordingIpc:
+    """ipc_export / ipc_open / ipc_close as the extension answers them, recorded."""
+
+    def __init__(self) -> None:
+        self.opened, self.closed, self.export_error = [], [], ""
+        self._next_base = 1 << 40
+
+    def ipc_export(self, tensor):
+        return (MY_HANDLE, 256, self.export_error)
+
+    def ipc_open(self, handle, device):
+        self.opened.append(handle)
+        self._next_base += 1 << 30
+        return self._next_base
+
+    def ipc_close(self, base, device):
+        self.closed.append(base)
+
+
+def handle_of(peer: int, generation: int) -> bytes:
+    return bytes([peer, generation]) * 32
+
+
+def make(store, ipc, bases, syncs):
+    return Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 5.0, "test",
+                  set_bases=bases.append, sync_pushes=lambda: syncs.append(True))
+
+
+def publish_peers(store, n: int, generation: int, offset: int = 64) -> None:
+    for p in range(WORLD):
+        if p != RANK:
+            store.set(f"tide/test/lease{n}/{p}", f"{handle_of(p, generation).hex()}:{offset}")
+
+
+def test_a_lease_exchanges_maps_and_releases():
+    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
+    leases = make(store, ipc, bases, syncs)
+    publish_peers(store, 1, generation=0)
+    region = leases.acquire()
+    assert region.nbytes == NBYTES and leases.count == 1 and leases.mode == "allocator"
+    assert store.get(f"tide/test/lease1/{RANK}").decode() == f"{MY_HANDLE.hex()}:256"
+    mine, peers = bases[-1][RANK], [b for p, b in enumerate(bases[-1]) if p != RANK]
+    assert mine == region.data_ptr() and len(ipc.opened) == 2 and all(b % (1 << 30) == 64 for b in peers)
+    assert leases.acquire() is region and leases.count == 1  # held: no new lease
+    leases.release()
+    assert leases.held is None and bases[-1] == [0] * WORLD  # no op may address the released region
+
+
+def test_a_handle_seen_before_is_not_mapped_again_and_old_keys_go():
+    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
+    leases = make(store, ipc, bases, syncs)
+    for n in (1, 2, 3):
+        publish_peers(store, n, generation=0, offset=64 * n)
+        leases.acquire()
+        leases.release()
+    assert len(ipc.opened) == 2 and ipc.closed == [] and syncs == []  # the same segments every lease
+    assert [b % (1 << 30) for b in bases[-2]][:1] == [192]  # the new offset in the mapped segment
+    assert not store.check([f"tide/test/lease1/{RANK}"]) and store.check([f"tide/test/lease2/{RANK}"])
+
+
+def test_the_oldest_mapping_closes_after_the_pushes_drain():
+    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
+    leases = make(store, ipc, bases, syncs)
+    for n in range(1, lease.MAPPINGS_PER_PEER + 2):  # one more handle per peer than are kept
+        publish_peers(store, n, generation=n)
+        leases.acquire()
+        leases.release()
+    assert len(ipc.opened) == 2 * (lease.MAPPINGS_PER_PEER + 1)
+    assert len(ipc.closed) == 2 and len(syncs) == 2  # one per peer, each after a drain
+    leases.close()
+    assert len(ipc.closed) == 2 * (lease.MAPPINGS_PER_PEER + 1)  # close unmaps the rest
+
+
+def test_a_peer_that_never_leases_is_named_after_the_timeout():
+    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
+    leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 0.5, "grp",
+                    set_bases=bases.append, sync_pushes=lambda: None)
+    store.set("tide/test/lease1/0", f"{handle_of(0, 0).hex()}:0")  # rank 2 never gets there
+    with pytest.raises(RuntimeError, match=r"lease #1 of the arena of grp: rank\(s\) \[2\] did not reach"):
+        leases.acquire()
+
+
+def test_an_export_failure_after_the_first_lease_is_an_error_naming_the_ranks():
+    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
+    leases = make(store, ipc, bases, syncs)
+    publish_peers(store, 1, generation=0)
+    leases.acquire()
+    leases.release()
+    store.set("tide/test/lease2/0", "error:cannot share")
+    store.set("tide/test/lease2/2", f"{handle_of(2, 0).hex()}:0")
+    with pytest.raises(RuntimeError, match=r"lease #2 .* rank\(s\) \[0\] cannot export the region: cannot share"):
+        leases.acquire()
