@@ -88,13 +88,17 @@ def test_the_oldest_mapping_closes_after_the_pushes_drain():
     assert len(ipc.closed) == 2 * (lease.MAPPINGS_PER_PEER + 1)  # close unmaps the rest
 
 
-def test_a_peer_that_never_leases_is_named_after_the_timeout():
+def test_a_peer_that_never_leases_is_named_after_the_timeout_and_the_arena_leases_no_more():
     store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
     leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 0.5, "grp",
                     set_bases=bases.append, sync_pushes=lambda: None)
     store.set("tide/test/lease1/0", f"{handle_of(0, 0).hex()}:0")  # rank 2 never gets there
     with pytest.raises(RuntimeError, match=r"lease #1 of the arena of grp: rank\(s\) \[2\] did not reach"):
         leases.acquire()
+    store.set("tide/test/lease1/2", f"{handle_of(2, 0).hex()}:0")  # too late: the numbers may differ now
+    with pytest.raises(RuntimeError, match="cannot lease again"):
+        leases.acquire()
+    assert leases.count == 1
 
 
 def test_an_export_failure_after_the_first_lease_is_an_error_naming_the_ranks():

@@ -132,18 +132,18 @@ def _release_after_root_forward(module, args, output) -> None:
         release_leases()
 
 
-_FORWARD_HOOKS: dict[int, object] = {}  # id(FSDP module) -> its release hook's handle
+_FORWARD_HOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # FSDP module -> its hook's handle
 
 
 def watch_forward(module) -> None:
     """Release the leases when ``module``'s forward ends if it is FSDP's root (a forward hook, registered
     after FSDP's own, so its post-forward reshards have run). Once per module."""
-    if id(module) not in _FORWARD_HOOKS:
-        _FORWARD_HOOKS[id(module)] = module.register_forward_hook(_release_after_root_forward)
+    if module not in _FORWARD_HOOKS:
+        _FORWARD_HOOKS[module] = module.register_forward_hook(_release_after_root_forward)
 
 
 def unwatch_forward(module) -> None:
-    handle = _FORWARD_HOOKS.pop(id(module), None)
+    handle = _FORWARD_HOOKS.pop(module, None)
     if handle is not None:
         handle.remove()
 

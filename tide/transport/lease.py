@@ -12,13 +12,16 @@ tide/fsdp/wiring.py); the freed block then serves the activations.
   (:func:`tide.transport.agreement.exchange`), and map peers' segments they have not mapped yet: the
   allocator hands the same block back phase after phase (GPU run 42, ``bench/lease_probe.py``), so a
   step maps nothing. A peer's mapping is closed when it drops out of the last ``MAPPINGS_PER_PEER``
-  handles seen, after this rank's pushes have drained.
+  handles seen, after this rank's pushes have drained: a segment a peer maps cannot go back to the
+  device (``empty_cache``, the allocator's retry after a failed allocation), so few stay mapped.
 - **Collective.** Every rank leases at the same point of its program (FSDP's decisions are identical on
   every rank); a rank that leases alone waits for its peers' keys and raises after the group's timeout,
   naming the lease.
-- **Safety.** No peer writes into a region its owner has not leased: an all-gather's "free" flag and a
-  reduce-scatter's permits are posted on the op's own stream, after the lease and the op's issue
-  (csrc/transport/flags.h). A released region stays alive while outputs bound into its slots or
+- **Safety.** No peer writes into a region its owner has not leased: an all-gather's "free" flag is
+  posted on the op's own stream after the lease and the op's issue, and after a lease the round
+  counters skip R rounds, so a reduce-scatter's first rounds wait for permits its destination posts at
+  the op's start (csrc/transport/flags.h; a rank that releases alone is the exception docs/design.md
+  names). A released region stays alive while outputs bound into its slots or
   gradient views point into it (their storages hold it), and the allocator reuses it only after every
   stream that used it (``record_stream``) has passed that use.
 - **Fallback.** Legacy IPC cannot export expandable segments or cudaMallocAsync pools. When any rank's
@@ -33,7 +36,7 @@ import torch
 
 from tide.transport import agreement
 
-MAPPINGS_PER_PEER = 4
+MAPPINGS_PER_PEER = 2  # a forward and a backward lease in different segments
 
 
 class Leases:
@@ -57,6 +60,7 @@ class Leases:
         self._set_bases, self._sync_pushes = set_bases, sync_pushes
         self.mode = "allocator"  # or "symmetric (<why>)" once any rank's export failed
         self.count = 0  # leases taken, all ranks alike
+        self._failed: str | None = None  # a lease failed: the ranks' lease numbers may differ from now on
         self._region: torch.Tensor | None = None
         self._symmetric = None  # the fallback's rendezvous handle, kept with the region
         self._mapped: list[dict[bytes, int]] = [{} for _ in range(world)]  # per peer: handle -> base, oldest first
@@ -67,9 +71,16 @@ class Leases:
         return self._region
 
     def acquire(self) -> torch.Tensor:
-        """The leased region; a new lease (collective: every rank at the same point) when none is held."""
+        """The leased region; a new lease (collective: every rank at the same point) when none is held.
+        After a failed lease every later one raises that error: the ranks' lease numbers may differ."""
         if self._region is None:
-            self._lease()
+            if self._failed is not None:
+                raise RuntimeError(self._failed)
+            try:
+                self._lease()
+            except Exception as e:
+                self._failed = f"{e} (the arena cannot lease again; disable it)"
+                raise
         return self._region
 
     def release(self) -> None:

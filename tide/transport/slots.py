@@ -2,7 +2,7 @@
 and when a slot may be reused.
 
 A slot is *held* while storages bound into it still point at it (FSDP's reshard ``resize_(0)`` drops the
-pointer; the storage was bound with a no-op deleter, so nothing is freed), and *busy* until the event
+pointer, whose deleter only lets go of the arena's leased region: tide/transport/lease.py), and *busy* until the event
 of its last use on a stream other than the compute stream (the all-gather that filled it, a Slot-Reuse
 reduce-scatter that read gradients from it) has completed: the next user's stream waits for that
 event. Every decision depends only on host-side state that evolves identically on every rank (which
