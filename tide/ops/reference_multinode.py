@@ -14,6 +14,7 @@ bounded whatever the model's size.
 """
 from __future__ import annotations
 
+import functools
 from functools import reduce
 
 import torch
@@ -24,36 +25,54 @@ from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topolo
 from tide.transport import rails
 
 
-def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology) -> None:
-    W, rank = group.size(), group.rank()
-    layout = GroupLayout([(W * s.shape[0], *s.shape[1:]) for s in shards],
-                         [o.element_size() for o in outs], W)
+# Plans are pure functions of the shapes, element sizes and topology, and a training step repeats the same
+# groups: each is built once (about 75 us for an 8-parameter all-gather on the CPU CI machine, 40 for a
+# reduce-scatter). The cached lists are never mutated.
+@functools.lru_cache(maxsize=256)
+def _ag_schedule(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank: int):
+    """(shard numels, [(leg, [(dst, piece)], [(src, piece)])]): this rank's sends and receives per step."""
+    W = topology.world_size
+    layout = GroupLayout([(W * s[0], *s[1:]) for s in shard_shapes], list(item_sizes), W)
     plan = MultiNodePlan(layout, topology)
+    steps = [("rail", step) for step in plan.ag_rail_steps()] + [("intra", plan.ag_intra_transfers())]
+    mine = [(leg, [(t.dst, pc) for t in step if t.src == rank for pc in t.pieces],
+             [(t.src, pc) for t in step if t.dst == rank for pc in t.pieces]) for leg, step in steps]
+    return [p.shard_numel for p in layout.params], mine
+
+
+@functools.lru_cache(maxsize=256)
+def _rs_schedule(grad_shapes: tuple, item_sizes: tuple, topology: Topology, rs_chunk_bytes: int, pace_bytes: int):
+    """(the group's layout, its plan, the plan's steps)."""
+    layout = GroupLayout(list(grad_shapes), list(item_sizes), topology.world_size, rs_chunk_bytes=rs_chunk_bytes)
+    plan = MultiNodePlan(layout, topology, pace_bytes=pace_bytes)
+    return layout, plan, plan.rs_steps()
+
+
+def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology) -> None:
+    rank = group.rank()
+    numels, steps = _ag_schedule(tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs),
+                                 topology, rank)
     flat = [o.view(-1) for o in outs]
-    for shard, out, p in zip(shards, flat, layout.params):
-        out[rank * p.shard_numel:(rank + 1) * p.shard_numel].copy_(shard.reshape(-1))  # the only cast
+    for shard, out, n in zip(shards, flat, numels):
+        out[rank * n:(rank + 1) * n].copy_(shard.reshape(-1))  # the only cast
 
     def at(piece: Piece) -> torch.Tensor:
-        start = piece.owner * layout.params[piece.param].shard_numel + piece.first
+        start = piece.owner * numels[piece.param] + piece.first
         return flat[piece.param][start:start + piece.count]
 
-    steps = [("rail", step) for step in plan.ag_rail_steps()] + [("intra", plan.ag_intra_transfers())]
-    for leg, step in steps:
-        sends = [(t.dst, at(pc)) for t in step if t.src == rank for pc in t.pieces]
-        recvs = [(t.src, at(pc)) for t in step if t.dst == rank for pc in t.pieces]
-        rails.exchange(group, sends, recvs, leg)
+    for leg, sends, recvs in steps:
+        rails.exchange(group, [(dst, at(pc)) for dst, pc in sends], [(src, at(pc)) for src, pc in recvs], leg)
 
 
 def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: dist.ProcessGroup,
                    topology: Topology, *, rs_chunk_bytes: int = DEFAULT_RS_CHUNK_BYTES,
                    pace_bytes: int = DEFAULT_PACE_BYTES) -> None:
-    W, rank = group.size(), group.rank()
-    layout = GroupLayout([tuple(g.shape) for g in grads], [g.element_size() for g in grads], W,
-                         rs_chunk_bytes=rs_chunk_bytes)
-    plan = MultiNodePlan(layout, topology, pace_bytes=pace_bytes)
+    rank = group.rank()
+    layout, plan, steps = _rs_schedule(tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads),
+                                       topology, rs_chunk_bytes, pace_bytes)
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
-    for step in plan.rs_steps():
+    for step in steps:
         _reduce_scatter_step(step, flat, out, scale, accumulate, group, plan)
     if not accumulate:
         for pad in layout.pad_ranges(rank):
