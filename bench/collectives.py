@@ -21,7 +21,10 @@ the message size S. Variants, per message size:
   arena: recursive doubling on the rails, fp32 node partials, every round point-to-point,
   ``tide/transport/rails.py``) and, with one GPU per rank, ``nccl_ag`` / ``nccl_rs_bf16``. The "rails"
   here are NVLink (or one GPU), not a network: this shows the schedule's cost and correctness on GPUs,
-  not what it gains across real nodes. Writes ``collectives_multinode.csv`` and ``.png``.
+  not what it gains across real nodes. Writes ``collectives_multinode.csv`` and ``.png``, and
+  ``collectives_multinode_profile.csv``: where one call of each TIDE variant spends its time, rank 0 (the
+  torch.profiler's ``key_averages``: the 12 largest host and the 12 largest GPU entries by self time,
+  their call counts, and the call's wall time).
 
 busbw as nccl-tests defines it: ``S / t * (W-1)/W`` where S is the all-gather's output bytes (bf16)
 and the reduce-scatter's input bytes per rank (bf16 grads; the fp32 variants move 2x the bytes for the
@@ -81,6 +84,33 @@ def sm_time_us(fn) -> float:
                 k in e.name.lower() for k in ("memcpy", "memset")):
             total += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     return total
+
+
+PROFILE_TOP = 12
+
+
+def profile_rows(fn, variant: str, size: int) -> list[dict]:
+    """Where one call of ``fn`` spends its time (torch.profiler, self times): the largest host and GPU
+    entries, for a schedule whose per-call cost is not yet understood."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    averages = prof.key_averages()
+    gpu = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+    rows = []
+    for side, key in (("host", lambda e: e.self_cpu_time_total), ("gpu", gpu)):
+        for e in sorted(averages, key=key, reverse=True)[:PROFILE_TOP]:
+            if key(e) > 0:
+                rows.append({"variant": variant, "size_mib": size, "side": side, "name": e.key[:120],
+                             "self_us": key(e), "calls": e.count, "call_wall_us": wall_us})
+    return rows
 
 
 def _measure(variants: dict, size: int, reps: int) -> list[dict]:
@@ -160,13 +190,14 @@ def _rank_main(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
 
 
 def _rank_multinode(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
-    """The multi-node schedule's ops (the group spans the emulated nodes: no arena) and NCCL's flat ones."""
+    """The multi-node schedule's ops (the group spans the emulated nodes: no arena) and NCCL's flat ones;
+    (rows, profile rows of the TIDE variants)."""
     import tide  # noqa: F401
     from tide.meta.layout import GroupLayout
 
     dev = torch.device("cuda", torch.cuda.current_device())
     gn = dist.group.WORLD.group_name
-    rows = []
+    rows, profiled = [], []
     for size in sizes_mib:
         params = GroupLayout(group_shapes(size << 20, world_size), [2] * N_PARAMS, world_size).params
         total = sum(p.shard_numel for p in params)
@@ -189,7 +220,9 @@ def _rank_multinode(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
             variants["nccl_ag"] = (lambda: dist.all_gather_into_tensor(flat_out, flat_in), ag_bytes)
             variants["nccl_rs_bf16"] = (lambda: dist.reduce_scatter_tensor(rs_out, rs_in), rs_bytes)
         rows += _measure(variants, size, reps)
-    return rows
+        for name in ("tide_ag_multinode", "tide_rs_multinode"):  # every rank calls: they are collectives
+            profiled += profile_rows(variants[name][0], name, size)
+    return rows, profiled
 
 
 def _rank_nccl_ce(rank, world_size, sizes_mib, reps):
@@ -244,10 +277,12 @@ def main(argv=None):
     mode = "one GPU per rank (NVLink)" if one_gpu_per_rank else f"{ranks} ranks sharing {gpus} GPU: NOT NVLink numbers"
     if L is not None:
         env = {**CUDA_RANK_ENV, "LOCAL_WORLD_SIZE": str(L)}
-        per_rank = run_ranks(_rank_multinode, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend,
-                             device_type="cuda", env=env, timeout=540)
+        results = run_ranks(_rank_multinode, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend,
+                            device_type="cuda", env=env, timeout=540)
+        per_rank = [rows for rows, _ in results]
         mode = f"{ranks // L} nodes x {L} EMULATED on one host ({mode}): not network numbers"
         name = "collectives_multinode"
+        write_csv(Path(args.out) / f"{name}_profile.csv", results[0][1])
     else:
         per_rank = run_ranks(_rank_main, ranks, sizes, args.reps, one_gpu_per_rank, backend=backend,
                              device_type="cuda", env=CUDA_RANK_ENV, timeout=540)
