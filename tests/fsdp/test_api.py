@@ -183,3 +183,8 @@ def test_a_reordered_fsdp2_signature_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"FSDP2 foreach_all_gather_copy_out takes \(fsdp_params, all_gather_result, "
                                            r"group\), but TIDE's seam expects \(all_gather_result, fsdp_params, group\)"):
         compat.check_signatures(seam._WRAPPERS)
+
+
+def test_the_leased_region_is_released_after_the_root_forward_and_each_backward():
+    for r in run_ranks(workers.release_points, 2, timeout=120):
+        assert r == {"forward0": 1, "backward0": 1, "forward1": 1, "backward1": 1, "outside_backward": 0}, r

@@ -248,3 +248,32 @@ def multinode_parity(rank: int, world_size: int) -> dict:
     tiny = PRESETS["tiny"]
     return {"bf16_in_place": _pair(tiny, rank, steps=4, mp=BF16, prefetch=True, rs_mode="in_place"),
             "fp32_slot_reuse": _pair(tiny, rank, steps=4, accum=2, rs_mode="slot_reuse")}
+
+
+def release_points(rank: int, world_size: int) -> dict:
+    """When FSDP's use of the CUDA transport releases the arena's leased data region (tide/fsdp/wiring.py):
+    once at the end of each root forward, never at a block's, and once at the end of each backward
+    however many TIDE collectives asked for it; nothing queued outside backward. ``release_leases`` is
+    replaced by a recorder (the hooks look it up when they fire): on CPU there is no arena to release."""
+    from tide.fsdp import wiring
+
+    torch.set_num_threads(1)
+    calls = []
+    wiring.release_leases = lambda: calls.append(len(calls))
+    cfg = PRESETS["tiny"]
+    model = fsdp_model(cfg, device=torch.device("cpu"), mp_policy=BF16, use_tide=True)
+    counts = {}
+    for step in range(2):
+        tokens, targets = batch(cfg, step, rank)
+        before = len(calls)
+        logits = model(tokens)
+        counts[f"forward{step}"] = len(calls) - before
+        asks = torch.ones(2, requires_grad=True) * 2  # a node whose gradient hook asks twice, as two collectives would
+        asks.register_hook(lambda g: (wiring.release_at_backward_end(), wiring.release_at_backward_end(), g)[-1])
+        before = len(calls)
+        (loss_fn(logits, targets) + asks.sum()).backward()
+        counts[f"backward{step}"] = len(calls) - before
+    before = len(calls)
+    wiring.release_at_backward_end()
+    counts["outside_backward"] = len(calls) - before
+    return counts
