@@ -100,7 +100,11 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
                      "peak_reserved_mib": (torch.cuda.max_memory_reserved(device) + arena_bytes) / 2**20,
                      "graphs_built_per_step": graphs, "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                      "arena_mib": arena_bytes / 2**20, "final_loss": float(loss), "stats": str(tide.stats()["fsdp"]),
-                     "arena_stats": str(tide.stats()["wiring"])})
+                     "arena_stats": str(tide.stats()["wiring"]),
+                     # cumulative over this process's steps: about 2 leases a step, and maps only while the
+                     # allocator moves a lease to new segments
+                     "leases": sum(a.leases.count for a in transport.arenas()),
+                     "peer_maps": sum(a.leases.maps_opened for a in transport.arenas())})
         if rank == 0:
             r = rows[-1]
             print(f"{variant:16s} {tokens:6d} tok/GPU  median {r['median_step_ms']:8.2f} ms  peak {r['peak_mib']:9.1f} MiB"

@@ -398,7 +398,7 @@ class Arena:
         (``host_ns_total``), split by kind of call."""
         out = dict(self._c.counters())
         out.update(sum_ctas=self.sum_ctas, symmetric_bytes=self.symmetric_bytes, data_bytes=self.data_bytes,
-                   leases=self.leases.count)
+                   leases=self.leases.count, peer_maps=self.leases.maps_opened)
         return out
 
 

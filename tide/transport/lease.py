@@ -60,6 +60,7 @@ class Leases:
         self._set_bases, self._sync_pushes = set_bases, sync_pushes
         self.mode = "allocator"  # or "symmetric (<why>)" once any rank's export failed
         self.count = 0  # leases taken, all ranks alike
+        self.maps_opened = 0  # peer segments mapped so far (the allocator moved a lease when this grows)
         self._failed: str | None = None  # a lease failed: the ranks' lease numbers may differ from now on
         self._region: torch.Tensor | None = None
         self._symmetric = None  # the fallback's rendezvous handle, kept with the region
@@ -134,6 +135,7 @@ class Leases:
         base = maps.pop(handle, None)
         if base is None:
             base = self._ext.ipc_open(handle=handle, device=self.device.index)
+            self.maps_opened += 1
             if len(maps) >= MAPPINGS_PER_PEER:  # the oldest handle goes, once no push can still target it
                 self._sync_pushes()
                 old = next(iter(maps))
