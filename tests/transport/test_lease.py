@@ -69,6 +69,7 @@ def test_a_handle_seen_before_is_not_mapped_again_and_old_keys_go():
     for n in (1, 2, 3):
         publish_peers(store, n, generation=0, offset=64 * n)
         leases.acquire()
+        assert leases.first_use_on(7) and not leases.first_use_on(7)  # each stream recorded once per lease
         leases.release()
     assert len(ipc.opened) == 2 == leases.maps_opened and ipc.closed == [] and syncs == []  # the same segments
     assert [b % (1 << 30) for b in bases[-2]][:1] == [192]  # the new offset in the mapped segment

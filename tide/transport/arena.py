@@ -177,7 +177,9 @@ class Arena:
         """This rank's data region (slots and ring), leased if none is held (collective then: every rank
         at the same point); the current stream is recorded as a user of it."""
         region = self.leases.acquire()
-        region.record_stream(torch.cuda.current_stream(self.device))
+        stream = torch.cuda.current_stream(self.device)
+        if self.leases.first_use_on(stream.stream_id):  # the allocator keeps the set: once per lease suffices
+            region.record_stream(stream)
         return region
 
     def release(self) -> None:

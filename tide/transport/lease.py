@@ -63,6 +63,7 @@ class Leases:
         self.maps_opened = 0  # peer segments mapped so far (the allocator moved a lease when this grows)
         self._failed: str | None = None  # a lease failed: the ranks' lease numbers may differ from now on
         self._region: torch.Tensor | None = None
+        self._streams: set[int] = set()  # ids of the streams recorded as users of the held region
         self._symmetric = None  # the fallback's rendezvous handle, kept with the region
         self._mapped: list[dict[bytes, int]] = [{} for _ in range(world)]  # per peer: handle -> base, oldest first
 
@@ -75,6 +76,7 @@ class Leases:
         """The leased region; a new lease (collective: every rank at the same point) when none is held.
         After a failed lease every later one raises that error: the ranks' lease numbers may differ."""
         if self._region is None:
+            self._streams = set()
             if self._failed is not None:
                 raise RuntimeError(self._failed)
             try:
@@ -83,6 +85,13 @@ class Leases:
                 self._failed = f"{e} (the arena cannot lease again; disable it)"
                 raise
         return self._region
+
+    def first_use_on(self, stream_id: int) -> bool:
+        """Whether the held region is used on this stream for the first time (it is then to be recorded)."""
+        if stream_id in self._streams:
+            return False
+        self._streams.add(stream_id)
+        return True
 
     def release(self) -> None:
         """Give the region back to the caching allocator once nothing points into it (in symmetric mode it
