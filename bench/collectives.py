@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -92,8 +93,6 @@ PROFILE_TOP = 12
 def profile_rows(fn, variant: str, size: int) -> list[dict]:
     """Where one call of ``fn`` spends its time (torch.profiler, self times): the largest host and GPU
     entries, for a schedule whose per-call cost is not yet understood."""
-    import time
-
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()

@@ -1,17 +1,18 @@
 """Lease probe (issue 10, item 5): can an all-gather slot be leased from the caching allocator for one
 phase of a step, and written there by a peer's copy engine?
 
-docs/design.md ("Open: peak memory below stock") leaves these questions to the GPU. Two ranks, one GPU
-each. Each phase, every rank allocates a slot from torch's caching allocator, exports the allocator
-segment that holds it with the driver's IPC handle (``cuIpcGetMemHandle``: torch does not learn that the
-block is shared, so freeing it never parks it in torch's IPC limbo), names handle and offset through the
-store, maps the peer's segment unless it already has that handle mapped, pushes into the peer's slot
-with ``cuMemcpyDtoDAsync`` (a copy engine), checks what its own slot received, then frees the slot and
-allocates an "activation" of the same size. One row per rank and phase:
+docs/design.md ("The leased data region") took its design from these answers (GPU run 42, which ran
+the probe's own ctypes IPC calls; it now uses the extension's). Two ranks, one GPU each. Each phase,
+every rank allocates a slot from torch's caching allocator, exports the allocator segment that holds
+it with legacy CUDA IPC (the extension's ``ipc_export``, as the arena's leases do: torch does not learn
+that the block is shared, so freeing it never parks it in torch's IPC limbo), names handle and offset
+through the store, maps the peer's segment unless it already has that handle mapped, pushes into the
+peer's slot with ``cuMemcpyDtoDAsync`` (a copy engine), checks what its own slot received, then frees
+the slot and allocates an "activation" of the same size. One row per rank and phase:
 
 - ``same_address`` / ``same_handle``: the allocator handed back the previous phase's block, in the same
   segment, so the peer's mapping still holds and nothing is mapped again;
-- ``peer_map_ms``: the host time of ``cuIpcOpenMemHandle`` when the peer's handle is new (0 when mapped);
+- ``peer_map_ms``: the host time of ``cudaIpcOpenMemHandle`` (``ipc_open``) when the peer's handle is new (0 when mapped);
 - ``push_gbps``: the push into the mapped lease, both ranks at once (a W = 2 all-gather's busbw);
 - ``landed``: the peer's bytes are in this rank's slot, and the rest of the slot is untouched;
 - ``activation_reuses_block`` / ``reserved_growth_mib``: the freed slot serves the activation without
@@ -44,52 +45,20 @@ COLUMNS = ("rank", "phase", "same_address", "same_handle", "peer_map_ms", "push_
            "freed_after_peer_close_mib")
 
 
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
-
-
-class _Driver:
-    """The few CUDA driver calls the probe needs, from libcuda through ctypes (torch exposes none of them)."""
+class _Copier:
+    """A copy-engine push between raw device addresses (``cuMemcpyDtoDAsync`` from libcuda through ctypes:
+    torch has no tensor over a peer's mapped segment). The IPC calls are the extension's own
+    (csrc/transport/ipc.h), the ones the arena's leases use."""
 
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        u64, size_t = ctypes.c_uint64, ctypes.c_size_t
-        self._calls = {}
-        for name, args in (("cuIpcGetMemHandle", [ctypes.POINTER(_IpcHandle), u64]),
-                           ("cuIpcOpenMemHandle_v2", [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint]),
-                           ("cuIpcCloseMemHandle", [u64]),
-                           ("cuMemGetAddressRange_v2", [ctypes.POINTER(u64), ctypes.POINTER(size_t), u64]),
-                           ("cuMemcpyDtoDAsync_v2", [u64, u64, size_t, ctypes.c_void_p])):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-            self._calls[name] = fn
-
-    def _call(self, name: str, *args) -> None:
-        rc = self._calls[name](*args)
-        if rc != 0:
-            raise RuntimeError(f"lease_probe: {name} failed with CUresult {rc}")
-
-    def segment_of(self, address: int) -> int:
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), address)
-        return base.value
-
-    def handle(self, segment: int) -> bytes:
-        h = _IpcHandle()
-        self._call("cuIpcGetMemHandle", ctypes.byref(h), segment)
-        return bytes(bytearray(h.reserved))
-
-    def open(self, handle: bytes) -> int:
-        h, base = _IpcHandle(), ctypes.c_uint64()
-        h.reserved[:] = list(handle)
-        self._call("cuIpcOpenMemHandle_v2", ctypes.byref(base), h, 1)  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-        return base.value
-
-    def close(self, base: int) -> None:
-        self._call("cuIpcCloseMemHandle", base)
+        u64 = ctypes.c_uint64
+        self._fn = ctypes.CDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
+        self._fn.argtypes, self._fn.restype = [u64, u64, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._call("cuMemcpyDtoDAsync_v2", dst, src, nbytes, stream)
+        rc = self._fn(dst, src, nbytes, stream)
+        if rc != 0:
+            raise RuntimeError(f"lease_probe: cuMemcpyDtoDAsync failed with CUresult {rc}")
 
 
 def _value(rank: int, phase: int) -> int:
@@ -98,8 +67,11 @@ def _value(rank: int, phase: int) -> int:
 
 
 def _rank(rank: int, world: int, slot_mib: int, push_mib: int, phases: int, reps: int) -> list[dict]:
+    from tide.transport import build
+
+    ext = build.load()
     dev = torch.device("cuda", torch.cuda.current_device())
-    drv = _Driver()
+    copier = _Copier()
     store = dist.distributed_c10d._get_default_store()
     peer = 1 - rank
     src = torch.empty(push_mib * MiB, dtype=torch.uint8, device=dev)
@@ -108,14 +80,15 @@ def _rank(rank: int, world: int, slot_mib: int, push_mib: int, phases: int, reps
     rows, previous = [], (None, None)
     for k in range(phases):
         slot = torch.zeros(slot_mib * MiB, dtype=torch.uint8, device=dev)
-        segment = drv.segment_of(slot.data_ptr())
-        handle = drv.handle(segment)
-        store.set(f"lease_probe/{k}/{rank}", pickle.dumps((handle, slot.data_ptr() - segment)))
+        handle, offset, error = ext.ipc_export(tensor=slot)
+        if error:
+            raise RuntimeError(f"lease_probe: the slot's segment cannot be exported: {error}")
+        store.set(f"lease_probe/{k}/{rank}", pickle.dumps((handle, offset)))
         peer_handle, peer_offset = pickle.loads(store.get(f"lease_probe/{k}/{peer}"))
         map_ms = 0.0
         if peer_handle not in mapped:
             t = time.perf_counter()
-            mapped[peer_handle] = drv.open(peer_handle)
+            mapped[peer_handle] = ext.ipc_open(handle=peer_handle, device=dev.index)
             map_ms = (time.perf_counter() - t) * 1e3
         dst = mapped[peer_handle] + peer_offset
         src.fill_(_value(rank, k))
@@ -125,7 +98,7 @@ def _rank(rank: int, world: int, slot_mib: int, push_mib: int, phases: int, reps
         for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record(stream)
-            drv.copy(dst, src.data_ptr(), src.numel(), stream.cuda_stream)
+            copier.copy(dst, src.data_ptr(), src.numel(), stream.cuda_stream)
             b.record(stream)
             b.synchronize()
             times.append(a.elapsed_time(b))
@@ -152,7 +125,7 @@ def _rank(rank: int, world: int, slot_mib: int, push_mib: int, phases: int, reps
     free1 = torch.cuda.mem_get_info(dev)[0]
     dist.barrier()
     for base in mapped.values():
-        drv.close(base)
+        ext.ipc_close(base=base, device=dev.index)
     torch.cuda.synchronize(dev)
     dist.barrier()
     free2 = torch.cuda.mem_get_info(dev)[0]
