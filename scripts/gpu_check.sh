@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
 #     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
 #     tests_transport tests_fsdp_cuda tests_multinode tests_memory_model tests_faults fault_campaign kernels collectives
-#     collectives_multinode ce_patterns lease_probe (2+ GPUs) overlap host_time train_step_8b train_step_multinode (2+ GPUs)
+#     collectives_multinode timeline ce_patterns lease_probe (2+ GPUs) overlap host_time train_step_8b train_step_multinode (2+ GPUs)
 #     train_step_moe memory layout_conversion
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
@@ -80,6 +80,7 @@ stage kernels 40 $PY bench/bench_kernels.py --reps 10 --out "$WORK/results"
 stage collectives 150 $PY bench/collectives.py --sizes 1,16,256,1024 --reps 5 --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage collectives_multinode 150 $PY bench/collectives.py --local-world-size 1 --sizes 1,16,256 \
   --reps 5 --out "$WORK/results"
+[ "$gpus" -ge 2 ] && stage timeline 150 $PY bench/timeline.py --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage ce_patterns 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$WORK/ce_patterns' \
   bench/ce_patterns.cu -lcuda && '$WORK/ce_patterns' 10 > '$WORK/results/ce_patterns.csv'"
 [ "$gpus" -ge 2 ] && stage lease_probe 90 $PY bench/lease_probe.py --out "$WORK/results"

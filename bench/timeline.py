@@ -1,0 +1,185 @@
+"""Where one TIDE-AG / TIDE-RS call spends its GPU time: per stream, per round, across ring settings.
+
+Each rank profiles ``--calls`` back-to-back calls (torch.profiler, CUDA activities) after a warm-up, for
+every ring setting of ``--rings`` (``MIBxDEPTH``: ``TIDE_RS_RING_BYTES`` in MiB and ``TIDE_RS_RING_DEPTH``).
+Rows of ``timeline.csv``: every kernel and copy of those calls (rank, stream, start and duration in us
+from the first event). Rows of ``timeline_summary.csv``, per (ring, op, rank): the time per call, and per
+stream the busy time (union of its events), the idle time inside the call, the event count; for the
+summing stream also the mean kernel and the mean gap between consecutive kernels (what the stream-memop
+waits and launches cost per round). The stream-memop waits themselves are not profiler events: they
+show as gaps. ``timeline.png``: rank 0's streams over one call of each op at the first ring setting.
+
+The profiler adds a little per event; ``time per call`` is also measured unprofiled (CUDA events over
+``--calls`` calls, median of ``--reps``), as bench/collectives.py measures it.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collectives import N_PARAMS, group_shapes  # noqa: E402
+from common import cuda_ms, default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
+
+
+def _gpu_events(prof) -> list[dict]:
+    rows = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name
+        kind = "copy" if "memcpy" in name.lower() else "memset" if "memset" in name.lower() else "kernel"
+        rows.append({"stream": int(e.device_resource_id or 0), "kind": kind, "name": name[:60],
+                     "start": float(e.time_range.start), "dur": float(e.time_range.end - e.time_range.start)})
+    rows.sort(key=lambda r: r["start"])
+    t0 = rows[0]["start"] if rows else 0.0
+    for r in rows:
+        r["start"] -= t0
+    return rows
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
+def summarize(events: list[dict], calls: int) -> list[dict]:
+    """Per stream of one rank's profiled calls: busy and idle time per call, events, and for a stream
+    that runs kernels, the mean kernel and the mean gap between consecutive kernels."""
+    if not events:
+        return []
+    span = max(e["start"] + e["dur"] for e in events)
+    out = []
+    for stream in sorted({e["stream"] for e in events}):
+        mine = [e for e in events if e["stream"] == stream]
+        busy = _union([(e["start"], e["start"] + e["dur"]) for e in mine])
+        kernels = [e for e in mine if e["kind"] == "kernel"]
+        gaps = [b["start"] - (a["start"] + a["dur"]) for a, b in zip(kernels, kernels[1:])]
+        copies = [e for e in mine if e["kind"] == "copy"]
+        out.append({"stream": stream, "call_us": span / calls, "busy_us": busy / calls,
+                    "idle_us": (span - busy) / calls, "kernels": len(kernels) // calls, "copies": len(copies) // calls,
+                    "mean_kernel_us": statistics.mean(k["dur"] for k in kernels) if kernels else 0.0,
+                    "mean_kernel_gap_us": statistics.mean(gaps) if gaps else 0.0})
+    return out
+
+
+def _rank_main(rank, world_size, size_mib, rings, calls, reps):
+    import tide  # noqa: F401
+    import tide.transport
+    from torch.profiler import ProfilerActivity, profile
+
+    from tide.meta.layout import GroupLayout
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gn = dist.group.WORLD.group_name
+    layout = GroupLayout(group_shapes(size_mib << 20, world_size), [2] * N_PARAMS, world_size)
+    params = layout.params
+    shards = [torch.randn(p.shard_numel, device=dev).to(torch.bfloat16) for p in params]
+    grads = [torch.randn(p.shape, device=dev).to(torch.bfloat16) for p in params]
+    shard_grads = [torch.empty((p.shard_rows, p.shape[1]), device=dev) for p in params]
+    rows, events = [], []
+    for ring_mib, depth in rings:
+        arena = tide.transport.enable(dist.group.WORLD, layouts=[layout], rs_ring_bytes=ring_mib << 20,
+                                      ring_depth=depth)
+        outs = [torch.empty(p.out_numel, device=dev, dtype=torch.bfloat16) for p in params]
+        arena.bind_outputs(outs, 0)
+        ops = {"tide_ag": lambda: torch.ops.tide.all_gather_into_params_(shards, outs, world_size, gn),
+               "tide_rs": lambda: torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 1.0 / world_size,
+                                                                        False, world_size, gn)}
+        if not events:  # the profiler's first section pays its start-up (run 56: 55 ms in the first AG)
+            with profile(activities=[ProfilerActivity.CUDA]):
+                ops["tide_ag"]()
+                torch.cuda.synchronize()
+        for op, fn in ops.items():
+            for _ in range(3):
+                fn()
+            times = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                dist.barrier()
+                times.append(cuda_ms(lambda: [fn() for _ in range(calls)]) / calls)
+            torch.cuda.synchronize()
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+            ev = _gpu_events(prof)
+            ring = f"{ring_mib}x{depth}"
+            for s in summarize(ev, calls):
+                rows.append({"ring": ring, "entry_mib": arena.entry_bytes / 2**20, "op": op, "size_mib": size_mib,
+                             "rank": rank, "unprofiled_ms": statistics.median(times), **s})
+            events += [{"ring": ring, "op": op, "rank": rank, **e} for e in ev]
+        del outs
+        tide.transport.disable(gn)
+    return rows, events
+
+
+def _plot(events: list[dict], out: Path, title: str) -> None:
+    plt = pyplot()
+    if plt is None or not events:
+        return
+    ring = events[0]["ring"]
+    ops = list(dict.fromkeys(e["op"] for e in events))
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 2.2 * len(ops)), squeeze=False)
+    colors = {"kernel": "tab:red", "copy": "tab:blue", "memset": "tab:gray"}
+    for ax, op in zip(axes[:, 0], ops):
+        sel = [e for e in events if e["op"] == op and e["rank"] == 0 and e["ring"] == ring]
+        streams = sorted({e["stream"] for e in sel})
+        for e in sel:
+            ax.broken_barh([(e["start"], max(e["dur"], 0.3))], (streams.index(e["stream"]) - 0.4, 0.8),
+                           color=colors[e["kind"]])
+        ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+        ax.set_title(f"{op}, ring {ring} (red: kernels, blue: copies)", fontsize=9)
+        ax.set_xlabel("us from the first event (rank 0)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "timeline.png", dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=256, help="message size in MiB (as bench/collectives.py)")
+    p.add_argument("--rings", default="64x2,64x4", help="MIBxDEPTH ring settings, comma-separated")
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=str(default_out()))
+    args = p.parse_args(argv)
+    rings = []
+    for spec in args.rings.split(","):
+        mib, _, depth = spec.partition("x")
+        if not (mib.isdigit() and depth.isdigit() and int(mib) > 0 and int(depth) > 0):
+            p.error(f"--rings: expected MIBxDEPTH such as 64x4, got {spec!r}")
+        rings.append((int(mib), int(depth)))
+    require_cuda("timeline.py", gpus=2)
+    from tide.launch import CUDA_RANK_ENV, run_ranks
+
+    gpus = torch.cuda.device_count()
+    results = run_ranks(_rank_main, gpus, args.size, rings, args.calls, args.reps, backend="nccl",
+                        device_type="cuda", env=CUDA_RANK_ENV, timeout=540)
+    meta = run_meta(gpus=gpus, ranks=gpus)
+    rows = [{**r, **meta} for rank_rows, _ in results for r in rank_rows]
+    events = [e for _, ev in results for e in ev]
+    out = Path(args.out)
+    write_csv(out / "timeline_summary.csv", rows)
+    write_csv(out / "timeline.csv", events)
+    _plot(events, out, f"{meta['device']} x{gpus}, {args.size} MiB, {meta['date']}")
+    for r in rows:
+        if r["rank"] == 0:
+            print(f"SUMMARY timeline {r['op']} ring {r['ring']} (entry {r['entry_mib']:.0f} MiB) stream {r['stream']}: "
+                  f"{r['unprofiled_ms'] * 1e3:.0f} us/call unprofiled, {r['call_us']:.0f} profiled, busy "
+                  f"{r['busy_us']:.0f} idle {r['idle_us']:.0f}, {r['kernels']} kernels "
+                  f"(mean {r['mean_kernel_us']:.1f} us, gap {r['mean_kernel_gap_us']:.1f}), {r['copies']} copies")
+
+
+if __name__ == "__main__":
+    main()
