@@ -19,7 +19,9 @@ offsets. Two regions per rank:
 Sizes: K = ``num_slots`` (default 2: FSDP2 holds the current and the prefetched block; 0 when no group
 is bound in slots), ``slot_bytes`` the largest group bound in a slot; the staging ring is
 ``rs_ring_bytes`` in all (``TIDE_RS_RING_BYTES``, default 64 MiB, independent of the model), R =
-``ring_depth`` (``TIDE_RS_RING_DEPTH``, default 4) slots of W entries. The arena alone leases its slots
+``ring_depth`` (``TIDE_RS_RING_DEPTH``, default 2) slots of W entries: at W = 2, 16 MiB entries, because
+every round costs its push stream about 11 us beside its data (a stream-memop wait, then the ready-flag
+copy; bench/timeline.py, docs/performance.md), so fewer, larger rounds win from 32 MiB up. The arena alone leases its slots
 (:class:`tide.transport.slots.SlotLeases`) and hands out views of its memory; a reduce-scatter that
 reads gradients lying in a slot (where FSDP's Slot-Reuse hooks put them) keeps that slot busy until it
 has read them.
@@ -44,7 +46,7 @@ from tide.transport.slots import SlotLeases
 log = logging.getLogger("tide.transport")
 
 DEFAULT_RS_RING_BYTES = 64 << 20
-DEFAULT_RING_DEPTH = 4
+DEFAULT_RING_DEPTH = 2
 DEFAULT_SUM_CTAS = 16
 CAST_CTAS_PER_SM = 4
 
