@@ -72,10 +72,18 @@ def median_ms(fn, reps: int, inner: int) -> float:
     return statistics.median(times)
 
 
+def _line_up() -> None:
+    """Every rank idle and past a barrier before one profiled call: otherwise a kernel that waits for a
+    peer (NCCL's) counts the peer's lateness as its own time (run 56: 1.4 s of "SM time" at 1 MiB)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+
+
 def sm_time_us(fn) -> float:
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    _line_up()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -95,7 +103,7 @@ def profile_rows(fn, variant: str, size: int) -> list[dict]:
     entries, for a schedule whose per-call cost is not yet understood."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    _line_up()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         fn()
