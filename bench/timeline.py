@@ -1,13 +1,14 @@
 """Where one TIDE-AG / TIDE-RS call spends its GPU time: per stream, per round, across ring settings.
 
 Each rank profiles ``--calls`` back-to-back calls (torch.profiler, CUDA activities) after a warm-up, for
-every ring setting of ``--rings`` (``MIBxDEPTH``: ``TIDE_RS_RING_BYTES`` in MiB and ``TIDE_RS_RING_DEPTH``).
-Rows of ``timeline.csv``: every kernel and copy of those calls (rank, stream, start and duration in us
-from the first event). Rows of ``timeline_summary.csv``, per (ring, op, rank): the time per call, and per
+every ring setting of ``--rings`` (``MIBxDEPTH``: ``TIDE_RS_RING_BYTES`` in MiB and ``TIDE_RS_RING_DEPTH``)
+and every TIDE-AG own-shard kernel cap of ``--cast-ctas`` (``TIDE_AG_CAST_CTAS``). Rows of ``timeline.csv``:
+every kernel and copy of those calls (rank, stream, start and duration in us from the first event). Rows
+of ``timeline_summary.csv``, per (ring, cast cap, op, rank): the time per call, and per
 stream the busy time (union of its events), the idle time inside the call, the event count; for the
 summing stream also the mean kernel and the mean gap between consecutive kernels (what the stream-memop
 waits and launches cost per round). The stream-memop waits themselves are not profiler events: they
-show as gaps. ``timeline.png``: rank 0's streams over one call of each op at the first ring setting.
+show as gaps. ``timeline.png``: rank 0's streams over the calls of each op at the first setting.
 
 The profiler adds a little per event; ``time per call`` is also measured unprofiled (CUDA events over
 ``--calls`` calls, median of ``--reps``), as bench/collectives.py measures it.
@@ -72,7 +73,7 @@ def summarize(events: list[dict], calls: int) -> list[dict]:
     return out
 
 
-def _rank_main(rank, world_size, size_mib, rings, calls, reps):
+def _rank_main(rank, world_size, size_mib, settings, calls, reps):
     import tide  # noqa: F401
     import tide.transport
     from torch.profiler import ProfilerActivity, profile
@@ -87,9 +88,9 @@ def _rank_main(rank, world_size, size_mib, rings, calls, reps):
     grads = [torch.randn(p.shape, device=dev).to(torch.bfloat16) for p in params]
     shard_grads = [torch.empty((p.shard_rows, p.shape[1]), device=dev) for p in params]
     rows, events = [], []
-    for ring_mib, depth in rings:
+    for ring_mib, depth, cast_ctas in settings:
         arena = tide.transport.enable(dist.group.WORLD, layouts=[layout], rs_ring_bytes=ring_mib << 20,
-                                      ring_depth=depth)
+                                      ring_depth=depth, cast_ctas=cast_ctas or None)
         outs = [torch.empty(p.out_numel, device=dev, dtype=torch.bfloat16) for p in params]
         arena.bind_outputs(outs, 0)
         ops = {"tide_ag": lambda: torch.ops.tide.all_gather_into_params_(shards, outs, world_size, gn),
@@ -116,9 +117,10 @@ def _rank_main(rank, world_size, size_mib, rings, calls, reps):
             ev = _gpu_events(prof)
             ring = f"{ring_mib}x{depth}"
             for s in summarize(ev, calls):
-                rows.append({"ring": ring, "entry_mib": arena.entry_bytes / 2**20, "op": op, "size_mib": size_mib,
+                rows.append({"ring": ring, "entry_mib": arena.entry_bytes / 2**20, "cast_ctas": arena.cast_ctas,
+                             "op": op, "size_mib": size_mib,
                              "rank": rank, "unprofiled_ms": statistics.median(times), **s})
-            events += [{"ring": ring, "op": op, "rank": rank, **e} for e in ev]
+            events += [{"ring": ring, "cast_ctas": arena.cast_ctas, "op": op, "rank": rank, **e} for e in ev]
         del outs
         tide.transport.disable(gn)
     return rows, events
@@ -128,18 +130,18 @@ def _plot(events: list[dict], out: Path, title: str) -> None:
     plt = pyplot()
     if plt is None or not events:
         return
-    ring = events[0]["ring"]
+    ring, cast = events[0]["ring"], events[0]["cast_ctas"]
     ops = list(dict.fromkeys(e["op"] for e in events))
     fig, axes = plt.subplots(len(ops), 1, figsize=(12, 2.2 * len(ops)), squeeze=False)
     colors = {"kernel": "tab:red", "copy": "tab:blue", "memset": "tab:gray"}
     for ax, op in zip(axes[:, 0], ops):
-        sel = [e for e in events if e["op"] == op and e["rank"] == 0 and e["ring"] == ring]
+        sel = [e for e in events if e["op"] == op and e["rank"] == 0 and (e["ring"], e["cast_ctas"]) == (ring, cast)]
         streams = sorted({e["stream"] for e in sel})
         for e in sel:
             ax.broken_barh([(e["start"], max(e["dur"], 0.3))], (streams.index(e["stream"]) - 0.4, 0.8),
                            color=colors[e["kind"]])
         ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
-        ax.set_title(f"{op}, ring {ring} (red: kernels, blue: copies)", fontsize=9)
+        ax.set_title(f"{op}, ring {ring}, cast CTAs {cast} (red: kernels, blue: copies)", fontsize=9)
         ax.set_xlabel("us from the first event (rank 0)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -150,6 +152,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=256, help="message size in MiB (as bench/collectives.py)")
     p.add_argument("--rings", default="64x2,64x4", help="MIBxDEPTH ring settings, comma-separated")
+    p.add_argument("--cast-ctas", default="0", help="TIDE-AG own-shard kernel CTA caps to sweep (0: the arena's default)")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(default_out()))
@@ -160,11 +163,18 @@ def main(argv=None):
         if not (mib.isdigit() and depth.isdigit() and int(mib) > 0 and int(depth) > 0):
             p.error(f"--rings: expected MIBxDEPTH such as 64x4, got {spec!r}")
         rings.append((int(mib), int(depth)))
+    try:
+        casts = [int(c) for c in args.cast_ctas.split(",")]
+    except ValueError:
+        p.error(f"--cast-ctas: expected integers, got {args.cast_ctas!r}")
+    if any(c < 0 for c in casts):
+        p.error("--cast-ctas: CTA caps must be >= 0")
+    settings = [(mib, depth, c) for mib, depth in rings for c in casts]
     require_cuda("timeline.py", gpus=2)
     from tide.launch import CUDA_RANK_ENV, run_ranks
 
     gpus = torch.cuda.device_count()
-    results = run_ranks(_rank_main, gpus, args.size, rings, args.calls, args.reps, backend="nccl",
+    results = run_ranks(_rank_main, gpus, args.size, settings, args.calls, args.reps, backend="nccl",
                         device_type="cuda", env=CUDA_RANK_ENV, timeout=540)
     meta = run_meta(gpus=gpus, ranks=gpus)
     rows = [{**r, **meta} for rank_rows, _ in results for r in rank_rows]
@@ -175,7 +185,8 @@ def main(argv=None):
     _plot(events, out, f"{meta['device']} x{gpus}, {args.size} MiB, {meta['date']}")
     for r in rows:
         if r["rank"] == 0:
-            print(f"SUMMARY timeline {r['op']} ring {r['ring']} (entry {r['entry_mib']:.0f} MiB) stream {r['stream']}: "
+            print(f"SUMMARY timeline {r['op']} ring {r['ring']} (entry {r['entry_mib']:.0f} MiB, cast CTAs "
+                  f"{r['cast_ctas']}) stream {r['stream']}: "
                   f"{r['unprofiled_ms'] * 1e3:.0f} us/call unprofiled, {r['call_us']:.0f} profiled, busy "
                   f"{r['busy_us']:.0f} idle {r['idle_us']:.0f}, {r['kernels']} kernels "
                   f"(mean {r['mean_kernel_us']:.1f} us, gap {r['mean_kernel_gap_us']:.1f}), {r['copies']} copies")

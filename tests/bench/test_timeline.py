@@ -31,3 +31,10 @@ def test_no_events_no_rows():
 def test_ring_settings_are_checked():
     with pytest.raises(SystemExit):
         timeline.main(["--rings", "64-4"])
+
+
+def test_cast_cta_caps_are_checked():
+    with pytest.raises(SystemExit):
+        timeline.main(["--cast-ctas", "16,x"])
+    with pytest.raises(SystemExit):
+        timeline.main(["--cast-ctas", "-1"])

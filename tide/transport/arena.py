@@ -94,11 +94,13 @@ class Arena:
         ring_depth: R, staging slots per destination, each of W entries (``TIDE_RS_RING_DEPTH``): up to R
             rounds of a reduce-scatter are in flight.
         sum_ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
+        cast_ctas: at most this many CTAs for TIDE-AG's own-shard kernel (``TIDE_AG_CAST_CTAS``, default 4 per
+            SM: a short burst on every SM); fewer leave SMs and HBM bandwidth to the work beside it.
     """
 
     def __init__(self, group: dist.ProcessGroup, slot_bytes: int, *, num_slots: int = 2,
                  rs_ring_bytes: int | None = None, ring_depth: int | None = None,
-                 sum_ctas: int | None = None) -> None:
+                 sum_ctas: int | None = None, cast_ctas: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
@@ -117,8 +119,10 @@ class Arena:
         self.ring_depth = ring_depth or _env_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
         self.sum_ctas = sum_ctas or _env_int("TIDE_RS_CTAS", DEFAULT_SUM_CTAS)
         ring = rs_ring_bytes or _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
-        if self.ring_depth < 1 or self.sum_ctas < 1 or self.num_slots < 0:
-            raise ValueError("tide.transport.Arena: ring_depth and sum_ctas must be >= 1, num_slots >= 0")
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.cast_ctas = cast_ctas or _env_int("TIDE_AG_CAST_CTAS", CAST_CTAS_PER_SM * sms)
+        if self.ring_depth < 1 or self.sum_ctas < 1 or self.cast_ctas < 1 or self.num_slots < 0:
+            raise ValueError("tide.transport.Arena: ring_depth, sum_ctas and cast_ctas must be >= 1, num_slots >= 0")
         self.entry_bytes = max(4096, (ring // (self.ring_depth * W)) // 4096 * 4096)
         layout = self.ext.arena_layout(num_slots=self.num_slots, ring_depth=self.ring_depth, world=W,
                                        slot_bytes=self.slot_bytes, entry_bytes=self.entry_bytes)
@@ -147,11 +151,10 @@ class Arena:
         self.flags.zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._c = self.ext.Arena(rank=self.rank, world=W, flag_bases=bases, device=self.device.index,
                                  num_slots=self.num_slots, slot_bytes=self.slot_bytes, ring_depth=self.ring_depth,
                                  entry_bytes=self.entry_bytes, sum_ctas=self.sum_ctas,
-                                 cast_ctas=CAST_CTAS_PER_SM * sms)
+                                 cast_ctas=self.cast_ctas)
         if self._board is not None:
             self._c.publish_progress_to(self._board.progress_address())
         self.slots = SlotLeases(self.num_slots)
@@ -167,7 +170,7 @@ class Arena:
     def __repr__(self) -> str:
         return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"
                 f"{self.slot_bytes}, ring={self.ring_depth}x{self.world_size}x{self.entry_bytes}, "
-                f"sum_ctas={self.sum_ctas}, data={self.leases.mode})")
+                f"sum_ctas={self.sum_ctas}, cast_ctas={self.cast_ctas}, data={self.leases.mode})")
 
     @property
     def symmetric_bytes(self) -> int:
