@@ -28,9 +28,11 @@ the message size S. Variants, per message size:
 
 busbw as nccl-tests defines it: ``S / t * (W-1)/W`` where S is the all-gather's output bytes (bf16)
 and the reduce-scatter's input bytes per rank (bf16 grads; the fp32 variants move 2x the bytes for the
-same S). t is the time per call of ``inner`` calls back to back (as nccl-tests times them: from 50 calls
-at 1 MiB down to 2 from 256 MiB, so the ranks' skew after a barrier is amortised), the slowest rank's
-median over ``--reps``. SM time: the summed duration of non-memcpy/memset GPU kernels
+same S). t is the time per call of ``inner`` calls back to back, as nccl-tests times a collective: 50
+calls at 1 MiB down to 8 from 32 MiB, so the ranks' skew after a barrier and the first call's start are
+amortised. Until run 56 it went down to 2 from 256 MiB, where the first call weighs half: in run 56's
+bench/timeline.py TIDE-AG took 419 us per call over 3 calls after a barrier, and 371 us from one call's
+start to the next. t is the slowest rank's median over ``--reps``. SM time: the summed duration of non-memcpy/memset GPU kernels
 one call launches (torch.profiler). Writes ``collectives.csv`` and ``.png`` under ``--out``.
 """
 from __future__ import annotations
@@ -59,7 +61,7 @@ def group_shapes(total_bytes: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def inner_calls(size_mib: int) -> int:
-    return max(2, min(50, 256 // max(1, size_mib)))
+    return max(8, min(50, 256 // max(1, size_mib)))
 
 
 def median_ms(fn, reps: int, inner: int) -> float:
@@ -72,10 +74,21 @@ def median_ms(fn, reps: int, inner: int) -> float:
     return statistics.median(times)
 
 
+_profiler_started = False
+
+
 def _line_up() -> None:
-    """Every rank idle and past a barrier before one profiled call: otherwise a kernel that waits for a
-    peer (NCCL's) counts the peer's lateness as its own time (run 56: 1.4 s of "SM time" at 1 MiB)."""
+    """Every rank idle, its profiler started once, and past a barrier before one profiled call: otherwise
+    a kernel that waits for a peer (NCCL's) counts the peer's lateness, or the peer's profiler start-up,
+    as its own time (run 56: 1.4 s of "SM time" at 1 MiB in the first profiled call)."""
+    global _profiler_started
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
+    if not _profiler_started:
+        with profile(activities=[ProfilerActivity.CUDA]):
+            torch.cuda.synchronize()
+        _profiler_started = True
     dist.barrier()
     torch.cuda.synchronize()
 

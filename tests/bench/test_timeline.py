@@ -20,7 +20,7 @@ def test_busy_idle_and_kernel_gaps_per_stream():
     assert rows[7]["idle_us"] == pytest.approx((80 - 25) / 2)  # the span ends with the last kernel at 80
     assert rows[7]["copies"] == 1 and rows[7]["kernels"] == 0
     assert rows[9]["mean_kernel_us"] == pytest.approx(56 / 3)
-    assert rows[9]["mean_kernel_gap_us"] == pytest.approx((8 + 4) / 2)
+    assert rows[9]["median_kernel_gap_us"] == pytest.approx((8 + 4) / 2)
     assert rows[9]["call_us"] == pytest.approx(40)
 
 

@@ -163,7 +163,8 @@ def bitexact(rank: int, world_size: int, seed: int, trials: int) -> dict:
             assert_bits(f"rank {rank} trial {t} reduce_scatter param {i} (grads in {where}, acc={acc})", g, w)
         checked += 2
     torch.cuda.synchronize()
-    return {"checked": checked, "stats": tide.stats()["ops"]}
+    return {"checked": checked, "stats": tide.stats()["ops"], "ring_depth": arena.ring_depth,
+            "cast_ctas": arena.cast_ctas}
 
 
 def stress(rank: int, world_size: int, seed: int, steps: int) -> dict:

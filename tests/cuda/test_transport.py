@@ -30,6 +30,15 @@ def test_bitexact_against_reference(ext, world_size):
         assert calls.get("reduce_scatter_params_:tide", 0) > 0, calls
 
 
+def test_bitexact_at_ring_depth_4_with_one_cast_cta(ext):
+    """The knobs off their defaults (ring depth 2, 4 cast CTAs per SM): depth 4, the default until commit
+    6c3feff, and the own-shard kernel on a single CTA (TIDE_AG_CAST_CTAS) stay bit-exact."""
+    results = _run(ranks.bitexact, 2, 4321, 8, env={"TIDE_RS_RING_DEPTH": "4", "TIDE_AG_CAST_CTAS": "1"})
+    for r in results:
+        assert (r["ring_depth"], r["cast_ctas"]) == (4, 1), r
+        assert r["checked"] > 0 and r["stats"].get("reduce_scatter_params_:tide", 0) > 0, r
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_randomized_stress(ext, world_size):
     results = _run(ranks.stress, world_size, 99 + world_size, 40 if world_size < 8 else 24)
