@@ -53,9 +53,9 @@ def test_rounds_cover_every_destination_shard_once_within_entries(case):
                 assert entry_off % plans.ALIGN == 0 and numel > 0
                 ends.append(entry_off + numel * dtype.itemsize)
                 seen[param].append((shard_off, grad_off, numel))
-            assert max(ends) <= entry_bytes
+            assert max(ends) <= rs.round_bytes <= entry_bytes
             if j < len(rs.rounds[d]) - 1:  # full up to the split granularity and the alignment
-                assert max(ends) > entry_bytes - plans.SPLIT_ELEMS * dtype.itemsize - plans.ALIGN
+                assert max(ends) > rs.round_bytes - plans.SPLIT_ELEMS * dtype.itemsize - plans.ALIGN
         for i, s in enumerate(shapes):
             d0 = s[0] if s else 1
             row = math.prod(s[1:]) if len(s) > 1 else 1
@@ -73,3 +73,25 @@ def test_rounds_cover_every_destination_shard_once_within_entries(case):
 def test_entry_too_small_for_a_split_is_refused():
     with pytest.raises(ValueError, match="entry_bytes=16"):
         plans.rs_plan_info([(64,)], [torch.float32], 2, 0, 16)
+
+
+ENTRY = 1 << 16
+
+
+@pytest.mark.parametrize("per_dest,want_rounds", [
+    (ENTRY - 256, 1),        # fits one entry: one round
+    (ENTRY + 256, 2),        # just over one entry: two equal rounds, not a full one and a tiny one
+    (3 * ENTRY, 3),          # whole entries: full rounds
+    (5 * ENTRY // 2, 3),     # two and a half entries: three equal rounds
+])
+def test_rounds_are_the_fewest_that_fit_and_of_equal_size(per_dest, want_rounds):
+    # Two 1-D fp32 params, W = 2: each destination gets half of each, per_dest bytes in all.
+    rows = per_dest // 4
+    rs = plans.rs_plan_info([(rows,), (rows,)], [torch.float32] * 2, 2, 0, ENTRY)
+    assert [len(r) for r in rs.rounds] == [want_rounds] * 2
+    for r in rs.rounds:
+        sizes = [sum(n * 4 for _, _, _, n, _ in rnd) for rnd in r]
+        assert sum(sizes) == per_dest
+        # Each round may overshoot an equal share by its split granularity and alignment, so the last
+        # falls short by at most that much per earlier round.
+        assert max(sizes) - min(sizes) <= want_rounds * (plans.SPLIT_ELEMS * 4 + 2 * plans.ALIGN), sizes

@@ -4,9 +4,9 @@ An all-gather plan says where this rank's shard of every parameter sits in a slo
 each parameter's output starts (``out_off``), and how the own-shard cast is cut into pipeline chunks
 (:func:`ag_chunks`): the copy engines push chunk c to the peers while chunk c + 1 is cast. A
 reduce-scatter plan packs the chunks of
-``GroupLayout.rs_chunks(dest)`` into staging entries of ``entry_bytes`` (each piece 16-B aligned in
-its entry; a chunk that does not fit is split to fill the entry), one list of rounds per destination,
-plus this rank's padding ranges. For Slot-Reuse the
+``GroupLayout.rs_chunks(dest)`` into rounds of one staging entry of ``entry_bytes`` each (each piece
+16-B aligned in its entry; a chunk that does not fit is split to fill the round; the rounds are cut
+equal), one list of rounds per destination, plus this rank's padding ranges. For Slot-Reuse the
 gradients lie in a slot exactly where the same params' all-gather outputs do (``GroupLayout`` of the
 unpadded gradient shapes pads them as the all-gather layout of the padded shards does).
 """
@@ -87,34 +87,54 @@ class RsPlanInfo:
     layout: GroupLayout
     rounds: list  # rounds[d][j] = [(param, grad_off, shard_off, numel, entry_off), ...]
     pads: list  # [(param, shard_off, numel)] of this rank
+    round_bytes: int  # what a round may fill of its entry: entry_bytes, or less to make the rounds equal
+
+
+def _pack(layout: GroupLayout, itemsizes: Sequence[int], dest: int, capacity: int) -> list:
+    """Destination ``dest``'s chunks packed into rounds of at most ``capacity`` bytes: each piece 16-B
+    aligned in its entry; a chunk that does not fit a round's room fills it (split at a multiple of
+    SPLIT_ELEMS elements) and goes on in the next round, so every round but the last is full."""
+    rounds, cur, off = [], [], 0
+    for c in layout.rs_chunks(dest):
+        size = itemsizes[c.param]
+        grad_off, shard_off, left = c.grad_offset, c.shard_offset, c.numel
+        while left:
+            room = (capacity - off) // size // SPLIT_ELEMS * SPLIT_ELEMS
+            n = left if left * size <= capacity - off else room
+            if n == 0:
+                rounds.append(cur)
+                cur, off = [], 0
+                continue
+            cur.append((c.param, grad_off, shard_off, n, off))
+            off = align_up(off + n * size, ALIGN)
+            grad_off, shard_off, left = grad_off + n, shard_off + n, left - n
+    if cur:
+        rounds.append(cur)
+    return rounds
 
 
 def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[torch.dtype], world_size: int,
                  rank: int, entry_bytes: int) -> RsPlanInfo:
+    """The reduce-scatter's rounds: the fewest that fit the entries, of equal size, so that an op just
+    over a whole number of entries ends in no tiny round that pays a round's fixed cost (about 11 us of
+    push-stream time, bench/timeline.py) for a few bytes, and its push and sum overlap. On 2 x H200 a 32
+    MiB op (16 MiB + 16 KiB per destination) took 135 us as 16 MiB + 16 KiB and 124 us as 8 + 8 MiB +
+    16 KiB (bench/results/timeline_push_streams_run54.csv); as two equal rounds it is not measured yet."""
     itemsizes = [d.itemsize for d in grad_dtypes]
-    if itemsizes and entry_bytes < SPLIT_ELEMS * max(itemsizes):
+    min_round = SPLIT_ELEMS * max(itemsizes, default=1)
+    if itemsizes and entry_bytes < min_round:
         raise ValueError(f"tide.transport.plans: entry_bytes={entry_bytes} cannot hold {SPLIT_ELEMS} elements")
     layout = GroupLayout(grad_shapes, itemsizes, world_size, rs_chunk_bytes=entry_bytes)
-    rounds = []
-    for d in range(world_size):
-        per_dest, cur, off = [], [], 0
-        for c in layout.rs_chunks(d):
-            size = itemsizes[c.param]
-            grad_off, shard_off, left = c.grad_offset, c.shard_offset, c.numel
-            while left:
-                # A chunk that does not fit the entry's room fills it (split at a multiple of SPLIT_ELEMS
-                # elements) and goes on in the next entry: every round but the last is full.
-                room = (entry_bytes - off) // size // SPLIT_ELEMS * SPLIT_ELEMS
-                n = left if left * size <= entry_bytes - off else room
-                if n == 0:
-                    per_dest.append(cur)
-                    cur, off = [], 0
-                    continue
-                cur.append((c.param, grad_off, shard_off, n, off))
-                off = align_up(off + n * size, ALIGN)
-                grad_off, shard_off, left = grad_off + n, shard_off + n, left - n
-        if cur:
-            per_dest.append(cur)
-        rounds.append(per_dest)
+    rounds = [_pack(layout, itemsizes, d, entry_bytes) for d in range(world_size)]
+    round_bytes = entry_bytes
+    n = max((len(r) for r in rounds), default=0)
+    if n >= 2:
+        # The largest destination's bytes as packed (alignment included), cut in n, with room for the split
+        # granularity and each round's alignment; never beyond the entry.
+        most = max(sum(align_up(k * itemsizes[p], ALIGN) for rnd in r for p, _, _, k, _ in rnd) for r in rounds)
+        even = min(entry_bytes, align_up(-(-most // n), ALIGN) + min_round + ALIGN)
+        if even < entry_bytes:
+            round_bytes = even
+            rounds = [_pack(layout, itemsizes, d, round_bytes) for d in range(world_size)]
     pads = [(p.param, p.shard_offset, p.numel) for p in layout.pad_ranges(rank)]
-    return RsPlanInfo(layout, rounds, pads)
+    return RsPlanInfo(layout, rounds, pads, round_bytes)
