@@ -21,8 +21,8 @@ is bound in slots), ``slot_bytes`` the largest group bound in a slot; the stagin
 ``rs_ring_bytes`` in all (``TIDE_RS_RING_BYTES``, default 64 MiB, independent of the model), R =
 ``ring_depth`` (``TIDE_RS_RING_DEPTH``, default 2) slots of W entries: at W = 2, 16 MiB entries, because
 every round costs its push stream about 11 us beside its data (a stream-memop wait, then the ready-flag
-copy; bench/timeline.py, docs/performance.md), so fewer, larger rounds win above 32 MiB (at 32 MiB, one
-round per rank, depth 2 is about 9 % slower). The arena alone leases its slots
+copy; bench/timeline.py, docs/performance.md), so fewer, larger rounds win from 256 MiB up (runs 54-56;
+the plans cut an op's rounds equal, :func:`tide.transport.plans.rs_plan_info`). The arena alone leases its slots
 (:class:`tide.transport.slots.SlotLeases`) and hands out views of its memory; a reduce-scatter that
 reads gradients lying in a slot (where FSDP's Slot-Reuse hooks put them) keeps that slot busy until it
 has read them.
