@@ -11,14 +11,26 @@ from tide.meta.layout import shard_rows
 from tide.transport import plans
 
 
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
 @st.composite
 def cases(draw):
     world_size = draw(st.integers(1, 16))
     shapes = draw(st.lists(SHAPE, min_size=1, max_size=10))
-    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    dtype = draw(st.sampled_from(DTYPES))
     entry_bytes = draw(st.sampled_from([4096, 1 << 16]))
     rank = draw(st.integers(0, world_size - 1))
     return world_size, shapes, dtype, entry_bytes, rank
+
+
+@st.composite
+def mixed_cases(draw):
+    world_size = draw(st.integers(1, 16))
+    shapes = draw(st.lists(SHAPE, min_size=1, max_size=10))
+    dtypes = [draw(st.sampled_from(DTYPES)) for _ in shapes]
+    entry_bytes = draw(st.sampled_from([32, 4096, 1 << 16]))
+    return world_size, shapes, dtypes, entry_bytes
 
 
 def _padded_shard(shape, world_size):
@@ -47,15 +59,13 @@ def test_rounds_cover_every_destination_shard_once_within_entries(case):
     rs = plans.rs_plan_info(shapes, [dtype] * len(shapes), world_size, rank, entry_bytes)
     for d in range(world_size):
         seen = {i: [] for i in range(len(shapes))}
-        for j, rnd in enumerate(rs.rounds[d]):
+        for rnd in rs.rounds[d]:
             ends = []
             for param, grad_off, shard_off, numel, entry_off in rnd:
                 assert entry_off % plans.ALIGN == 0 and numel > 0
                 ends.append(entry_off + numel * dtype.itemsize)
                 seen[param].append((shard_off, grad_off, numel))
-            assert max(ends) <= rs.round_bytes <= entry_bytes
-            if j < len(rs.rounds[d]) - 1:  # full up to the split granularity and the alignment
-                assert max(ends) > rs.round_bytes - plans.SPLIT_ELEMS * dtype.itemsize - plans.ALIGN
+            assert max(ends) <= entry_bytes
         for i, s in enumerate(shapes):
             d0 = s[0] if s else 1
             row = math.prod(s[1:]) if len(s) > 1 else 1
@@ -68,6 +78,28 @@ def test_rounds_cover_every_destination_shard_once_within_entries(case):
                 assert shard_off % plans.SPLIT_ELEMS == 0  # pieces keep the vector path's 16-B alignment
                 covered += numel
             assert covered == real_rows * row
+
+
+@settings(max_examples=300, deadline=None)
+@given(mixed_cases())
+def test_rounds_are_as_few_as_the_entries_need_none_empty_and_the_same_on_every_rank(case):
+    world_size, shapes, dtypes, entry_bytes = case
+    itemsizes = [d.itemsize for d in dtypes]
+    try:
+        plans_by_rank = [plans.rs_plan_info(shapes, dtypes, world_size, r, entry_bytes) for r in range(world_size)]
+    except ValueError:  # an entry too small for 8 elements of the widest dtype
+        assert entry_bytes < plans.SPLIT_ELEMS * max(itemsizes)
+        return
+    rs = plans_by_rank[0]
+    assert all(p.rounds == rs.rounds for p in plans_by_rank)  # flag values build on these counts
+    for d in range(world_size):
+        full = plans._pack(rs.layout, itemsizes, d, entry_bytes)  # every round filling its entry
+        assert len(rs.rounds[d]) == len(full)
+        for rnd in rs.rounds[d]:
+            assert rnd, rs.rounds[d]
+            for param, _, shard_off, numel, entry_off in rnd:
+                assert entry_off % plans.ALIGN == 0 and numel > 0
+                assert entry_off + numel * itemsizes[param] <= entry_bytes
 
 
 def test_entry_too_small_for_a_split_is_refused():
@@ -95,3 +127,18 @@ def test_rounds_are_the_fewest_that_fit_and_of_equal_size(per_dest, want_rounds)
         # Each round may overshoot an equal share by its split granularity and alignment, so the last
         # falls short by at most that much per earlier round.
         assert max(sizes) - min(sizes) <= want_rounds * (plans.SPLIT_ELEMS * 4 + 2 * plans.ALIGN), sizes
+
+
+def test_each_destination_is_cut_on_its_own():
+    # Few long rows shard unevenly: of (3, r1) destination 0 gets 2 rows and destination 1 one, of (2, r2)
+    # one each. Destination 0 (1.2 entries) takes two rounds of 0.6; destination 1 (0.9) still fits one.
+    r1, r2 = 4912, 9824  # fp32 elements per row: 0.3 and 0.6 of an entry
+    rs = plans.rs_plan_info([(3, r1), (2, r2)], [torch.float32] * 2, 2, 0, ENTRY)
+    assert [len(r) for r in rs.rounds] == [2, 1]
+    sizes = [sum(n * 4 for _, _, _, n, _ in rnd) for rnd in rs.rounds[0]]
+    assert abs(sizes[0] - sizes[1]) <= 2 * (plans.SPLIT_ELEMS * 4 + 2 * plans.ALIGN), sizes
+
+
+def test_entry_not_a_multiple_of_the_alignment_is_refused():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        plans.rs_plan_info([(25,), (16,)], [torch.float32] * 2, 1, 0, 100)

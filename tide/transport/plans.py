@@ -5,8 +5,9 @@ each parameter's output starts (``out_off``), and how the own-shard cast is cut 
 (:func:`ag_chunks`): the copy engines push chunk c to the peers while chunk c + 1 is cast. A
 reduce-scatter plan packs the chunks of
 ``GroupLayout.rs_chunks(dest)`` into rounds of one staging entry of ``entry_bytes`` each (each piece
-16-B aligned in its entry; a chunk that does not fit is split to fill the round; the rounds are cut
-equal), one list of rounds per destination, plus this rank's padding ranges. For Slot-Reuse the
+16-B aligned in its entry; a chunk that does not fit is split to fill the round; a destination's
+rounds are cut to about equal size), one list of rounds per destination, plus this rank's padding
+ranges. For Slot-Reuse the
 gradients lie in a slot exactly where the same params' all-gather outputs do (``GroupLayout`` of the
 unpadded gradient shapes pads them as the all-gather layout of the padded shards does).
 """
@@ -87,7 +88,6 @@ class RsPlanInfo:
     layout: GroupLayout
     rounds: list  # rounds[d][j] = [(param, grad_off, shard_off, numel, entry_off), ...]
     pads: list  # [(param, shard_off, numel)] of this rank
-    round_bytes: int  # what a round may fill of its entry: entry_bytes, or less to make the rounds equal
 
 
 def _pack(layout: GroupLayout, itemsizes: Sequence[int], dest: int, capacity: int) -> list:
@@ -115,26 +115,29 @@ def _pack(layout: GroupLayout, itemsizes: Sequence[int], dest: int, capacity: in
 
 def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[torch.dtype], world_size: int,
                  rank: int, entry_bytes: int) -> RsPlanInfo:
-    """The reduce-scatter's rounds: the fewest that fit the entries, of equal size, so that an op just
-    over a whole number of entries ends in no tiny round that pays a round's fixed cost (about 11 us of
-    push-stream time, bench/timeline.py) for a few bytes, and its push and sum overlap. On 2 x H200 a 32
-    MiB op (16 MiB + 16 KiB per destination) took 135 us as 16 MiB + 16 KiB and 124 us as 8 + 8 MiB +
-    16 KiB (bench/results/timeline_push_streams_run54.csv); as two equal rounds it is not measured yet."""
+    """The reduce-scatter's rounds, per destination: the fewest that fit its entries, cut to about equal
+    size, so that a destination just over a whole number of entries does not end in a round of a few
+    KiB whose push and sum hardly overlap with the rest. Every rank computes every destination's rounds
+    alike. On 2 x H200 a 32 MiB op (16 MiB + 2 KiB for destination 0) took 135 us at ring depth 2 as
+    16 MiB + 2 KiB, and 124 us at depth 4 as 8 + 8 MiB + 2 KiB
+    (bench/results/timeline_push_streams_run54.csv); as two rounds of 8 MiB it is not measured yet."""
     itemsizes = [d.itemsize for d in grad_dtypes]
     min_round = SPLIT_ELEMS * max(itemsizes, default=1)
-    if itemsizes and entry_bytes < min_round:
-        raise ValueError(f"tide.transport.plans: entry_bytes={entry_bytes} cannot hold {SPLIT_ELEMS} elements")
+    if entry_bytes % ALIGN or (itemsizes and entry_bytes < min_round):
+        raise ValueError(f"tide.transport.plans: entry_bytes={entry_bytes} must be a multiple of {ALIGN} "
+                         f"and hold {SPLIT_ELEMS} elements")
     layout = GroupLayout(grad_shapes, itemsizes, world_size, rs_chunk_bytes=entry_bytes)
-    rounds = [_pack(layout, itemsizes, d, entry_bytes) for d in range(world_size)]
-    round_bytes = entry_bytes
-    n = max((len(r) for r in rounds), default=0)
-    if n >= 2:
-        # The largest destination's bytes as packed (alignment included), cut in n, with room for the split
-        # granularity and each round's alignment; never beyond the entry.
-        most = max(sum(align_up(k * itemsizes[p], ALIGN) for rnd in r for p, _, _, k, _ in rnd) for r in rounds)
-        even = min(entry_bytes, align_up(-(-most // n), ALIGN) + min_round + ALIGN)
-        if even < entry_bytes:
-            round_bytes = even
-            rounds = [_pack(layout, itemsizes, d, round_bytes) for d in range(world_size)]
+    rounds = []
+    for d in range(world_size):
+        mine = _pack(layout, itemsizes, d, entry_bytes)
+        if len(mine) >= 2:
+            # This destination's bytes as packed (alignment included), cut in as many rounds, with room
+            # for the split granularity and each round's alignment; never beyond the entry.
+            total = sum(align_up(k * itemsizes[p], ALIGN) for rnd in mine for p, _, _, k, _ in rnd)
+            even = align_up(-(-total // len(mine)), ALIGN) + min_round + ALIGN
+            if even < entry_bytes:
+                cut = _pack(layout, itemsizes, d, even)
+                mine = cut if len(cut) <= len(mine) else mine  # never more rounds than the entries need
+        rounds.append(mine)
     pads = [(p.param, p.shard_offset, p.numel) for p in layout.pad_ranges(rank)]
-    return RsPlanInfo(layout, rounds, pads, round_bytes)
+    return RsPlanInfo(layout, rounds, pads)
