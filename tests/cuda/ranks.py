@@ -655,3 +655,15 @@ def stalled_peer(rank: int, world_size: int, fault_file: str) -> str:
         torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group.group_name)
         torch.cuda.synchronize()
     return "finished"
+
+
+def mismatched_layout(rank: int, world_size: int) -> str:
+    """Each rank enables an arena with its own ring depth: every rank must refuse, naming the setting."""
+    from tide import transport
+
+    os.environ["TIDE_RS_RING_DEPTH"] = str(2 + rank)
+    try:
+        transport.enable(dist.group.WORLD, slot_bytes=1 << 20)
+    except RuntimeError as e:
+        return str(e)
+    return "enabled"

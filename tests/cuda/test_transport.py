@@ -39,6 +39,11 @@ def test_bitexact_at_ring_depth_4_with_one_cast_cta(ext):
         assert r["checked"] > 0 and r["stats"].get("reduce_scatter_params_:tide", 0) > 0, r
 
 
+def test_ranks_with_different_ring_settings_refuse_to_enable(ext):
+    for msg in _run(ranks.mismatched_layout, 2):
+        assert "TIDE_RS_RING_DEPTH" in msg and "ring_depth=2" in msg and "ring_depth=3" in msg, msg
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_randomized_stress(ext, world_size):
     results = _run(ranks.stress, world_size, 99 + world_size, 40 if world_size < 8 else 24)

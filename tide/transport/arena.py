@@ -136,6 +136,12 @@ class Arena:
         self._store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{generation}"
         self._plans = 0  # plans agreed on so far (tide/transport/agreement.py)
         self.ring_off = layout["ring_off"]
+        # Ranks laid out differently would push into each other's wrong addresses: they agree first.
+        agreement.agree(self._store, f"{self._store_prefix}/layout", self.rank, W,
+                        f"Arena(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, ring_depth={self.ring_depth}, "
+                        f"entry_bytes={self.entry_bytes})", self.timeout_s,
+                        f"tide.transport.enable (group {self._label}): the arena's layout must be the same on every "
+                        "rank (TIDE_RS_RING_BYTES, TIDE_RS_RING_DEPTH and the slot size)")
 
         self._board = board.IssuedBoard.rendezvous(self._store, f"{self._store_prefix}/board", self.rank, W,
                                                    self.num_slots)
