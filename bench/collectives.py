@@ -77,7 +77,7 @@ def median_ms(fn, reps: int, inner: int) -> float:
 _profiler_started = False
 
 
-def _line_up() -> None:
+def line_up() -> None:
     """Every rank idle, its profiler started once, and past a barrier before one profiled call: otherwise
     a kernel that waits for a peer (NCCL's) counts the peer's lateness, or the peer's profiler start-up,
     as its own time (run 56: 1.4 s of "SM time" at 1 MiB in the first profiled call)."""
@@ -96,7 +96,7 @@ def _line_up() -> None:
 def sm_time_us(fn) -> float:
     from torch.profiler import ProfilerActivity, profile
 
-    _line_up()
+    line_up()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -116,7 +116,7 @@ def profile_rows(fn, variant: str, size: int) -> list[dict]:
     entries, for a schedule whose per-call cost is not yet understood."""
     from torch.profiler import ProfilerActivity, profile
 
-    _line_up()
+    line_up()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         fn()

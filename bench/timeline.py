@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collectives import N_PARAMS, group_shapes  # noqa: E402
-from common import cuda_ms, default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
+from collectives import N_PARAMS, group_shapes, line_up, median_ms  # noqa: E402
+from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 
 def _gpu_events(prof) -> list[dict]:
@@ -91,7 +91,7 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps):
     grads = [torch.randn(p.shape, device=dev).to(torch.bfloat16) for p in params]
     shard_grads = [torch.empty((p.shard_rows, p.shape[1]), device=dev) for p in params]
     rows, events = [], []
-    for i, (ring_mib, depth, cast_ctas) in enumerate(settings):
+    for ring_mib, depth, cast_ctas in settings:
         arena = tide.transport.enable(dist.group.WORLD, layouts=[layout], rs_ring_bytes=ring_mib << 20,
                                       ring_depth=depth, cast_ctas=cast_ctas or None)
         outs = [torch.empty(p.out_numel, device=dev, dtype=torch.bfloat16) for p in params]
@@ -99,20 +99,11 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps):
         ops = {"tide_ag": lambda: torch.ops.tide.all_gather_into_params_(shards, outs, world_size, gn),
                "tide_rs": lambda: torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 1.0 / world_size,
                                                                         False, world_size, gn)}
-        if i == 0:  # the profiler's first section pays its start-up (run 56: 55 ms in the first AG)
-            with profile(activities=[ProfilerActivity.CUDA]):
-                ops["tide_ag"]()
-                torch.cuda.synchronize()
         for op, fn in ops.items():
-            for _ in range(3):
+            for _ in range(2):
                 fn()
-            times = []
-            for _ in range(reps):
-                torch.cuda.synchronize()
-                dist.barrier()
-                times.append(cuda_ms(lambda: [fn() for _ in range(calls)]) / calls)
-            torch.cuda.synchronize()
-            dist.barrier()
+            unprofiled_ms = median_ms(fn, reps, calls)  # one more warm-up call, then the samples
+            line_up()  # the profiler started once per process (run 56: 55 ms in the first AG), a barrier
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(calls):
                     fn()
@@ -122,7 +113,7 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps):
             for s in summarize(ev, calls):
                 rows.append({"ring": ring, "entry_mib": arena.entry_bytes / 2**20, "cast_ctas": arena.cast_ctas,
                              "op": op, "size_mib": size_mib,
-                             "rank": rank, "unprofiled_ms": statistics.median(times), **s})
+                             "rank": rank, "unprofiled_ms": unprofiled_ms, **s})
             events += [{"ring": ring, "cast_ctas": arena.cast_ctas, "op": op, "rank": rank, **e} for e in ev]
         del outs
         tide.transport.disable(gn)
