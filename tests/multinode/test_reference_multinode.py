@@ -146,7 +146,7 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
             shard_grads = [x.clone() if accumulate else torch.full_like(x, float("nan")) for x in init]
             received.clear()
             reference_multinode.reduce_scatter(grads_all[rank], shard_grads, 0.5, accumulate, group, topo,
-                                               rs_chunk_bytes=chunk, pace_bytes=per_step * chunk)
+                                               rs_chunk_bytes=chunk, pace=per_step * chunk)
             for i, sh in enumerate(shapes):
                 want, _ = _expected_shard(grads_all, i, sh, rank, N, L, 0.5, init[i], accumulate)
                 assert torch.equal(shard_grads[i].reshape(-1), want), f"seed {seed} size {size} rank {rank}: param {i}"
@@ -164,3 +164,40 @@ def test_reduce_scatter_staging_is_bounded_by_the_step_not_the_model(nodes, loca
     results = run_ranks(_in_small_steps, nodes * local, 5100 + 10 * nodes + local, (nodes, local), accumulate,
                         env={"LOCAL_WORLD_SIZE": str(local)}, timeout=240)
     assert all(small == large for small, large in results), results  # the peak does not grow with the model
+
+
+def _with_pace(rank, world_size, paces):
+    """An all-gather at 2 x 2 with this rank's ``TIDE_MULTINODE_PACE_BYTES``: (rail steps, outputs exact) or
+    the error it raised."""
+    import os
+
+    import torch.distributed as dist
+
+    import tide
+    from tide.ops import reference_multinode
+
+    os.environ[reference_multinode.PACE_ENV] = str(paces[rank])
+    group = dist.group.WORLD
+    shapes = [(6 * world_size, 5), (3 * world_size,)]
+    full = [torch.randn(s, generator=torch.Generator().manual_seed(4242 + i)) for i, s in enumerate(shapes)]
+    shards = [f.chunk(world_size)[rank].clone() for f in full]
+    outs = [torch.full_like(f, float("nan")) for f in full]
+    tide.reset_stats()
+    try:
+        tide.ops.all_gather_into_params(shards, outs, group)
+    except RuntimeError as e:
+        return str(e)
+    rail_steps = sum(n for key, n in tide.stats()["multinode"].items() if key.startswith("rail"))
+    return rail_steps, all(torch.equal(o, f) for o, f in zip(outs, full))
+
+
+def test_the_pace_sets_the_rail_steps_and_every_rank_must_set_the_same():
+    """A smaller pace cuts the rail round into more steps with the same result; ranks that set different
+    paces all raise, naming the setting, instead of posting sends and receives of different sizes."""
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    default = run_ranks(_with_pace, 4, [8 << 20] * 4, env=env, timeout=120)
+    small = run_ranks(_with_pace, 4, [40] * 4, env=env, timeout=120)
+    assert all(ok for _, ok in default + small), (default, small)
+    assert default[0][0] == 1 and small[0][0] > 1, (default, small)  # shards of 36 floats: 4 steps of 40 bytes
+    mixed = run_ranks(_with_pace, 4, [8 << 20, 8 << 20, 40, 8 << 20], env=env, timeout=120)
+    assert all(isinstance(m, str) and "TIDE_MULTINODE_PACE_BYTES" in m for m in mixed), mixed

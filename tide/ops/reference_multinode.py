@@ -11,10 +11,15 @@ per-destination staging on the rank that sums the node's partial, the fp32 parti
 rail rounds, the hand-off on the destination node and the sum in node order, in the plan's steps
 (``MultiNodePlan.rs_steps``: ``pace_bytes`` of chunks of every destination per step), so the staging is
 bounded whatever the model's size.
+
+The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), is read by each rank
+and compared across the group at the group's first multi-node call: ranks that set it differently would
+post sends and receives of different sizes, so all of them raise, naming it.
 """
 from __future__ import annotations
 
 import functools
+import os
 from functools import reduce
 
 import torch
@@ -29,11 +34,11 @@ from tide.transport import rails
 # groups: each is built once (about 75 us for an 8-parameter all-gather on the CPU CI machine, 40 for a
 # reduce-scatter). The cached lists are never mutated.
 @functools.lru_cache(maxsize=256)
-def _ag_schedule(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank: int):
+def _ag_schedule(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank: int, pace_bytes: int):
     """(shard numels, [(leg, [(dst, piece)], [(src, piece)])]): this rank's sends and receives per step."""
     W = topology.world_size
     layout = GroupLayout([(W * s[0], *s[1:]) for s in shard_shapes], list(item_sizes), W)
-    plan = MultiNodePlan(layout, topology)
+    plan = MultiNodePlan(layout, topology, pace_bytes=pace_bytes)
     steps = [("rail", step) for step in plan.ag_rail_steps()] + [("intra", plan.ag_intra_transfers())]
     mine = [(leg, [(t.dst, pc) for t in step if t.src == rank for pc in t.pieces],
              [(t.src, pc) for t in step if t.dst == rank for pc in t.pieces]) for leg, step in steps]
@@ -48,10 +53,36 @@ def _rs_schedule(grad_shapes: tuple, item_sizes: tuple, topology: Topology, rs_c
     return layout, plan, plan.rs_steps()
 
 
-def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology) -> None:
+PACE_ENV = "TIDE_MULTINODE_PACE_BYTES"
+_agreed_pace: dict[str, int] = {}  # process-group name -> the pace its ranks agreed on
+
+
+def pace_bytes(group: dist.ProcessGroup) -> int:
+    """This group's pacing knob (:data:`PACE_ENV`), agreed by its ranks at its first call (one small
+    all-gather, once per group)."""
+    name = group.group_name
+    if name not in _agreed_pace:
+        value = os.environ.get(PACE_ENV) or str(DEFAULT_PACE_BYTES)
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"tide: {PACE_ENV}={value!r} is not a positive number of bytes")
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend(group) else "cpu"
+        mine = torch.tensor([int(value)], dtype=torch.int64, device=device)
+        every = torch.empty(group.size(), dtype=torch.int64, device=device)
+        from tide.ops.reference import _all_gather_single  # here: reference imports this module
+
+        _all_gather_single(every, mine, group=group)
+        paces = every.tolist()
+        if len(set(paces)) > 1:
+            raise RuntimeError(f"tide: the ranks of group {name!r} set {PACE_ENV} differently (per rank: {paces}); "
+                               "the multi-node schedule needs one pace on every rank")
+        _agreed_pace[name] = paces[0]
+    return _agreed_pace[name]
+
+
+def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:
     rank = group.rank()
     numels, steps = _ag_schedule(tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs),
-                                 topology, rank)
+                                 topology, rank, pace or pace_bytes(group))
     flat = [o.view(-1) for o in outs]
     for shard, out, n in zip(shards, flat, numels):
         out[rank * n:(rank + 1) * n].copy_(shard.reshape(-1))  # the only cast
@@ -66,10 +97,10 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology) -> No
 
 def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: dist.ProcessGroup,
                    topology: Topology, *, rs_chunk_bytes: int = DEFAULT_RS_CHUNK_BYTES,
-                   pace_bytes: int = DEFAULT_PACE_BYTES) -> None:
+                   pace: int | None = None) -> None:
     rank = group.rank()
     layout, plan, steps = _rs_schedule(tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads),
-                                       topology, rs_chunk_bytes, pace_bytes)
+                                       topology, rs_chunk_bytes, pace or pace_bytes(group))
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
     for step in steps:
