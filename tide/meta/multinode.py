@@ -38,9 +38,10 @@ from typing import Iterator
 
 from tide.meta.layout import GroupLayout
 
-# 32 MiB (GPU run 59, 2 x 1 emulated, 256 MiB): all-gather 2.05 ms and reduce-scatter 5.8 ms, against 3.4 and
-# 9.8 at 8 MiB; each step costs the host a fixed share. Staging grows with it (docs/design.md, "Across nodes").
-DEFAULT_PACE_BYTES = 32 << 20
+# 128 MiB: every step costs the host a fixed share (GPU runs 59-62, 2 x 1 emulated: a 256 MiB all-gather in 1.45
+# ms against 3.4 at 8 MiB, a reduce-scatter in 3.6 against 9.8; the 8B FSDP2 step at 1K tokens/GPU +5 % over
+# stock against +38 % at 32 MiB). The staging per step grows with it (docs/design.md, "Across nodes").
+DEFAULT_PACE_BYTES = 128 << 20
 
 
 def latin_square_placement(num_nodes: int, local_size: int) -> tuple[tuple[int, ...], ...]:
