@@ -78,8 +78,11 @@ TIDE_TRACE=1 stage tests_faults 330 $PY -m pytest tests/cuda/test_faults.py -v -
 TIDE_TRACE=1 stage fault_campaign 420 $PY bench/fault_campaign.py --device cuda --runs 50 --parallel 6 --timeout 10 --out "$WORK/results"
 stage kernels 40 $PY bench/bench_kernels.py --reps 10 --out "$WORK/results"
 stage collectives 150 $PY bench/collectives.py --sizes 1,16,256,1024 --reps 5 --out "$WORK/results"
-[ "$gpus" -ge 2 ] && stage collectives_multinode 150 $PY bench/collectives.py --local-world-size 1 --sizes 1,16,256 \
-  --reps 5 --out "$WORK/results"
+# Emulated nodes: G x 1 on any machine; with 4+ GPUs also 2 x G/2 and G/2 x 2 (results/multinode_L<L>/).
+multinode_locals="1"; [ "$gpus" -ge 4 ] && multinode_locals="1 2 $((gpus / 2))"
+[ "$gpus" -ge 2 ] && stage collectives_multinode 240 bash -c "for L in \$(echo $multinode_locals | tr ' ' '\n' | sort -un); do
+  out='$WORK/results'; [ \$L = 1 ] || out='$WORK/results/multinode_L'\$L
+  $PY bench/collectives.py --local-world-size \$L --sizes 1,16,256 --reps 5 --out \$out || exit 1; done"
 [ "$gpus" -ge 2 ] && stage timeline 150 $PY bench/timeline.py --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage ce_patterns 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$WORK/ce_patterns' \
   bench/ce_patterns.cu -lcuda && '$WORK/ce_patterns' 10 > '$WORK/results/ce_patterns.csv'"
