@@ -57,7 +57,7 @@ PACE_ENV = "TIDE_MULTINODE_PACE_BYTES"
 _agreed_pace: dict[str, int] = {}  # process-group name -> the pace its ranks agreed on
 
 
-def pace_bytes(group: dist.ProcessGroup) -> int:
+def agreed_pace(group: dist.ProcessGroup) -> int:
     """This group's pacing knob (:data:`PACE_ENV`), agreed by its ranks at its first call (one small
     all-gather, once per group)."""
     name = group.group_name
@@ -82,7 +82,7 @@ def pace_bytes(group: dist.ProcessGroup) -> int:
 def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:
     rank = group.rank()
     numels, steps = _ag_schedule(tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs),
-                                 topology, rank, pace or pace_bytes(group))
+                                 topology, rank, pace or agreed_pace(group))
     flat = [o.view(-1) for o in outs]
     for shard, out, n in zip(shards, flat, numels):
         out[rank * n:(rank + 1) * n].copy_(shard.reshape(-1))  # the only cast
@@ -100,7 +100,7 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                    pace: int | None = None) -> None:
     rank = group.rank()
     layout, plan, steps = _rs_schedule(tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads),
-                                       topology, rs_chunk_bytes, pace or pace_bytes(group))
+                                       topology, rs_chunk_bytes, pace or agreed_pace(group))
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
     for step in steps:
