@@ -14,6 +14,10 @@ show as gaps. ``timeline.png``: rank 0's streams over the calls of each op at th
 
 The profiler adds a little per event; ``time per call`` is also measured unprofiled (CUDA events over
 ``--calls`` calls, median of ``--reps``), as bench/collectives.py measures it.
+
+Settings run in order, each in an arena of its own (``setting``: its index). A process's first arena
+pushed 8 % slower than later ones of the same setting (GPU run 61); ``--warmup-s`` first keeps both GPUs
+busy that long (NCCL all-reduces over NVLink and bf16 matmuls), to tell time from arena order.
 """
 from __future__ import annotations
 
@@ -76,7 +80,24 @@ def summarize(events: list[dict], calls: int) -> list[dict]:
     return out
 
 
-def _rank_main(rank, world_size, size_mib, settings, calls, reps):
+def _warm_up(seconds: float, dev: torch.device) -> None:
+    """Both GPUs busy for ``seconds``: 64 MiB NCCL all-reduces (NVLink traffic) and bf16 matmuls."""
+    import time
+
+    traffic = torch.ones(32 << 20, dtype=torch.bfloat16, device=dev)
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
+    until = time.monotonic() + seconds
+    while True:
+        dist.all_reduce(traffic)
+        a = a @ a / 64
+        torch.cuda.synchronize()
+        flag = torch.tensor([time.monotonic() < until], dtype=torch.int32, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank stops at the same round
+        if not flag.item():
+            return
+
+
+def _rank_main(rank, world_size, size_mib, settings, calls, reps, warmup_s):
     import tide  # noqa: F401
     import tide.transport
     from torch.profiler import ProfilerActivity, profile
@@ -91,7 +112,9 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps):
     grads = [torch.randn(p.shape, device=dev).to(torch.bfloat16) for p in params]
     shard_grads = [torch.empty((p.shard_rows, p.shape[1]), device=dev) for p in params]
     rows, events = [], []
-    for ring_mib, depth, cast_ctas in settings:
+    if warmup_s > 0:
+        _warm_up(warmup_s, dev)
+    for index, (ring_mib, depth, cast_ctas) in enumerate(settings):
         arena = tide.transport.enable(dist.group.WORLD, layouts=[layout], rs_ring_bytes=ring_mib << 20,
                                       ring_depth=depth, cast_ctas=cast_ctas or None)
         outs = [torch.empty(p.out_numel, device=dev, dtype=torch.bfloat16) for p in params]
@@ -111,10 +134,12 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps):
             ev = _gpu_events(prof)
             ring = f"{ring_mib}x{depth}"
             for s in summarize(ev, calls):
-                rows.append({"ring": ring, "entry_mib": arena.entry_bytes / 2**20, "cast_ctas": arena.cast_ctas,
+                rows.append({"setting": index, "ring": ring, "entry_mib": arena.entry_bytes / 2**20,
+                             "cast_ctas": arena.cast_ctas,
                              "op": op, "size_mib": size_mib,
                              "rank": rank, "unprofiled_ms": unprofiled_ms, **s})
-            events += [{"ring": ring, "cast_ctas": arena.cast_ctas, "op": op, "rank": rank, **e} for e in ev]
+            events += [{"setting": index, "ring": ring, "cast_ctas": arena.cast_ctas, "op": op, "rank": rank, **e}
+                       for e in ev]
         del outs
         tide.transport.disable(gn)
     return rows, events
@@ -124,12 +149,15 @@ def _plot(events: list[dict], out: Path, title: str) -> None:
     plt = pyplot()
     if plt is None or not events:
         return
-    ring, cast = events[0]["ring"], events[0]["cast_ctas"]
+    first = events[0]["setting"]
     ops = list(dict.fromkeys(e["op"] for e in events))
     fig, axes = plt.subplots(len(ops), 1, figsize=(12, 2.2 * len(ops)), squeeze=False)
     colors = {"kernel": "tab:red", "copy": "tab:blue", "memset": "tab:gray"}
     for ax, op in zip(axes[:, 0], ops):
-        sel = [e for e in events if e["op"] == op and e["rank"] == 0 and (e["ring"], e["cast_ctas"]) == (ring, cast)]
+        sel = [e for e in events if e["op"] == op and e["rank"] == 0 and e["setting"] == first]
+        if not sel:
+            continue
+        ring, cast = sel[0]["ring"], sel[0]["cast_ctas"]
         streams = sorted({e["stream"] for e in sel})
         for e in sel:
             ax.broken_barh([(e["start"], max(e["dur"], 0.3))], (streams.index(e["stream"]) - 0.4, 0.8),
@@ -149,8 +177,12 @@ def main(argv=None):
     p.add_argument("--cast-ctas", default="0", help="TIDE-AG own-shard kernel CTA caps to sweep (0: the arena's default)")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup-s", type=float, default=0.0,
+                   help="seconds of NCCL all-reduces and matmuls on every GPU before the first setting")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
+    if args.warmup_s < 0:
+        p.error("--warmup-s must be >= 0")
     rings = []
     for spec in args.rings.split(","):
         mib, _, depth = spec.partition("x")
@@ -168,8 +200,8 @@ def main(argv=None):
     from tide.launch import CUDA_RANK_ENV, run_ranks
 
     gpus = torch.cuda.device_count()
-    results = run_ranks(_rank_main, gpus, args.size, settings, args.calls, args.reps, backend="nccl",
-                        device_type="cuda", env=CUDA_RANK_ENV, timeout=540)
+    results = run_ranks(_rank_main, gpus, args.size, settings, args.calls, args.reps, args.warmup_s,
+                        backend="nccl", device_type="cuda", env=CUDA_RANK_ENV, timeout=540)
     meta = run_meta(gpus=gpus, ranks=gpus)
     rows = [{**r, **meta} for rank_rows, _ in results for r in rank_rows]
     events = [e for _, ev in results for e in ev]
@@ -179,7 +211,8 @@ def main(argv=None):
     _plot(events, out, f"{meta['device']} x{gpus}, {args.size} MiB, {meta['date']}")
     for r in rows:
         if r["rank"] == 0:
-            print(f"SUMMARY timeline {r['op']} ring {r['ring']} (entry {r['entry_mib']:.0f} MiB, cast CTAs "
+            print(f"SUMMARY timeline {r['op']} setting {r['setting']} ring {r['ring']} (entry {r['entry_mib']:.0f} MiB, "
+                  f"cast CTAs "
                   f"{r['cast_ctas']}) stream {r['stream']}: "
                   f"{r['unprofiled_ms'] * 1e3:.0f} us/call unprofiled, {r['call_us']:.0f} profiled, busy "
                   f"{r['busy_us']:.0f} idle {r['idle_us']:.0f}, {r['kernels']} kernels "

@@ -38,3 +38,8 @@ def test_cast_cta_caps_are_checked():
         timeline.main(["--cast-ctas", "16,x"])
     with pytest.raises(SystemExit):
         timeline.main(["--cast-ctas", "-1"])
+
+
+def test_warm_up_seconds_are_checked():
+    with pytest.raises(SystemExit):
+        timeline.main(["--warmup-s", "-1"])
