@@ -21,7 +21,9 @@ the message size S. Variants, per message size:
   arena: recursive doubling on the rails, fp32 node partials, every round point-to-point,
   ``tide/transport/rails.py``) and, with one GPU per rank, ``nccl_ag`` / ``nccl_rs_bf16``. The "rails"
   here are NVLink (or one GPU), not a network: this shows the schedule's cost and correctness on GPUs,
-  not what it gains across real nodes. Writes ``collectives_multinode.csv`` and ``.png``, and
+  not what it gains across real nodes. The schedule's settings come from the environment
+  (``TIDE_MULTINODE_PACE_BYTES``, ``TIDE_MULTINODE_RAILS``) and are the CSV's ``pace_bytes`` and ``rails``
+  columns. Writes ``collectives_multinode.csv`` and ``.png``, and
   ``collectives_multinode_profile.csv``: where one call of each TIDE variant spends its time, rank 0 (the
   torch.profiler's ``key_averages``: the 12 largest host and the 12 largest GPU entries by self time,
   their call counts, and the call's wall time).
@@ -242,7 +244,11 @@ def _rank_multinode(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
         rows += _measure(variants, size, reps)
         for name in ("tide_ag_multinode", "tide_rs_multinode"):  # every rank calls: they are collectives
             profiled += profile_rows(variants[name][0], name, size)
-    return rows, profiled
+    from tide.ops.reference_multinode import agreed_pace
+    from tide.transport.rails import implementation
+
+    settings = {"pace_bytes": agreed_pace(dist.group.WORLD), "rails": implementation(dist.group.WORLD, dev)}
+    return [{**r, **settings} for r in rows], profiled
 
 
 def _rank_nccl_ce(rank, world_size, sizes_mib, reps):

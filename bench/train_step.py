@@ -101,6 +101,7 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
                      "graphs_built_per_step": graphs, "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                      "arena_mib": arena_bytes / 2**20, "final_loss": float(loss), "stats": str(tide.stats()["fsdp"]),
                      "arena_stats": str(tide.stats()["wiring"]),
+                     "multinode_stats": str(tide.stats()["multinode"]),  # rail rounds by implementation
                      # cumulative over this process's steps: about 2 leases a step, and maps only while the
                      # allocator moves a lease to new segments
                      "leases": sum(a.leases.count for a in transport.arenas()),

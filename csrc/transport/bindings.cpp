@@ -9,8 +9,11 @@
 
 #include "kernels.h"
 #include "transport/arena.h"
+#include "transport/completions.h"
+#include "transport/driver.h"
 #include "transport/flags.h"
 #include "transport/ipc.h"
+#include "transport/nccl_p2p.h"
 
 namespace tide {
 namespace {
@@ -214,6 +217,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }, py::arg("tensor"));
   m.def("ipc_open", &ipc::open_segment, py::arg("handle"), py::arg("device"));
   m.def("ipc_close", &ipc::close_segment, py::arg("base"), py::arg("device"));
+  // The multi-node rails' direct NCCL (tide/transport/nccl_rails.py).
+  m.def("nccl_unavailable", &nccl_p2p::unavailable);
+  m.def("nccl_unique_id", [] { return py::bytes(nccl_p2p::unique_id()); });
+  py::class_<nccl_p2p::Comm>(m, "NcclComm")
+      .def(py::init<const std::string&, int64_t, int64_t, int64_t>(), py::arg("id"), py::arg("world"), py::arg("rank"),
+           py::arg("device"), py::call_guard<py::gil_scoped_release>())  // blocks until every rank has joined
+      .def("exchange", &nccl_p2p::Comm::exchange, py::arg("peers"), py::arg("addrs"), py::arg("bytes"),
+           py::arg("sends"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());  // may wait for peers
+  // A completion word for work just issued on the current stream (completions.h): its op id.
+  m.def("mark_completion", [](int64_t device) {
+          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+          const driver::MemOp write = completions::claim(device);
+          driver::batch(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(), {write}, {});
+          return write.value;
+        }, py::arg("device"));
   m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("region"), py::arg("base"), py::arg("offsets"),
         py::arg("nbytes"));
 }

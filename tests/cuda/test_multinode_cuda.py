@@ -8,6 +8,8 @@ otherwise ranks share the GPUs over gloo (the pieces are staged through host mem
 - FSDP2 with ``TIDE_CUDA_MULTINODE=1`` on 2 nodes x 1 GPU: parity with stock FSDP2 (the tolerances of
   tests/cuda/test_fsdp_cuda.py), every collective counted ``tide_multinode``, no arena created, every op
   call running the schedule, rounds counted on the rails.
+- Both with the direct NCCL rails (``TIDE_MULTINODE_RAILS=nccl``, tide/transport/nccl_rails.py) too: the
+  same answers, every rail round counted ``nccl_direct``.
 """
 from __future__ import annotations
 
@@ -40,9 +42,31 @@ def test_ops_run_the_multinode_schedule_bit_exact(nodes, local):
     assert results == [3] * ws
 
 
-def test_fsdp_parity_on_two_emulated_nodes():
+def _check_direct(rank, world_size, seed, trials, expect_nodes):
+    import torch.distributed as dist
+
+    from tide.transport import rails
+
+    done = _check(rank, world_size, seed, trials, expect_nodes, "cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert rails.implementation(dist.group.WORLD, device) == "nccl_direct"
+    return done
+
+
+def test_ops_bit_exact_on_the_direct_nccl_rails():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("the direct NCCL rails need one GPU per rank: 2 GPUs")
+    env = {**ranks.ENV, "LOCAL_WORLD_SIZE": "1", "TIDE_MULTINODE_RAILS": "nccl"}
+    assert run_ranks(_check_direct, 2, 5077, 3, (2, 1), backend="nccl", device_type="cuda", env=env,
+                     timeout=300) == [3, 3]
+
+
+@pytest.mark.parametrize("rails", ["p2p", "nccl"])
+def test_fsdp_parity_on_two_emulated_nodes(rails):
+    if rails == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("the direct NCCL rails need one GPU per rank: 2 GPUs")
     names = ["in_place_prefetch_raf", "slot_reuse_noprefetch_noraf"]
-    env = {**ranks.ENV, "LOCAL_WORLD_SIZE": "1", "TIDE_CUDA_MULTINODE": "1"}
+    env = {**ranks.ENV, "LOCAL_WORLD_SIZE": "1", "TIDE_CUDA_MULTINODE": "1", "TIDE_MULTINODE_RAILS": rails}
     results = run_ranks(fsdp_cuda, 2, names, False, backend=_backend(2), device_type="cuda", env=env, timeout=420)
     for rank, res in enumerate(results):
         for name in names:
@@ -54,4 +78,5 @@ def test_fsdp_parity_on_two_emulated_nodes():
             assert t["arenas"] == 0 and "arena:created" not in t["arena"], (what, t["arena"])
             assert t["transport"] and all(k.endswith(":tide_multinode") for k in t["transport"]), \
                 (what, t["transport"])
-            assert any(k.startswith("rail:") for k in t["multinode"]), (what, t["multinode"])
+            want = "rail:nccl_direct" if rails == "nccl" else "rail:"
+            assert any(k.startswith(want) for k in t["multinode"]), (what, t["multinode"])

@@ -166,17 +166,17 @@ def test_reduce_scatter_staging_is_bounded_by_the_step_not_the_model(nodes, loca
     assert all(small == large for small, large in results), results  # the peak does not grow with the model
 
 
-def _with_pace(rank, world_size, paces):
-    """An all-gather at 2 x 2 with this rank's ``TIDE_MULTINODE_PACE_BYTES``: (rail steps, outputs exact) or
-    the error it raised."""
+def _with_settings(rank, world_size, envs):
+    """An all-gather at 2 x 2 with this rank's multi-node settings (``envs[rank]``): (rail steps by
+    implementation, outputs exact) or the error it raised."""
     import os
 
     import torch.distributed as dist
 
     import tide
-    from tide.ops import reference_multinode
+    from tide.ops import reference_multinode  # noqa: F401 (tide.ops)
 
-    os.environ[reference_multinode.PACE_ENV] = str(paces[rank])
+    os.environ.update(envs[rank])
     group = dist.group.WORLD
     shapes = [(6 * world_size, 5), (3 * world_size,)]
     full = [torch.randn(s, generator=torch.Generator().manual_seed(4242 + i)) for i, s in enumerate(shapes)]
@@ -185,19 +185,36 @@ def _with_pace(rank, world_size, paces):
     tide.reset_stats()
     try:
         tide.ops.all_gather_into_params(shards, outs, group)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         return str(e)
-    rail_steps = sum(n for key, n in tide.stats()["multinode"].items() if key.startswith("rail"))
+    rail_steps = {key: n for key, n in tide.stats()["multinode"].items() if key.startswith("rail")}
     return rail_steps, all(torch.equal(o, f) for o, f in zip(outs, full))
+
+
+PACE, RAILS = "TIDE_MULTINODE_PACE_BYTES", "TIDE_MULTINODE_RAILS"
 
 
 def test_the_pace_sets_the_rail_steps_and_every_rank_must_set_the_same():
     """A smaller pace cuts the rail round into more steps with the same result; ranks that set different
     paces all raise, naming the setting, instead of posting sends and receives of different sizes."""
     env = {"LOCAL_WORLD_SIZE": "2"}
-    default = run_ranks(_with_pace, 4, [8 << 20] * 4, env=env, timeout=120)
-    small = run_ranks(_with_pace, 4, [40] * 4, env=env, timeout=120)
+    default = run_ranks(_with_settings, 4, [{PACE: str(8 << 20)}] * 4, env=env, timeout=120)
+    small = run_ranks(_with_settings, 4, [{PACE: "40"}] * 4, env=env, timeout=120)
     assert all(ok for _, ok in default + small), (default, small)
-    assert default[0][0] == 1 and small[0][0] > 1, (default, small)  # shards of 36 floats: 4 steps of 40 bytes
-    mixed = run_ranks(_with_pace, 4, [8 << 20, 8 << 20, 40, 8 << 20], env=env, timeout=120)
-    assert all(isinstance(m, str) and "TIDE_MULTINODE_PACE_BYTES" in m for m in mixed), mixed
+    # shards of 36 floats: one step at 8 MiB, 4 of 40 bytes
+    assert default[0][0] == {"rail:p2p": 1} and small[0][0]["rail:p2p"] > 1, (default, small)
+    mixed = run_ranks(_with_settings, 4, [{PACE: str(8 << 20)}] * 2 + [{PACE: "40"}, {PACE: str(8 << 20)}],
+                      env=env, timeout=120)
+    assert all(isinstance(m, str) and PACE in m for m in mixed), mixed
+
+
+def test_the_rails_setting_is_agreed_and_direct_nccl_needs_an_nccl_group():
+    """``TIDE_MULTINODE_RAILS=nccl`` on a gloo group leaves the rails on p2p on every rank (with the same
+    result); ranks that ask for different rails all raise, naming the setting; an unknown value is refused."""
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    direct = run_ranks(_with_settings, 4, [{RAILS: "nccl"}] * 4, env=env, timeout=120)
+    assert all(steps == {"rail:p2p": 1} and ok for steps, ok in direct), direct
+    mixed = run_ranks(_with_settings, 4, [{RAILS: "nccl"}] + [{RAILS: "p2p"}] * 3, env=env, timeout=120)
+    assert all(isinstance(m, str) and RAILS in m for m in mixed), mixed
+    unknown = run_ranks(_with_settings, 4, [{RAILS: "mpi"}] * 4, env=env, timeout=120)
+    assert all(isinstance(m, str) and "'mpi'" in m for m in unknown), unknown

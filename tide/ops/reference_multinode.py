@@ -12,13 +12,16 @@ rail rounds, the hand-off on the destination node and the sum in node order, in 
 (``MultiNodePlan.rs_steps``: ``pace_bytes`` of chunks of every destination per step), so the staging is
 bounded whatever the model's size.
 
-The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), is read by each rank
-and compared across the group at the group's first multi-node call: ranks that set it differently would
-post sends and receives of different sizes, so all of them raise, naming it.
+The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), and the rails'
+implementation, ``TIDE_MULTINODE_RAILS`` (``p2p``, or ``nccl`` for direct NCCL: ``tide/transport/rails.py``),
+are read by each rank and compared across the group at the group's first multi-node call: ranks that set
+them differently would post sends and receives of different sizes or on different communicators, so all
+of them raise, naming the settings.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from functools import reduce
 
@@ -27,7 +30,9 @@ import torch.distributed as dist
 
 from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES, GroupLayout
 from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topology
-from tide.transport import rails
+from tide.transport import agreement, nccl_rails, rails, watchdog
+
+log = logging.getLogger("tide")
 
 
 # Plans are pure functions of the shapes, element sizes and topology, and a training step repeats the same
@@ -54,29 +59,42 @@ def _rs_schedule(grad_shapes: tuple, item_sizes: tuple, topology: Topology, rs_c
 
 
 PACE_ENV = "TIDE_MULTINODE_PACE_BYTES"
-_agreed_pace: dict[str, int] = {}  # process-group name -> the pace its ranks agreed on
+_paces: dict[str, int] = {}  # process-group name -> the pace its ranks agreed on
 
 
 def agreed_pace(group: dist.ProcessGroup) -> int:
-    """This group's pacing knob (:data:`PACE_ENV`), agreed by its ranks at its first call (one small
-    all-gather, once per group)."""
+    """This group's pace (:data:`PACE_ENV`), agreed by its ranks at the group's first multi-node call
+    together with the rails' implementation (``rails.RAILS_ENV``): one store round trip, once per group.
+    Ranks that set either differently all raise, naming the settings. Direct NCCL rails that some rank
+    cannot run leave every rank on ``p2p``, logged with the reason."""
     name = group.group_name
-    if name not in _agreed_pace:
-        value = os.environ.get(PACE_ENV) or str(DEFAULT_PACE_BYTES)
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"tide: {PACE_ENV}={value!r} is not a positive number of bytes")
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend(group) else "cpu"
-        mine = torch.tensor([int(value)], dtype=torch.int64, device=device)
-        every = torch.empty(group.size(), dtype=torch.int64, device=device)
-        from tide.ops.reference import _all_gather_single  # here: reference imports this module
-
-        _all_gather_single(every, mine, group=group)
-        paces = every.tolist()
-        if len(set(paces)) > 1:
-            raise RuntimeError(f"tide: the ranks of group {name!r} set {PACE_ENV} differently (per rank: {paces}); "
-                               "the multi-node schedule needs one pace on every rank")
-        _agreed_pace[name] = paces[0]
-    return _agreed_pace[name]
+    if name not in _paces:
+        pace = os.environ.get(PACE_ENV) or str(DEFAULT_PACE_BYTES)
+        if not pace.isdigit() or int(pace) < 1:
+            raise ValueError(f"tide: {PACE_ENV}={pace!r} is not a positive number of bytes")
+        want = os.environ.get(rails.RAILS_ENV) or "p2p"
+        if want not in ("p2p", "nccl"):
+            raise ValueError(f"tide: {rails.RAILS_ENV}={want!r}: expected 'p2p' or 'nccl'")
+        why_not = ""
+        if want == "nccl":
+            why_not = ("the group is not an NCCL group (ranks sharing GPUs)" if "nccl" not in dist.get_backend(group)
+                       else nccl_rails.unavailable() or "")
+        what = f"tide: the multi-node settings of group {name!r}"
+        every = agreement.exchange(dist.distributed_c10d._get_default_store(), f"tide/multinode/{name}/settings",
+                                   group.rank(), group.size(), f"{int(pace)}:{want}:{why_not}",
+                                   watchdog.timeout_for(group), what)
+        settings = [v.split(":", 2) for v in every]
+        if len({(p, r) for p, r, _ in settings}) > 1:
+            raise RuntimeError(f"{what}: the ranks set {PACE_ENV} and {rails.RAILS_ENV} differently (per rank: "
+                               f"{[f'{p}, {r}' for p, r, _ in settings]}); the schedule needs the same on every rank")
+        if want == "nccl":
+            reasons = [f"rank {i}: {w}" for i, (_, _, w) in enumerate(settings) if w]
+            if reasons:
+                log.warning("%s: direct NCCL rails unavailable, the rails stay p2p (%s)", what, "; ".join(reasons))
+            else:
+                rails.use_direct(group)
+        _paces[name] = int(pace)
+    return _paces[name]
 
 
 def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:

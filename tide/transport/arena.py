@@ -61,28 +61,6 @@ def _env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
-class _Completion:
-    """One op's completion, for the watchdog, tracked from before its issue: the op's word in the
-    extension's pinned host ring (csrc/transport/completions.h), read with no CUDA call. Until the issuing
-    call returns it is pending, since a launch can block on a stream whose queue is full behind a dead
-    peer's flags (GPU run 35). It holds no arena: a closed arena is never kept alive, or destroyed, by the
-    watchdog's thread."""
-
-    __slots__ = ("_ext", "_device", "_op", "_issuing")
-
-    def __init__(self, ext, device: int) -> None:
-        self._ext, self._device, self._op, self._issuing = ext, device, None, True
-
-    def issued(self, op: int | None) -> None:
-        """The issuing call returned: ``op`` is the id its completion word gets, or None if it issued nothing."""
-        self._op, self._issuing = op, False
-
-    def query(self) -> bool:
-        if self._issuing:
-            return False
-        return self._op is None or self._ext.op_completed(self._device, self._op)
-
-
 class Arena:
     """Flags (symmetric memory), the leased data region and the CUDA streams of one set of ranks.
 
@@ -291,7 +269,7 @@ class Arena:
 
     def _issue(self, name: str, call, **kw) -> str:
         """One call into the extension, watched from before it issues anything; its outcome's name."""
-        done = _Completion(self.ext, self.device.index)
+        done = watchdog.Completion(self.ext, self.device.index)
         watchdog.WATCHDOG.track(done, name, self._label, self.timeout_s, self.flag_report)
         ran, op = None, None
         try:

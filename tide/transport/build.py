@@ -28,6 +28,7 @@ SOURCES = (
     "transport/copies.cpp",
     "transport/completions.cpp",
     "transport/ipc.cpp",
+    "transport/nccl_p2p.cpp",
     "transport/arena.cpp",
     "transport/bindings.cpp",
 )
@@ -93,6 +94,7 @@ def load(verbose: bool | None = None):
             extra_include_paths=[str(CSRC)],
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=CUDA_FLAGS,
+            extra_ldflags=["-ldl"],  # dlsym of NCCL (csrc/transport/nccl_p2p.cpp)
             verbose=verbose,
         )
         return _ext

@@ -8,7 +8,10 @@ group's backend for the tensors' device, recorded per leg in ``tide.stats()["mul
   CPU tensors;
 - ``p2p_host_staged``: CUDA tensors on a gloo group (ranks sharing one GPU), whose send and receive move
   host memory only: sends are copied to the host first, receives land in host buffers and are copied
-  into place after.
+  into place after;
+- ``nccl_direct``: CUDA tensors on an NCCL group whose ranks agreed on ``TIDE_MULTINODE_RAILS=nccl``
+  (opt-in): each batch is one NCCL group issued from one extension call on a communicator of TIDE's own
+  (``tide/transport/nccl_rails.py``).
 
 NCCL's one-sided put/signal (``nccl4py``, NCCL >= 2.29) is the other implementation the design names; it
 is not built. :func:`put_signal_unavailable` says why it could not run here.
@@ -23,12 +26,26 @@ import torch.distributed as dist
 
 from tide import counters
 
+RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "p2p" (default) or "nccl" (direct NCCL, opt-in)
+_direct: dict = {}  # process-group name -> its DirectRails (tide/transport/nccl_rails.py), once agreed
+
 
 def implementation(group: dist.ProcessGroup, device: torch.device) -> str:
-    """``p2p`` or ``p2p_host_staged`` for tensors on ``device`` over ``group`` (see the module docstring)."""
-    if device.type == "cpu" or "nccl" in dist.get_backend(group):
+    """``p2p``, ``p2p_host_staged`` or ``nccl_direct`` for tensors on ``device`` over ``group`` (see the
+    module docstring)."""
+    if device.type == "cpu":
         return "p2p"
-    return "p2p_host_staged"
+    if "nccl" not in dist.get_backend(group):
+        return "p2p_host_staged"
+    return "nccl_direct" if group.group_name in _direct else "p2p"
+
+
+def use_direct(group: dist.ProcessGroup) -> None:
+    """Open ``group``'s direct NCCL rails (collective: every rank of the group, after agreeing on it)."""
+    from tide.transport.nccl_rails import DirectRails
+
+    if group.group_name not in _direct:
+        _direct[group.group_name] = DirectRails(group)
 
 
 # At most this many sends and as many receives per peer in one batch: NCCL before 2.30 can hang on a group
@@ -63,12 +80,16 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
     batches = max(-(-len(ts) // MAX_OPS_PER_PEER) for ts in (*to.values(), *frm.values()))
     for k in range(batches):
         part = slice(k * MAX_OPS_PER_PEER, (k + 1) * MAX_OPS_PER_PEER)
-        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for peer in sorted(to) for t in to[peer][part]]
-        ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for peer in sorted(frm)
-                for t in frm[peer][part]]
-        if ops:  # no op with a peer in batch k here means none with this rank in that peer's batch k
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        ops = [(peer, t, True) for peer in sorted(to) for t in to[peer][part]]
+        ops += [(peer, t, False) for peer in sorted(frm) for t in frm[peer][part]]
+        if not ops:  # no op with a peer in batch k here means none with this rank in that peer's batch k
+            continue
+        if how == "nccl_direct":
+            _direct[group.group_name].post(ops, leg)
+            continue
+        p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, group=group, group_peer=peer) for peer, t, send in ops]
+        for work in dist.batch_isend_irecv(p2p):
+            work.wait()
     for target, host in landed:
         target.copy_(host)
 

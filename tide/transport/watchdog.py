@@ -169,6 +169,28 @@ def _bounded_call(describe: Callable[[], Iterable[str]], seconds: float) -> str:
 WATCHDOG = Watchdog()
 
 
+class Completion:
+    """One op's completion, for the watchdog, tracked from before its issue: the op's word in the
+    extension's pinned host ring (csrc/transport/completions.h), read with no CUDA call. Until the issuing
+    call returns it is pending, since a launch can block on a stream whose queue is full behind a dead
+    peer's flags (GPU run 35). It holds no arena: a closed arena is never kept alive, or destroyed, by the
+    watchdog's thread."""
+
+    __slots__ = ("_ext", "_device", "_op", "_issuing")
+
+    def __init__(self, ext, device: int) -> None:
+        self._ext, self._device, self._op, self._issuing = ext, device, None, True
+
+    def issued(self, op: int | None) -> None:
+        """The issuing call returned: ``op`` is the id its completion word gets, or None if it issued nothing."""
+        self._op, self._issuing = op, False
+
+    def query(self) -> bool:
+        if self._issuing:
+            return False
+        return self._op is None or self._ext.op_completed(self._device, self._op)
+
+
 def timeout_for(group) -> float:
     """Seconds a TIDE op of ``group`` may take: ``TIDE_TIMEOUT_S``, else the group's own timeout."""
     value = os.environ.get("TIDE_TIMEOUT_S", "")
