@@ -29,7 +29,7 @@ struct UniqueId {
 struct Api {
   int (*get_unique_id)(UniqueId*) = nullptr;
   int (*comm_init_rank)(void**, int, UniqueId, int) = nullptr;
-  int (*comm_destroy)(void*) = nullptr;
+  int (*comm_abort)(void*) = nullptr;
   int (*group_start)() = nullptr;
   int (*group_end)() = nullptr;
   int (*send)(const void*, size_t, int, int, void*, cudaStream_t) = nullptr;
@@ -56,7 +56,7 @@ const Api& api() {
     };
     bind(a.get_unique_id, "ncclGetUniqueId");
     bind(a.comm_init_rank, "ncclCommInitRank");
-    bind(a.comm_destroy, "ncclCommDestroy");
+    bind(a.comm_abort, "ncclCommAbort");
     bind(a.group_start, "ncclGroupStart");
     bind(a.group_end, "ncclGroupEnd");
     bind(a.send, "ncclSend");
@@ -103,10 +103,13 @@ Comm::Comm(const std::string& id, int64_t world, int64_t rank, int64_t device)
   check(a.comm_init_rank(&comm_, static_cast<int>(world), uid, static_cast<int>(rank)), "ncclCommInitRank");
 }
 
+// The registry (tide/transport/rails.py) keeps a group's communicator for the process's life, so this runs
+// at interpreter exit. ncclCommAbort, not ncclCommDestroy: destroy waits for the communicator's pending
+// work, which a dead peer never lets finish.
 Comm::~Comm() {
   if (comm_ != nullptr) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    api().comm_destroy(comm_);  // no throw from a destructor; the process is usually ending
+    api().comm_abort(comm_);  // its result is dropped: a destructor does not throw
   }
 }
 
