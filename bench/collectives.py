@@ -244,11 +244,11 @@ def _rank_multinode(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
         rows += _measure(variants, size, reps)
         for name in ("tide_ag_multinode", "tide_rs_multinode"):  # every rank calls: they are collectives
             profiled += profile_rows(variants[name][0], name, size)
-    from tide.ops.reference_multinode import agreed_pace
+    from tide.ops.reference_multinode import settings as multinode_settings
     from tide.transport.rails import implementation
 
-    settings = {"pace_bytes": agreed_pace(dist.group.WORLD), "rails": implementation(dist.group.WORLD, dev)}
-    return [{**r, **settings} for r in rows], profiled
+    agreed = {"pace_bytes": multinode_settings(dist.group.WORLD).pace, "rails": implementation(dist.group.WORLD, dev)}
+    return [{**r, **agreed} for r in rows], profiled
 
 
 def _rank_nccl_ce(rank, world_size, sizes_mib, reps):

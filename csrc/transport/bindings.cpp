@@ -231,7 +231,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           const driver::MemOp write = completions::claim(device);
           driver::batch(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(), {write}, {});
           return write.value;
-        }, py::arg("device"));
+        }, py::arg("device"), py::call_guard<py::gil_scoped_release>());  // a full queue can block the launch
   m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("region"), py::arg("base"), py::arg("offsets"),
         py::arg("nbytes"));
 }

@@ -39,11 +39,9 @@ struct Api {
 };
 
 // torch's CUDA build loads libnccl.so.2 with libtorch_cuda; a build that links NCCL statically exports
-// its symbols from there. Either way dlsym finds the one copy in the process, or nothing.
-void* lookup(void* lib, const char* name) {
-  void* fn = lib ? dlsym(lib, name) : nullptr;
-  return fn ? fn : dlsym(RTLD_DEFAULT, name);
-}
+// its symbols from there. Every symbol comes from the one place: the loaded libnccl.so.2 if there is one,
+// else the process's global scope, so two NCCL copies are never mixed.
+void* lookup(void* lib, const char* name) { return dlsym(lib ? lib : RTLD_DEFAULT, name); }
 
 const Api& api() {
   static Api a;
@@ -73,9 +71,12 @@ const Api& checked(const char* op) {
   return a;
 }
 
+constexpr int kInProgress = 7;  // ncclInProgress: a non-blocking communicator (NCCL_COMM_BLOCKING=0)
+
 void check(int result, const char* op) {
   if (result == 0) return;
-  const std::string what = std::string(api().error_string(result)) + " (ncclResult_t " + num(result) + ")";
+  std::string what = std::string(api().error_string(result)) + " (ncclResult_t " + num(result) + ")";
+  if (result == kInProgress) what += "; the direct rails need blocking communicators: unset NCCL_COMM_BLOCKING";
   TORCH_CHECK(false, "tide.nccl_p2p: ", op, " failed: ", what);
 }
 
@@ -100,7 +101,12 @@ Comm::Comm(const std::string& id, int64_t world, int64_t rank, int64_t device)
   UniqueId uid{};
   std::memcpy(uid.internal, id.data(), kUniqueIdBytes);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  check(a.comm_init_rank(&comm_, static_cast<int>(world), uid, static_cast<int>(rank)), "ncclCommInitRank");
+  const int result = a.comm_init_rank(&comm_, static_cast<int>(world), uid, static_cast<int>(rank));
+  if (result != 0 && comm_ != nullptr) {  // a throwing constructor runs no destructor: free it here
+    a.comm_abort(comm_);
+    comm_ = nullptr;
+  }
+  check(result, "ncclCommInitRank");
 }
 
 // The registry (tide/transport/rails.py) keeps a group's communicator for the process's life, so this runs

@@ -218,3 +218,33 @@ def test_the_rails_setting_is_agreed_and_direct_nccl_needs_an_nccl_group():
     assert all(isinstance(m, str) and RAILS in m for m in mixed), mixed
     unknown = run_ranks(_with_settings, 4, [{RAILS: "mpi"}] * 4, env=env, timeout=120)
     assert all(isinstance(m, str) and "'mpi'" in m for m in unknown), unknown
+
+
+def _regrouped(rank, world_size):
+    """The same group name twice (destroy, init again): the second group agrees on its own settings."""
+    import datetime
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    first = _with_settings(rank, world_size, [{PACE: "40"}] * world_size)
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    # A file store: a second TCP store on the first one's port can hang the new group's set-up.
+    path = os.path.join(tempfile.gettempdir(), f"tide_regroup_{os.environ['MASTER_PORT']}")
+    store = dist.FileStore(path, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    assert os.environ[PACE] == "40"
+    second = _with_settings(rank, world_size, [{PACE: str(8 << 20)}] * world_size)
+    dist.barrier()
+    if rank == 0:
+        os.remove(path)
+    return first, second
+
+
+def test_a_recreated_group_agrees_again():
+    for first, second in run_ranks(_regrouped, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=120):
+        assert first[1] and second[1], (first, second)
+        assert first[0]["rail:p2p"] > 1 and second[0] == {"rail:p2p": 1}, (first, second)

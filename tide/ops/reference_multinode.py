@@ -21,8 +21,11 @@ of them raise, naming the settings.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+from collections import Counter
+from dataclasses import dataclass
 from functools import reduce
 
 import torch
@@ -59,48 +62,78 @@ def _rs_schedule(grad_shapes: tuple, item_sizes: tuple, topology: Topology, rs_c
 
 
 PACE_ENV = "TIDE_MULTINODE_PACE_BYTES"
-_paces: dict[str, int] = {}  # process-group name -> the pace its ranks agreed on
 
 
-def agreed_pace(group: dist.ProcessGroup) -> int:
-    """This group's pace (:data:`PACE_ENV`), agreed by its ranks at the group's first multi-node call
-    together with the rails' implementation (``rails.RAILS_ENV``): one store round trip, once per group.
-    Ranks that set either differently all raise, naming the settings. Direct NCCL rails that some rank
-    cannot run leave every rank on ``p2p``, logged with the reason."""
+@dataclass(frozen=True)
+class Settings:
+    """What a group's ranks agreed on at its first multi-node call."""
+
+    group: dist.ProcessGroup  # the group object they hold for: a re-created group of the same name agrees anew
+    pace: int  # bytes per rail step (PACE_ENV)
+    direct: bool  # every rank asked for the direct NCCL rails (rails.RAILS_ENV) and can run them
+    prefix: str  # the store keys of this agreement
+
+
+_settings: dict[str, Settings] = {}  # process-group name -> its agreed settings
+_agreements: Counter = Counter()  # process-group name -> agreements so far (numbers the store keys)
+
+
+def settings(group: dist.ProcessGroup) -> Settings:
+    """This group's settings, agreed by its ranks at the group's first multi-node call (one store round
+    trip): :data:`PACE_ENV` and ``rails.RAILS_ENV``. A rank's invalid value, or values that differ
+    between ranks, make every rank raise, naming them. Direct NCCL rails that some rank cannot run leave
+    every rank on ``p2p``, logged with the reason."""
+    agreed = _settings.get(group.group_name)
+    if agreed is None or agreed.group is not group:
+        agreed = _settings[group.group_name] = _agree(group)
+    return agreed
+
+
+def _agree(group: dist.ProcessGroup) -> Settings:
     name = group.group_name
-    if name not in _paces:
-        pace = os.environ.get(PACE_ENV) or str(DEFAULT_PACE_BYTES)
-        if not pace.isdigit() or int(pace) < 1:
-            raise ValueError(f"tide: {PACE_ENV}={pace!r} is not a positive number of bytes")
-        want = os.environ.get(rails.RAILS_ENV) or "p2p"
-        if want not in ("p2p", "nccl"):
-            raise ValueError(f"tide: {rails.RAILS_ENV}={want!r}: expected 'p2p' or 'nccl'")
-        why_not = ""
-        if want == "nccl":
-            why_not = ("the group is not an NCCL group (ranks sharing GPUs)" if "nccl" not in dist.get_backend(group)
-                       else nccl_rails.unavailable() or "")
-        what = f"tide: the multi-node settings of group {name!r}"
-        every = agreement.exchange(dist.distributed_c10d._get_default_store(), f"tide/multinode/{name}/settings",
-                                   group.rank(), group.size(), f"{int(pace)}:{want}:{why_not}",
-                                   watchdog.timeout_for(group), what)
-        settings = [v.split(":", 2) for v in every]
-        if len({(p, r) for p, r, _ in settings}) > 1:
-            raise RuntimeError(f"{what}: the ranks set {PACE_ENV} and {rails.RAILS_ENV} differently (per rank: "
-                               f"{[f'{p}, {r}' for p, r, _ in settings]}); the schedule needs the same on every rank")
-        if want == "nccl":
-            reasons = [f"rank {i}: {w}" for i, (_, _, w) in enumerate(settings) if w]
-            if reasons:
-                log.warning("%s: direct NCCL rails unavailable, the rails stay p2p (%s)", what, "; ".join(reasons))
-            else:
-                rails.use_direct(group)
-        _paces[name] = int(pace)
-    return _paces[name]
+    _agreements[name] += 1
+    prefix = f"tide/multinode/{name}/{_agreements[name]}"
+    pace = os.environ.get(PACE_ENV) or str(DEFAULT_PACE_BYTES)
+    want = os.environ.get(rails.RAILS_ENV) or "p2p"
+    problems = []  # published, not raised here: every rank names them instead of waiting for this one
+    if not pace.isdigit() or int(pace) < 1:
+        problems.append(f"{PACE_ENV}={pace!r} is not a positive number of bytes")
+    if want not in ("p2p", "nccl"):
+        problems.append(f"{rails.RAILS_ENV}={want!r}: expected 'p2p' or 'nccl'")
+    why_not = ""
+    if want == "nccl" and not problems:
+        why_not = ("the group is not an NCCL group (ranks sharing GPUs)" if "nccl" not in dist.get_backend(group)
+                   else nccl_rails.unavailable() or "")
+    what = f"tide: the multi-node settings of group {name!r}"
+    mine = json.dumps({"pace": pace, "rails": want, "why_not": why_not, "problems": problems})
+    store = dist.distributed_c10d._get_default_store()
+    every = [json.loads(v) for v in agreement.exchange(store, f"{prefix}/settings", group.rank(), group.size(), mine,
+                                                       watchdog.timeout_for(group), what)]
+    bad = [f"rank {r}: {p}" for r, v in enumerate(every) for p in v["problems"]]
+    if bad:
+        raise ValueError(f"{what}: {'; '.join(bad)}")
+    if len({(v["pace"], v["rails"]) for v in every}) > 1:
+        per_rank = [f"{v['pace']}, {v['rails']}" for v in every]
+        raise RuntimeError(f"{what}: the ranks set {PACE_ENV} and {rails.RAILS_ENV} differently (per rank: {per_rank}); "
+                           "the schedule needs the same on every rank")
+    reasons = [f"rank {r}: {v['why_not']}" for r, v in enumerate(every) if v["why_not"]]
+    if reasons:
+        log.warning("%s: direct NCCL rails unavailable, the rails stay p2p (%s)", what, "; ".join(reasons))
+    return Settings(group, int(pace), want == "nccl" and not reasons, prefix)
+
+
+def _pace(group: dist.ProcessGroup) -> int:
+    """The agreed pace, and the direct rails opened where agreed (at an op's start: every rank is there)."""
+    agreed = settings(group)
+    if agreed.direct:
+        rails.open_direct(group, agreed.prefix)
+    return agreed.pace
 
 
 def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:
     rank = group.rank()
     numels, steps = _ag_schedule(tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs),
-                                 topology, rank, pace or agreed_pace(group))
+                                 topology, rank, pace or _pace(group))
     flat = [o.view(-1) for o in outs]
     for shard, out, n in zip(shards, flat, numels):
         out[rank * n:(rank + 1) * n].copy_(shard.reshape(-1))  # the only cast
@@ -118,7 +151,7 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                    pace: int | None = None) -> None:
     rank = group.rank()
     layout, plan, steps = _rs_schedule(tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads),
-                                       topology, rs_chunk_bytes, pace or agreed_pace(group))
+                                       topology, rs_chunk_bytes, pace or _pace(group))
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
     for step in steps:

@@ -38,7 +38,7 @@ def unavailable() -> str | None:
         from tide.transport import build
 
         reason = build.load().nccl_unavailable()
-    except RuntimeError as e:
+    except Exception as e:  # noqa: BLE001 - any failure to build or load means: not here
         return f"the CUDA extension is unavailable: {str(e).splitlines()[0]}"
     return reason or None
 
@@ -46,7 +46,7 @@ def unavailable() -> str | None:
 class DirectRails:
     """The direct NCCL rails of ``group`` (every rank constructs them together, one GPU per rank)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, prefix: str) -> None:
         from tide.transport import build
 
         self.ext = build.load()
@@ -58,8 +58,7 @@ class DirectRails:
         what = f"tide.transport: the direct NCCL rails of group {self.label}"
         # Rank 0's unique id, read by every rank within the timeout (a missing peer is named, not waited for).
         mine = self.ext.nccl_unique_id().hex() if self.rank == 0 else ""
-        ids = agreement.exchange(store, f"tide/nccl_rails/{group.group_name}/id", self.rank, self.world, mine,
-                                 self.timeout_s, what)
+        ids = agreement.exchange(store, f"{prefix}/nccl_id", self.rank, self.world, mine, self.timeout_s, what)
         done = watchdog.Completion(self.ext, self.device.index)
         watchdog.WATCHDOG.track(done, "direct NCCL rails: communicator", self.label, self.timeout_s, self._report)
         try:
@@ -74,6 +73,11 @@ class DirectRails:
 
     def post(self, ops: Sequence[tuple[int, torch.Tensor, bool]], leg: str) -> None:
         """One NCCL group of ``(group peer, tensor, is_send)`` operations, ordered on the caller's stream."""
+        for i, (_, t, _) in enumerate(ops):  # NCCL moves bytes from an address: a contiguous tensor, here
+            if not t.is_contiguous() or t.device != self.device:
+                raise ValueError(f"tide: the direct NCCL rails' {leg} step: tensor {i} is "
+                                 f"{'on ' + str(t.device) if t.device != self.device else 'not contiguous'}; "
+                                 f"they move contiguous tensors on {self.device}")
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         for _, t, _ in ops:

@@ -27,25 +27,32 @@ import torch.distributed as dist
 from tide import counters
 
 RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "p2p" (default) or "nccl" (direct NCCL, opt-in)
-_direct: dict = {}  # process-group name -> its DirectRails (tide/transport/nccl_rails.py), once agreed
+_direct: dict = {}  # process-group name -> (the group, its DirectRails: tide/transport/nccl_rails.py)
 
 
 def implementation(group: dist.ProcessGroup, device: torch.device) -> str:
     """``p2p``, ``p2p_host_staged`` or ``nccl_direct`` for tensors on ``device`` over ``group`` (see the
-    module docstring)."""
+    module docstring). Under CUDA-graph capture the direct rails step aside for ``p2p``: their completion
+    word would be captured, not written."""
     if device.type == "cpu":
         return "p2p"
     if "nccl" not in dist.get_backend(group):
         return "p2p_host_staged"
-    return "nccl_direct" if group.group_name in _direct else "p2p"
+    opened = _direct.get(group.group_name)
+    if opened is not None and opened[0] is group and not torch.cuda.is_current_stream_capturing():
+        return "nccl_direct"
+    return "p2p"
 
 
-def use_direct(group: dist.ProcessGroup) -> None:
-    """Open ``group``'s direct NCCL rails (collective: every rank of the group, after agreeing on it)."""
+def open_direct(group: dist.ProcessGroup, prefix: str) -> None:
+    """Open ``group``'s direct NCCL rails unless they are open (collective: every rank of the group at the
+    same call, after agreeing on them; ``prefix``: that agreement's store keys). Never under CUDA-graph
+    capture, where the communicator's set-up must not run: a later call opens them."""
     from tide.transport.nccl_rails import DirectRails
 
-    if group.group_name not in _direct:
-        _direct[group.group_name] = DirectRails(group)
+    opened = _direct.get(group.group_name)
+    if (opened is None or opened[0] is not group) and not torch.cuda.is_current_stream_capturing():
+        _direct[group.group_name] = (group, DirectRails(group, prefix))
 
 
 # At most this many sends and as many receives per peer in one batch: NCCL before 2.30 can hang on a group
@@ -85,7 +92,7 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
         if not ops:  # no op with a peer in batch k here means none with this rank in that peer's batch k
             continue
         if how == "nccl_direct":
-            _direct[group.group_name].post(ops, leg)
+            _direct[group.group_name][1].post(ops, leg)
             continue
         p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, group=group, group_peer=peer) for peer, t, send in ops]
         for work in dist.batch_isend_irecv(p2p):
