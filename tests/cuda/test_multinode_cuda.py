@@ -80,3 +80,5 @@ def test_fsdp_parity_on_two_emulated_nodes(rails):
                 (what, t["transport"])
             want = "rail:nccl_direct" if rails == "nccl" else "rail:"
             assert any(k.startswith(want) for k in t["multinode"]), (what, t["multinode"])
+            assert (t["direct_rails"], t["direct_rails_after_disable"]) == ((1, 0) if rails == "nccl" else (0, 0)), \
+                (what, "direct rails open before / after tide.fsdp.disable")

@@ -55,6 +55,14 @@ def open_direct(group: dist.ProcessGroup, prefix: str) -> None:
         _direct[group.group_name] = (group, DirectRails(group, prefix))
 
 
+def close_direct(group: dist.ProcessGroup) -> None:
+    """Close ``group``'s direct NCCL rails, if open, once their work has completed (``tide.fsdp.disable``:
+    their communicator's buffers go with them; a later multi-node call opens them again)."""
+    opened = _direct.pop(group.group_name, None)
+    if opened is not None:
+        opened[1].stream.synchronize()
+
+
 # At most this many sends and as many receives per peer in one batch: NCCL before 2.30 can hang on a group
 # of many point-to-point operations (pytorch#174288), and an unpaced intra-node step of an MoE block has
 # thousands of pieces.
