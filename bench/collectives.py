@@ -35,7 +35,9 @@ calls at 1 MiB down to 8 from 32 MiB, so the ranks' skew after a barrier and the
 amortised. Until run 56 it went down to 2 from 256 MiB, where the first call weighs half: in run 56's
 bench/timeline.py TIDE-AG took 419 us per call over 3 calls after a barrier, and 371 us from one call's
 start to the next. t is the slowest rank's median over ``--reps``. SM time: the summed duration of non-memcpy/memset GPU kernels
-one call launches (torch.profiler). Writes ``collectives.csv`` and ``.png`` under ``--out``.
+one call launches (torch.profiler). Host time (``host_us``): the slowest rank's median time to issue one
+call in those loops; where it reaches t, the host sets the pace, not the GPU. Writes ``collectives.csv``
+and ``.png`` under ``--out``.
 """
 from __future__ import annotations
 
@@ -66,14 +68,24 @@ def inner_calls(size_mib: int) -> int:
     return max(8, min(50, 256 // max(1, size_mib)))
 
 
-def median_ms(fn, reps: int, inner: int) -> float:
+def median_ms(fn, reps: int, inner: int) -> tuple[float, float]:
+    """Medians over ``reps`` samples of ``inner`` back-to-back calls after a barrier: (GPU milliseconds per
+    call, by CUDA events; host microseconds to issue one call). A host time at or above the GPU time
+    means the host, not the GPU, sets the pace."""
     fn()
-    times = []
+    times, issue = [], []
+
+    def calls():
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        issue.append((time.perf_counter() - t0) / inner * 1e6)
+
     for _ in range(reps):
         torch.cuda.synchronize()
         dist.barrier()
-        times.append(cuda_ms(lambda: [fn() for _ in range(inner)]) / inner)
-    return statistics.median(times)
+        times.append(cuda_ms(calls) / inner)
+    return statistics.median(times), statistics.median(issue)
 
 
 _profiler_started = False
@@ -138,8 +150,9 @@ def profile_rows(fn, variant: str, size: int) -> list[dict]:
 def _measure(variants: dict, size: int, reps: int) -> list[dict]:
     rows = []
     for name, (fn, nbytes) in variants.items():
-        rows.append({"variant": name, "size_mib": size, "bytes": nbytes, "ms": median_ms(fn, reps, inner_calls(size)),
-                     "sm_us": sm_time_us(fn)})
+        ms, host_us = median_ms(fn, reps, inner_calls(size))
+        rows.append({"variant": name, "size_mib": size, "bytes": nbytes, "ms": ms, "sm_us": sm_time_us(fn),
+                     "host_us": host_us})
     return rows
 
 
@@ -327,9 +340,10 @@ def main(argv=None):
     for i, r in enumerate(per_rank[0]):
         t = max(pr[i]["ms"] for pr in per_rank)
         busbw = r["bytes"] / (t / 1e3) * (ranks - 1) / ranks / 1e9
-        rows.append({**r, "ms": t, "busbw_GBps": busbw, "sm_us": max(pr[i]["sm_us"] for pr in per_rank), **meta})
+        rows.append({**r, "ms": t, "busbw_GBps": busbw, "sm_us": max(pr[i]["sm_us"] for pr in per_rank),
+                     "host_us": max(pr[i]["host_us"] for pr in per_rank), **meta})
         print(f"{r['variant']:18s} {r['size_mib']:5d} MiB  {t:8.3f} ms  busbw {busbw:8.1f} GB/s  "
-              f"SM {rows[-1]['sm_us']:9.1f} us", flush=True)
+              f"SM {rows[-1]['sm_us']:9.1f} us  host {rows[-1]['host_us']:7.1f} us", flush=True)
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
     plt = pyplot()
@@ -346,8 +360,8 @@ def main(argv=None):
     for size in sorted({min(sizes), 16, 256, max(sizes)} & set(sizes)):
         sel = [r for r in rows if r["size_mib"] == size]
         print(f"SUMMARY {name} ({mode}, {size} MiB): " +
-              ", ".join(f"{r['variant']} {r['busbw_GBps']:.0f} GB/s {r['ms'] * 1e3:.0f} us SM {r['sm_us']:.0f} us"
-                        for r in sel))
+              ", ".join(f"{r['variant']} {r['busbw_GBps']:.0f} GB/s {r['ms'] * 1e3:.0f} us SM {r['sm_us']:.0f} us "
+                        f"host {r['host_us']:.0f} us" for r in sel))
 
 
 if __name__ == "__main__":

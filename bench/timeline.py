@@ -125,7 +125,7 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps, warmup_s):
         for op, fn in ops.items():
             for _ in range(2):
                 fn()
-            unprofiled_ms = median_ms(fn, reps, calls)  # one more warm-up call, then the samples
+            unprofiled_ms, _ = median_ms(fn, reps, calls)  # one more warm-up call, then the samples
             line_up()  # the profiler started once per process (run 56: 55 ms in the first AG), a barrier
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(calls):
