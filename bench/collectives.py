@@ -68,7 +68,7 @@ def inner_calls(size_mib: int) -> int:
     return max(8, min(50, 256 // max(1, size_mib)))
 
 
-def median_ms(fn, reps: int, inner: int) -> tuple[float, float]:
+def median_times(fn, reps: int, inner: int) -> tuple[float, float]:
     """Medians over ``reps`` samples of ``inner`` back-to-back calls after a barrier: (GPU milliseconds per
     call, by CUDA events; host microseconds to issue one call). A host time at or above the GPU time
     means the host, not the GPU, sets the pace."""
@@ -150,7 +150,7 @@ def profile_rows(fn, variant: str, size: int) -> list[dict]:
 def _measure(variants: dict, size: int, reps: int) -> list[dict]:
     rows = []
     for name, (fn, nbytes) in variants.items():
-        ms, host_us = median_ms(fn, reps, inner_calls(size))
+        ms, host_us = median_times(fn, reps, inner_calls(size))
         rows.append({"variant": name, "size_mib": size, "bytes": nbytes, "ms": ms, "sm_us": sm_time_us(fn),
                      "host_us": host_us})
     return rows

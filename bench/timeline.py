@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collectives import N_PARAMS, group_shapes, line_up, median_ms  # noqa: E402
+from collectives import N_PARAMS, group_shapes, line_up, median_times  # noqa: E402
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 
@@ -125,7 +125,7 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps, warmup_s):
         for op, fn in ops.items():
             for _ in range(2):
                 fn()
-            unprofiled_ms, _ = median_ms(fn, reps, calls)  # one more warm-up call, then the samples
+            unprofiled_ms, _ = median_times(fn, reps, calls)  # one more warm-up call, then the samples
             line_up()  # the profiler started once per process (run 56: 55 ms in the first AG), a barrier
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(calls):
