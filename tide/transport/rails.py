@@ -30,6 +30,12 @@ RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "p2p" (default) or "nccl" (direct NCCL, op
 _direct: dict = {}  # process-group name -> (the group, its DirectRails: tide/transport/nccl_rails.py)
 
 
+def _opened(group: dist.ProcessGroup):
+    """``group``'s open DirectRails, or None (also for another group once registered under its name)."""
+    entry = _direct.get(group.group_name)
+    return entry[1] if entry is not None and entry[0] is group else None
+
+
 def implementation(group: dist.ProcessGroup, device: torch.device) -> str:
     """``p2p``, ``p2p_host_staged`` or ``nccl_direct`` for tensors on ``device`` over ``group`` (see the
     module docstring). Under CUDA-graph capture the direct rails step aside for ``p2p``: their completion
@@ -38,8 +44,7 @@ def implementation(group: dist.ProcessGroup, device: torch.device) -> str:
         return "p2p"
     if "nccl" not in dist.get_backend(group):
         return "p2p_host_staged"
-    opened = _direct.get(group.group_name)
-    if opened is not None and opened[0] is group and not torch.cuda.is_current_stream_capturing():
+    if _opened(group) is not None and not torch.cuda.is_current_stream_capturing():
         return "nccl_direct"
     return "p2p"
 
@@ -50,8 +55,7 @@ def open_direct(group: dist.ProcessGroup, prefix: str) -> None:
     capture, where the communicator's set-up must not run: a later call opens them."""
     from tide.transport.nccl_rails import DirectRails
 
-    opened = _direct.get(group.group_name)
-    if (opened is None or opened[0] is not group) and not torch.cuda.is_current_stream_capturing():
+    if _opened(group) is None and not torch.cuda.is_current_stream_capturing():
         _direct[group.group_name] = (group, DirectRails(group, prefix))
 
 
@@ -100,7 +104,7 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
         if not ops:  # no op with a peer in batch k here means none with this rank in that peer's batch k
             continue
         if how == "nccl_direct":
-            _direct[group.group_name][1].post(ops, leg)
+            _opened(group).post(ops, leg)
             continue
         p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, group=group, group_peer=peer) for peer, t, send in ops]
         for work in dist.batch_isend_irecv(p2p):
