@@ -35,8 +35,6 @@ class Comm {
   void exchange(const std::vector<int64_t>& peers, const std::vector<int64_t>& addrs,
                 const std::vector<int64_t>& bytes, const std::vector<bool>& sends, int64_t stream);
 
-  int64_t rank() const { return rank_; }
-
  private:
   void* comm_ = nullptr;
   int64_t world_, rank_, device_;
