@@ -9,7 +9,8 @@ otherwise ranks share the GPUs over gloo (the pieces are staged through host mem
   tests/cuda/test_fsdp_cuda.py), every collective counted ``tide_multinode``, no arena created, every op
   call running the schedule, rounds counted on the rails.
 - Both with the direct NCCL rails (``TIDE_MULTINODE_RAILS=nccl``, tide/transport/nccl_rails.py) too: the
-  same answers, every rail round counted ``nccl_direct``.
+  same answers, every rail round counted ``nccl_direct``; closed and opened again (a new communicator,
+  fresh store keys), the same once more.
 """
 from __future__ import annotations
 
@@ -47,10 +48,14 @@ def _check_direct(rank, world_size, seed, trials, expect_nodes):
 
     from tide.transport import rails
 
+    group, device = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
     done = _check(rank, world_size, seed, trials, expect_nodes, "cuda")
-    device = torch.device("cuda", torch.cuda.current_device())
-    assert rails.implementation(dist.group.WORLD, device) == "nccl_direct"
-    return done
+    assert rails.implementation(group, device) == "nccl_direct"
+    rails.close_direct(group)  # what tide.fsdp.disable does; the next call opens a new communicator
+    assert rails.implementation(group, device) == "p2p"
+    again = _check(rank, world_size, seed + 1, trials, expect_nodes, "cuda")
+    assert rails.implementation(group, device) == "nccl_direct"
+    return done + again
 
 
 def test_ops_bit_exact_on_the_direct_nccl_rails():
@@ -58,7 +63,7 @@ def test_ops_bit_exact_on_the_direct_nccl_rails():
         pytest.skip("the direct NCCL rails need one GPU per rank: 2 GPUs")
     env = {**ranks.ENV, "LOCAL_WORLD_SIZE": "1", "TIDE_MULTINODE_RAILS": "nccl"}
     assert run_ranks(_check_direct, 2, 5077, 3, (2, 1), backend="nccl", device_type="cuda", env=env,
-                     timeout=300) == [3, 3]
+                     timeout=300) == [6, 6]
 
 
 @pytest.mark.parametrize("rails", ["p2p", "nccl"])

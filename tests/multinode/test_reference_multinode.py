@@ -248,3 +248,21 @@ def test_a_recreated_group_agrees_again():
     for first, second in run_ranks(_regrouped, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=120):
         assert first[1] and second[1], (first, second)
         assert first[0]["rail:p2p"] > 1 and second[0] == {"rail:p2p": 1}, (first, second)
+
+
+def test_a_steps_chunks_of_one_parameter_move_as_one_range():
+    """The schedule merges a destination's consecutive chunks of a parameter in a step: the same elements in
+    the same order (so the same sums), one range per parameter."""
+    from tide.meta.multinode import Topology
+    from tide.ops.reference_multinode import _rs_schedule
+
+    shapes, item_sizes = ((37, 5), (11,), (64, 3)), (2, 4, 2)
+    layout, plan, steps = _rs_schedule(shapes, item_sizes, Topology(3, 2), 16, 96)
+    for merged, chunks in zip(steps, plan.rs_steps(), strict=True):
+        for d, original in chunks.items():
+            def elements(cs):
+                return [(c.param, c.grad_offset + i, c.shard_offset + i) for c in cs for i in range(c.numel)]
+
+            assert elements(merged[d]) == elements(original), d
+            assert [c.param for c in merged[d]] == sorted({c.param for c in original}), d
+    assert sum(len(step[0]) for step in plan.rs_steps()) > sum(len(step[0]) for step in steps)  # chunks did merge

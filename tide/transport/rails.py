@@ -18,7 +18,7 @@ is not built. :func:`put_signal_unavailable` says why it could not run here.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Sequence
 
 import torch
@@ -28,6 +28,7 @@ from tide import counters
 
 RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "p2p" (default) or "nccl" (direct NCCL, opt-in)
 _direct: dict = {}  # process-group name -> (the group, its DirectRails: tide/transport/nccl_rails.py)
+_openings: Counter = Counter()  # process-group name -> direct rails opened so far (numbers their store keys)
 
 
 def _opened(group: dist.ProcessGroup):
@@ -56,7 +57,10 @@ def open_direct(group: dist.ProcessGroup, prefix: str) -> None:
     from tide.transport.nccl_rails import DirectRails
 
     if _opened(group) is None and not torch.cuda.is_current_stream_capturing():
-        _direct[group.group_name] = (group, DirectRails(group, prefix))
+        # Fresh store keys per opening: after a close, an earlier opening's unique id is still in the store,
+        # and a rank reading it would join a communicator that no longer exists (GPU run 63).
+        _openings[group.group_name] += 1
+        _direct[group.group_name] = (group, DirectRails(group, f"{prefix}/{_openings[group.group_name]}"))
 
 
 def close_direct(group: dist.ProcessGroup) -> None:
