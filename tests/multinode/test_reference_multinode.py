@@ -153,8 +153,9 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
             peaks.append(max(received))
     finally:
         rails.exchange = exchange
-    # bf16 contributions for the N partials it sums, or fp32 partials arriving / handed: one step's chunks.
-    bound = per_step * max((L - 1) * N * chunk, (N - 1) * 2 * chunk)
+    # bf16 contributions for the N partials it sums, or partials arriving / handed: one step's chunks. The
+    # partials are fp32 (twice a chunk's bf16 bytes) except with one rank per node, where they stay bf16.
+    bound = per_step * max((L - 1) * N * chunk, (N - 1) * (2 if L > 1 else 1) * chunk)
     assert max(peaks) <= bound, (peaks, bound)
     return peaks
 

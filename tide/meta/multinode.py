@@ -29,7 +29,9 @@ Reduce-scatter (destination d = (m, l_d); its rows of every gradient, in chunks 
 4. the partial lands on d's node on rank (m, (l_d + n) mod L), which hands it to d (intra-node);
 5. d sums in node order: out_d = scale * (((P_0[d] + P_1[d]) + ...) + P_(N-1)[d]).
 
-With N = 1 or L = 1 this order is the single-node one (all W contributions in rank order).
+With N = 1 or L = 1 this order is the single-node one (all W contributions in rank order). With L = 1 a
+node partial is one rank's contribution: it crosses the rail in the gradients' own dtype and becomes fp32
+where d sums (exact), half the rail bytes of fp32 for bf16 gradients.
 """
 from __future__ import annotations
 

@@ -7,10 +7,11 @@ All-gather: every received piece goes straight to its final address in ``outs``;
 step by step (each at most ``pace_bytes`` per rank), then the intra-node pushes. Every round is one batch
 of point-to-point operations (``tide/transport/rails.py``: NCCL for CUDA tensors, gloo for CPU tensors,
 host-staged for CUDA tensors on a gloo group). Reduce-scatter: node-local contributions into
-per-destination staging on the rank that sums the node's partial, the fp32 partials (local order), the
-rail rounds, the hand-off on the destination node and the sum in node order, in the plan's steps
-(``MultiNodePlan.rs_steps``: ``pace_bytes`` of chunks of every destination per step), so the staging is
-bounded whatever the model's size.
+per-destination staging on the rank that sums the node's partial, the fp32 partials (local order; with one
+rank per node the partial is its own contribution, sent in its dtype), the rail rounds, the hand-off on
+the destination node and the sum in node order, in the plan's steps (``MultiNodePlan.rs_steps``:
+``pace_bytes`` of chunks of every destination per step), so the staging is bounded whatever the model's
+size.
 
 The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), and the rails'
 implementation, ``TIDE_MULTINODE_RAILS`` (``p2p``, or ``nccl`` for direct NCCL: ``tide/transport/rails.py``),
@@ -197,28 +198,36 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     def empty(d, dtype):
         return torch.empty(numel[d], dtype=dtype, device=device)
 
+    def grad_dtype(d):  # what contribution(d) holds (any dtype when d has no chunks in this step)
+        return reduce(torch.promote_types, [flat[c.param].dtype for c in step[d]] or [flat[0].dtype])
+
+    def partial_dtype(d):
+        """What carries node partials for d: fp32, or with one rank per node (the partial is that rank's own
+        contribution) the gradients' dtype, converted to fp32 where the destination sums (exact): half the
+        rail bytes for bf16."""
+        return torch.float32 if L > 1 else grad_dtype(d)
+
     # 1. node-local contributions to the rank that sums the node's partial for each destination
     sends = [(plan.partial_rank(me_node, d), contribution(d)) for d in range(W)
              if plan.partial_rank(me_node, d) != rank and numel[d]]
-    staged = {(d, l): empty(d, reduce(torch.promote_types, [flat[c.param].dtype for c in step[d]]))
-              for d in mine for l in range(L) if l != me_local and numel[d]}
+    staged = {(d, l): empty(d, grad_dtype(d)) for d in mine for l in range(L) if l != me_local and numel[d]}
     recvs = [(topology.rank(me_node, l), staged[d, l]) for d in mine for l in range(L) if l != me_local and numel[d]]
     rails.exchange(group, sends, recvs, "intra")
     # 2. fp32 node partials, local order (the first term's conversion to fp32 is exact)
     partial = {}
     for d in mine:
         if not numel[d]:
-            partial[d] = empty(d, torch.float32)
+            partial[d] = empty(d, partial_dtype(d))
             continue
         terms = [contribution(d) if l == me_local else staged[d, l] for l in range(L)]
-        partial[d] = terms[0].to(torch.float32, copy=True)
+        partial[d] = terms[0].to(partial_dtype(d), copy=L > 1)
         for x in terms[1:]:
             partial[d].add_(x)
-    # 3. rail rounds: one destination's fp32 partials out and one's in per round
+    # 3. rail rounds: one destination's node partials out and one's in per round
     landed, sends, recvs = {}, [], []
     for t in range(1, N):
         send_to, dest_sent, recv_from, dest_received = plan.rs_rail_round(t, rank)
-        landed[topology.node(recv_from), dest_received] = empty(dest_received, torch.float32)
+        landed[topology.node(recv_from), dest_received] = empty(dest_received, partial_dtype(dest_received))
         if numel[dest_sent]:
             sends.append((send_to, partial[dest_sent]))
         if numel[dest_received]:
@@ -235,14 +244,14 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
         if plan.landing_rank(n, rank) == rank:
             parts[n] = landed[n, rank]
         else:
-            parts[n] = empty(rank, torch.float32)
+            parts[n] = empty(rank, partial_dtype(rank))
             if numel[rank]:
                 recvs.append((plan.landing_rank(n, rank), parts[n]))
     rails.exchange(group, sends, recvs, "handoff")
     # 5. the destination sums the N partials in node order, scales, and writes (or adds) each chunk
     if not numel[rank]:
         return
-    total = parts[0].clone()
+    total = parts[0].to(torch.float32, copy=True)
     for n in range(1, N):
         total.add_(parts[n])
     total.mul_(scale)
