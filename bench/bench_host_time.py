@@ -6,7 +6,10 @@ region, as the FSDP seam does at every unshard; ``ag_op_only`` uses slot views m
 ``torch.ops.tide.reduce_scatter_params_`` In-Place with the same gradient tensors every call, In-Place
 with gradients at new addresses every call (the transport keeps no per-address state, so this must
 cost the same), and Slot-Reuse: the gradients at their places in a slot (where FSDP's Slot-Reuse hooks
-leave them), which the op reads where they lie. Timed on rank 0 from the Python call to its return (the GPU is synchronised between
+leave them), which the op reads where they lie. Two more all-gather rows enter below the op, to split
+its Python: ``ag_kernel`` calls the op's CUDA kernel (``tide.ops.cuda``) without the ``torch.ops``
+dispatcher, ``ag_arena`` calls ``Arena.all_gather_into_params`` (the kernel's watchdog check, capture
+check and counter left out); the rest of ``ag_arena`` beyond its C++ part is the arena's Python. Timed on rank 0 from the Python call to its return (the GPU is synchronised between
 iterations, outside the timed region); the arena's counters split the C++ part of a call by kind
 (kernel launches, stream memops, copy-API calls, events); the rest is Python and op dispatch.
 
@@ -33,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
-VARIANTS = ("ag_bind", "ag_op_only", "rs_in_place", "rs_in_place_fresh", "rs_slot_reuse")
+VARIANTS = ("ag_bind", "ag_op_only", "ag_kernel", "ag_arena", "rs_in_place", "rs_in_place_fresh", "rs_slot_reuse")
 FRESH_SETS = 8
 CPP_KEYS = ("host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_copy", "host_ns_event", "kernels",
             "memop_calls", "copy_api_calls")
@@ -63,6 +66,7 @@ def tide_times(world_size: int, iters: int) -> dict:
 
     import tide  # noqa: F401
     from tide import transport
+    from tide.ops import cuda as tide_cuda
     from tide.transport import plans
 
     group = dist.group.WORLD
@@ -96,6 +100,8 @@ def tide_times(world_size: int, iters: int) -> dict:
 
     fns = {"ag_bind": ag_bind, "ag_op_only": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size,
                                                                                             name),
+           "ag_kernel": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name),
+           "ag_arena": lambda: arena.all_gather_into_params(shards, views[0]),
            "rs_in_place": rs, "rs_in_place_fresh": rs_fresh, "rs_slot_reuse": lambda: rs(in_slot)}
     res = {}
     for variant in VARIANTS:
