@@ -12,8 +12,9 @@ Variants, each in processes of its own (a clean allocator and one symmetric-memo
 ``bench/nccl_ce.py`` through ``set_custom_all_gather``, where torch and NCCL allow); ``tide_in_place``;
 ``tide_slot_reuse``. Per (variant, tokens): median step time over ``--steps`` steps after ``--warmup``
 (the slowest rank's), peak memory of rank 0 (``max_memory_allocated`` plus TIDE's symmetric arena,
-which the allocator does not count), and the CUDA graphs instantiated per step after warm-up
-(``cudaGraphInstantiate`` calls in a profiled step). Writes ``train_step_8b.csv`` / ``train_step_moe.csv``
+which the allocator does not count; ``device_used_mib``: the device's used memory after the steps, which
+also holds what the allocator never sees, such as NCCL's communicators), and the CUDA graphs
+instantiated per step after warm-up (``cudaGraphInstantiate`` calls in a profiled step). Writes ``train_step_8b.csv`` / ``train_step_moe.csv``
 (``train_step_<preset>.csv`` for the small presets) and a PNG under ``--out``. With fewer GPUs than
 ranks the ranks share a GPU over gloo: a smoke run, not NVLink numbers. ``--local-world-size L``
 emulates nodes of L ranks (``TIDE_CUDA_MULTINODE=1``: TIDE's variants run the multi-node schedule, every
@@ -95,9 +96,11 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
             times.append(time.perf_counter() - t0)
         graphs = graph_instantiations(lambda: step(warmup + steps))
         arena_bytes = sum(a.symmetric_bytes for a in transport.arenas())  # outside the allocator's counters
+        free, total = torch.cuda.mem_get_info(device)  # what the allocator cannot see: NCCL's communicators too
         rows.append({"variant": variant, "tokens_per_gpu": tokens, "median_step_ms": statistics.median(times) * 1e3,
                      "peak_mib": (torch.cuda.max_memory_allocated(device) + arena_bytes) / 2**20,
                      "peak_reserved_mib": (torch.cuda.max_memory_reserved(device) + arena_bytes) / 2**20,
+                     "device_used_mib": (total - free) / 2**20,
                      "graphs_built_per_step": graphs, "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                      "arena_mib": arena_bytes / 2**20, "final_loss": float(loss), "stats": str(tide.stats()["fsdp"]),
                      "arena_stats": str(tide.stats()["wiring"]),
