@@ -82,8 +82,10 @@ def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
         init = [torch.randn((shard_rows(sh[0], W), *sh[1:]), generator=torch.Generator().manual_seed(s + rank))
                 for sh in gshapes]
         shard_grads = [(x.clone() if accumulate else torch.full_like(x, float("nan"))).to(dev) for x in init]
-        tide.ops.reduce_scatter_params([g.to(dev) for g in grads_all[rank]], shard_grads, group, scale=scale,
-                                       accumulate=accumulate)
+        grads = [g.to(dev, copy=True) for g in grads_all[rank]]
+        tide.ops.reduce_scatter_params(grads, shard_grads, group, scale=scale, accumulate=accumulate)
+        for i, (g, g0) in enumerate(zip(grads, grads_all[rank])):  # read where they lie, never written
+            assert torch.equal(g.cpu(), g0), f"seed {seed} trial {t} rank {rank}: gradient {i} was modified"
         shard_grads = [x.cpu() for x in shard_grads]
         for i, sh in enumerate(gshapes):
             want, f64 = _expected_shard(grads_all, i, sh, rank, N, L, scale, init[i], accumulate)
@@ -267,3 +269,26 @@ def test_a_steps_chunks_of_one_parameter_move_as_one_range():
             assert elements(merged[d]) == elements(original), d
             assert [c.param for c in merged[d]] == sorted({c.param for c in original}), d
     assert sum(len(step[0]) for step in plan.rs_steps()) > sum(len(step[0]) for step in steps)  # chunks did merge
+
+
+def _one_parameter(rank, world_size, seed):
+    """A one-parameter reduce-scatter per gradient dtype on nodes of one rank, where each destination's
+    part is one range of the gradient and moves without a copy: (gradient unchanged, result exact) each."""
+    import torch.distributed as dist
+
+    import tide
+
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        every = [_inputs(seed, world_size, r, [(3 * world_size + 1, 4)], [dt])[0] for r in range(world_size)]
+        grad = every[rank].clone()
+        shard = torch.full((4, 4), float("nan"))
+        tide.ops.reduce_scatter_params([grad], [shard], dist.group.WORLD, scale=0.5)
+        want, _ = _expected_shard([[g] for g in every], 0, every[0].shape, rank, world_size, 1, 0.5, shard, False)
+        out.append((torch.equal(grad, every[rank]), torch.equal(shard.reshape(-1), want)))
+    return out
+
+
+def test_gradients_are_read_where_they_lie_never_written():
+    for per_dtype in run_ranks(_one_parameter, 2, 6061, env={"LOCAL_WORLD_SIZE": "1"}, timeout=120):
+        assert per_dtype == [(True, True), (True, True)], per_dtype

@@ -220,8 +220,8 @@ class MultiNodePlan:
         """The reduce-scatter, step by step: in step k, chunks ``k R .. (k + 1) R - 1`` of every destination
         (``GroupLayout.rs_chunks``, R = :meth:`rs_chunks_per_step`) go through the five stages. A rank's
         staging per step is then at most R (L - 1) N chunks of contributions (it sums N destinations'
-        node partials), R (N - 1) fp32 partials arriving on its rail and R (N - 1) handed to it, whatever
-        the model's size."""
+        node partials), R (N - 1) partials arriving on its rail and R (N - 1) handed to it (fp32; in the
+        gradients' dtype when L = 1), whatever the model's size."""
         R, W = self.rs_chunks_per_step(), self.topology.world_size
         chunks = [self.layout.rs_chunks(d) for d in range(W)]
         steps = max((len(c) + R - 1) // R for c in chunks) if chunks else 0

@@ -152,7 +152,7 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
                                  topology, rank, pace or _pace(group))
     flat = [o.view(-1) for o in outs]
     own = [out[rank * n:(rank + 1) * n] for out, n in zip(flat, numels)]
-    torch._foreach_copy_(own, [s.reshape(-1) for s in shards])  # the only cast, one launch for the group
+    torch._foreach_copy_(own, [s.reshape(-1) for s in shards])  # the only cast; one launch when the dtypes match
 
     def at(piece: Piece) -> torch.Tensor:
         start = piece.owner * numels[piece.param] + piece.first
@@ -213,7 +213,8 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     staged = {(d, l): empty(d, grad_dtype(d)) for d in mine for l in range(L) if l != me_local and numel[d]}
     recvs = [(topology.rank(me_node, l), staged[d, l]) for d in mine for l in range(L) if l != me_local and numel[d]]
     rails.exchange(group, sends, recvs, "intra")
-    # 2. fp32 node partials, local order (the first term's conversion to fp32 is exact)
+    # 2. fp32 node partials, local order (the first term's conversion to fp32 is exact); with L = 1 the
+    # partial is the contribution itself, never written to: the gradients stay as autograd left them
     partial = {}
     for d in mine:
         if not numel[d]:
