@@ -9,7 +9,9 @@ cost the same), and Slot-Reuse: the gradients at their places in a slot (where F
 leave them), which the op reads where they lie. Two more all-gather rows enter below the op, to split
 its Python: ``ag_kernel`` calls the op's CUDA kernel (``tide.ops.cuda``) without the ``torch.ops``
 dispatcher, ``ag_arena`` calls ``Arena.all_gather_into_params`` (the kernel's watchdog check, capture
-check and counter left out); the rest of ``ag_arena`` beyond its C++ part is the arena's Python. Timed on rank 0 from the Python call to its return (the GPU is synchronised between
+check and counter left out); the rest of ``ag_arena`` beyond its C++ part is the arena's Python.
+``dispatch_only`` calls an operator of this bench with the all-gather's schema whose CUDA kernel does
+nothing: what the ``torch.ops`` dispatcher itself costs for these arguments. Timed on rank 0 from the Python call to its return (the GPU is synchronised between
 iterations, outside the timed region); the arena's counters split the C++ part of a call by kind
 (kernel launches, stream memops, copy-API calls, events); the rest is Python and op dispatch.
 
@@ -36,7 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
-VARIANTS = ("ag_bind", "ag_op_only", "ag_kernel", "ag_arena", "rs_in_place", "rs_in_place_fresh", "rs_slot_reuse")
+VARIANTS = ("ag_bind", "ag_op_only", "ag_kernel", "ag_arena", "dispatch_only", "rs_in_place", "rs_in_place_fresh",
+            "rs_slot_reuse")
 FRESH_SETS = 8
 CPP_KEYS = ("host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_copy", "host_ns_event", "kernels",
             "memop_calls", "copy_api_calls")
@@ -47,6 +50,18 @@ def group_shapes(n_params: int = 60, hidden: int = 1024, ffn: int = 2816) -> lis
     per_block = [(hidden, hidden), (hidden // 4, hidden), (hidden // 4, hidden), (hidden, hidden),
                  (ffn, hidden), (ffn, hidden), (hidden, ffn), (hidden,), (hidden,), (ffn // 11,)]
     return [per_block[i % len(per_block)] for i in range(n_params)]
+
+
+def _no_op_with_the_all_gathers_schema():
+    """``torch.ops.tide_bench.all_gather_schema_``: the all-gather's schema, a CUDA kernel that does nothing."""
+    if not hasattr(_no_op_with_the_all_gathers_schema, "lib"):
+        from tide.ops.schemas import SCHEMAS
+
+        lib = torch.library.Library("tide_bench", "DEF")
+        lib.define(SCHEMAS["all_gather_into_params_"].replace("all_gather_into_params_", "all_gather_schema_", 1))
+        lib.impl("all_gather_schema_", lambda shards, outs, world_size, group_name: None, "CUDA")
+        _no_op_with_the_all_gathers_schema.lib = lib  # registrations live as long as their Library
+    return torch.ops.tide_bench.all_gather_schema_
 
 
 def _time(fn, iters: int) -> list[float]:
@@ -86,6 +101,7 @@ def tide_times(world_size: int, iters: int) -> dict:
         v.copy_(g)
     fsdp_outs = [torch.empty(world_size * s.numel(), device=dev, dtype=torch.bfloat16) for s in shards]
     calls = [0]
+    no_op = _no_op_with_the_all_gathers_schema()
 
     def ag_bind():
         arena.bind_outputs(fsdp_outs, 1)
@@ -102,6 +118,7 @@ def tide_times(world_size: int, iters: int) -> dict:
                                                                                             name),
            "ag_kernel": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name),
            "ag_arena": lambda: arena.all_gather_into_params(shards, views[0]),
+           "dispatch_only": lambda: no_op(shards, views[0], world_size, name),
            "rs_in_place": rs, "rs_in_place_fresh": rs_fresh, "rs_slot_reuse": lambda: rs(in_slot)}
     res = {}
     for variant in VARIANTS:
