@@ -28,6 +28,7 @@ Writes ``host_time.csv`` and ``.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -52,16 +53,15 @@ def group_shapes(n_params: int = 60, hidden: int = 1024, ffn: int = 2816) -> lis
     return [per_block[i % len(per_block)] for i in range(n_params)]
 
 
-def _no_op_with_the_all_gathers_schema():
+@functools.cache  # registrations live as long as their Library: the cache keeps it
+def _no_op_library() -> torch.library.Library:
     """``torch.ops.tide_bench.all_gather_schema_``: the all-gather's schema, a CUDA kernel that does nothing."""
-    if not hasattr(_no_op_with_the_all_gathers_schema, "lib"):
-        from tide.ops.schemas import SCHEMAS
+    from tide.ops.schemas import SCHEMAS
 
-        lib = torch.library.Library("tide_bench", "DEF")
-        lib.define(SCHEMAS["all_gather_into_params_"].replace("all_gather_into_params_", "all_gather_schema_", 1))
-        lib.impl("all_gather_schema_", lambda shards, outs, world_size, group_name: None, "CUDA")
-        _no_op_with_the_all_gathers_schema.lib = lib  # registrations live as long as their Library
-    return torch.ops.tide_bench.all_gather_schema_
+    lib = torch.library.Library("tide_bench", "DEF")
+    lib.define(SCHEMAS["all_gather_into_params_"].replace("all_gather_into_params_", "all_gather_schema_", 1))
+    lib.impl("all_gather_schema_", lambda shards, outs, world_size, group_name: None, "CUDA")
+    return lib
 
 
 def _time(fn, iters: int) -> list[float]:
@@ -101,7 +101,8 @@ def tide_times(world_size: int, iters: int) -> dict:
         v.copy_(g)
     fsdp_outs = [torch.empty(world_size * s.numel(), device=dev, dtype=torch.bfloat16) for s in shards]
     calls = [0]
-    no_op = _no_op_with_the_all_gathers_schema()
+    _no_op_library()
+    no_op = torch.ops.tide_bench.all_gather_schema_
 
     def ag_bind():
         arena.bind_outputs(fsdp_outs, 1)

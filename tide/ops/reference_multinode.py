@@ -188,6 +188,12 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     mine = [d for d in range(W) if plan.partial_rank(me_node, d) == rank]  # the partials this rank sums
     device = flat[0].device
     numel = {d: sum(c.numel for c in step[d]) for d in range(W)}
+    # What contribution(d) holds (any dtype when d has no chunks in this step), and what carries node
+    # partials for d: fp32, or with one rank per node (the partial is that rank's own contribution) the
+    # gradients' dtype, converted to fp32 where the destination sums (exact): half the rail bytes for bf16.
+    grad_dtype = {d: reduce(torch.promote_types, [flat[c.param].dtype for c in step[d]] or [flat[0].dtype])
+                  for d in range(W)}
+    partial_dtype = grad_dtype if L == 1 else dict.fromkeys(range(W), torch.float32)
 
     def contribution(d):
         """This rank's gradient chunks for destination d: the gradient's own elements when they are one
@@ -198,19 +204,10 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     def empty(d, dtype):
         return torch.empty(numel[d], dtype=dtype, device=device)
 
-    def grad_dtype(d):  # what contribution(d) holds (any dtype when d has no chunks in this step)
-        return reduce(torch.promote_types, [flat[c.param].dtype for c in step[d]] or [flat[0].dtype])
-
-    def partial_dtype(d):
-        """What carries node partials for d: fp32, or with one rank per node (the partial is that rank's own
-        contribution) the gradients' dtype, converted to fp32 where the destination sums (exact): half the
-        rail bytes for bf16."""
-        return torch.float32 if L > 1 else grad_dtype(d)
-
     # 1. node-local contributions to the rank that sums the node's partial for each destination
     sends = [(plan.partial_rank(me_node, d), contribution(d)) for d in range(W)
              if plan.partial_rank(me_node, d) != rank and numel[d]]
-    staged = {(d, l): empty(d, grad_dtype(d)) for d in mine for l in range(L) if l != me_local and numel[d]}
+    staged = {(d, l): empty(d, grad_dtype[d]) for d in mine for l in range(L) if l != me_local and numel[d]}
     recvs = [(topology.rank(me_node, l), staged[d, l]) for d in mine for l in range(L) if l != me_local and numel[d]]
     rails.exchange(group, sends, recvs, "intra")
     # 2. fp32 node partials, local order (the first term's conversion to fp32 is exact); with L = 1 the
@@ -218,17 +215,17 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     partial = {}
     for d in mine:
         if not numel[d]:
-            partial[d] = empty(d, partial_dtype(d))
+            partial[d] = empty(d, partial_dtype[d])
             continue
         terms = [contribution(d) if l == me_local else staged[d, l] for l in range(L)]
-        partial[d] = terms[0].to(partial_dtype(d), copy=L > 1)
+        partial[d] = terms[0].to(partial_dtype[d], copy=L > 1)
         for x in terms[1:]:
             partial[d].add_(x)
     # 3. rail rounds: one destination's node partials out and one's in per round
     landed, sends, recvs = {}, [], []
     for t in range(1, N):
         send_to, dest_sent, recv_from, dest_received = plan.rs_rail_round(t, rank)
-        landed[topology.node(recv_from), dest_received] = empty(dest_received, partial_dtype(dest_received))
+        landed[topology.node(recv_from), dest_received] = empty(dest_received, partial_dtype[dest_received])
         if numel[dest_sent]:
             sends.append((send_to, partial[dest_sent]))
         if numel[dest_received]:
@@ -245,7 +242,7 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
         if plan.landing_rank(n, rank) == rank:
             parts[n] = landed[n, rank]
         else:
-            parts[n] = empty(rank, partial_dtype(rank))
+            parts[n] = empty(rank, partial_dtype[rank])
             if numel[rank]:
                 recvs.append((plan.landing_rank(n, rank), parts[n]))
     rails.exchange(group, sends, recvs, "handoff")
