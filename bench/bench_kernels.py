@@ -39,8 +39,8 @@ def sum_rows(ext, k: int, n: int, ctas_list, reps: int) -> list[dict]:
         out = torch.randn(n, device="cuda")
         nbytes = k * n * 2 + 4 * n * (2 if accumulate else 1)
         for ctas in ctas_list:
-            ms = _median_ms(lambda: ext.sum_strided(out=out, base=base, k=k, stride_bytes=n * 2, n=n, scale=1.0,
-                                                    accumulate=accumulate, ctas=ctas), reps)
+            ms = _median_ms(lambda: ext.sum_rows(outs=[out], rows=base.view(k, n), owns=[], own_row=-1, scale=1.0,
+                                                 accumulate=accumulate, ctas=ctas), reps)
             rows.append({"kernel": "sum_contributions", "case": f"K={k} bf16->fp32 {'accumulate' if accumulate else 'write'}",
                          "ctas": ctas, "bytes": nbytes, "ms": ms, "tb_per_s": nbytes / (ms * 1e-3) / 1e12})
             print(f"sum  {rows[-1]['case']:28s} ctas={ctas:4d}  {rows[-1]['tb_per_s']:.3f} TB/s", flush=True)

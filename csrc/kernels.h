@@ -38,7 +38,8 @@ constexpr int kCastThreads = 256;
 // One segment of the summing kernel:
 //   out[i] (+)= scale * (x_0[i] + x_1[i] + ... + x_{K-1}[i]),  i in [0, n), fp32, k in rank order,
 // where x_k = own                                     for k == own_rank (read where it lies), and
-//       x_k = staging + k * stride + entry_off         otherwise (the k-th contributor's entry).
+//       x_k = staging + j * stride + entry_off         otherwise (the k-th contributor's entry), with
+//       j = k, or j = k - 1 for k > own_rank when own_skipped (the staging holds no entry for own_rank).
 // zero != 0 makes it a padding segment: out[i] = 0.
 struct SumSegment {
   float* out;
@@ -56,6 +57,7 @@ struct SumArgs {
   int32_t own_rank;
   float scale;
   int32_t accumulate;
+  int32_t own_skipped;
   int32_t nseg;
   SumSegment seg[kMaxSegments];
 };

@@ -9,7 +9,8 @@
 - ``ops``: calls of the ``torch.ops.tide`` ops on CUDA, ``"<op>:tide"`` (the transport),
   ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``;
 - ``multinode``: point-to-point rounds of the multi-node schedule per leg and implementation
-  (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/transport/rails.py``);
+  (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/transport/rails.py``), and its sums by
+  implementation (``"sum:kernel"``, ``"sum:torch"``: ``tide/ops/sums.py``);
 - ``arenas``: each live arena's own counters (copies, bytes, kernels, host time), by its ranks.
 
 A path other than TIDE's is logged once per reason (INFO for op calls, WARNING for FSDP2 fallbacks of an
@@ -65,8 +66,8 @@ def count_op(op: str, reason: str | None = None, multinode: bool = False) -> Non
 
 
 def count_multinode(key: str) -> None:
-    """One point-to-point round of the multi-node schedule: ``"<leg>:<implementation>"``
-    (``tide/transport/rails.py``)."""
+    """One point-to-point round of the multi-node schedule, ``"<leg>:<implementation>"``
+    (``tide/transport/rails.py``), or one of its sums, ``"sum:kernel"`` or ``"sum:torch"`` (``tide/ops/sums.py``)."""
     _multinode[key] += 1
     if trace.ENABLED:
         trace.event(f"multinode {key}")

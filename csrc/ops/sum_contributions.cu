@@ -1,15 +1,17 @@
-// tide sum_contributions: the destination-side kernel of TIDE-RS.
+// tide sum_contributions: the destination-side kernel of TIDE-RS, and the multi-node schedule's sums
+// (node partials, then a destination's partials: the extension's sum_rows, tide/ops/sums.py).
 //
 // For every segment s of a launch (see SumSegment in csrc/kernels.h):
 //
-//   x_k(i) = k == own_rank ? own[i] : (staging + k * stride + entry_off)[i]      k = 0 .. K-1
+//   x_k(i) = k == own_rank ? own[i] : (staging + j * stride + entry_off)[i]      k = 0 .. K-1
+//   j      = own_skipped && k > own_rank ? k - 1 : k
 //   acc    = float(x_0(i));  acc = acc + float(x_1(i));  ...;  acc = acc + float(x_{K-1}(i))
 //   v      = acc * float(scale)
 //   out[i] = accumulate ? out[i] + v : v                                           i in [0, n)
 //
 // in exactly that order, each step one IEEE fp32 operation rounded to nearest (__fadd_rn /
 // __fmul_rn, so nvcc cannot contract a step into an FMA). That is bit for bit what the reference
-// backend computes (tide.ops.reference.sum_contributions_). Padding segments (zero != 0) write 0.
+// backend computes (tide.ops.sums.sum_rows_). Padding segments (zero != 0) write 0.
 //
 // The grid is persistent and bounded (default 16 CTAs, TIDE_RS_CTAS): the kernel is short-lived,
 // shares the GPU with the model's kernels, and never waits on a flag (the stream waits before it with
@@ -108,6 +110,7 @@ struct Common {
   int32_t own_rank;
   float scale;
   int32_t accumulate;
+  int32_t own_skipped;
 };
 
 // Streaming loads: read-only path, no L1 allocation, and a 256-B L2 prefetch hint, which keeps more
@@ -126,7 +129,8 @@ __device__ __forceinline__ uint2 ld_stream(const uint2* p) {
 }
 
 __device__ __forceinline__ const void* source(const Common& a, const SumSegment& s, int k) {
-  return k == a.own_rank ? s.own : static_cast<const void*>(a.staging + k * a.stride + s.entry_off);
+  const int j = a.own_skipped && k > a.own_rank ? k - 1 : k;
+  return k == a.own_rank ? s.own : static_cast<const void*>(a.staging + j * a.stride + s.entry_off);
 }
 
 __device__ __forceinline__ float finish(float acc, float scale, bool accumulate, float old) {
@@ -245,7 +249,7 @@ __device__ void zero_segment(const SumSegment& s) {
 // and K = 0 means "K known at run time" (more than 8 contributions).
 template <typename T, int K, bool kAccumulate>
 __global__ void __launch_bounds__(kSumThreads, 1) sum_contributions_kernel(const __grid_constant__ SumArgs a) {
-  const Common c{a.staging, a.stride, a.k, a.own_rank, a.scale, a.accumulate};
+  const Common c{a.staging, a.stride, a.k, a.own_rank, a.scale, a.accumulate, a.own_skipped};
   for (int i = 0; i < a.nseg; ++i) {
     const SumSegment s = a.seg[i];
     if (s.zero) {

@@ -94,27 +94,68 @@ py::dict counters(const Arena& a) {
   return d;
 }
 
-// Standalone summing kernel over K equally strided local buffers (the kernel benchmark and tests):
-// out[i] (+)= scale * sum_k x_k[i] with x_k = base + k * stride_bytes.
-void sum_strided(const at::Tensor& out, const at::Tensor& base, int64_t k, int64_t stride_bytes, int64_t n, double scale,
-                 bool accumulate, int64_t ctas) {
-  TORCH_CHECK(out.is_cuda() && base.is_cuda(), "tide.sum_strided: out and base must be CUDA tensors");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= n,
-              "tide.sum_strided: out must be a contiguous fp32 tensor of at least n elements");
-  TORCH_CHECK(k >= 1 && base.numel() * base.element_size() >= (k - 1) * stride_bytes + n * base.element_size(),
-              "tide.sum_strided: base is too small for k strided contributions");
-  const int32_t dtype = base.scalar_type() == at::kBFloat16 ? kBF16 : base.scalar_type() == at::kHalf ? kF16 : kF32;
-  c10::cuda::CUDAGuard guard(out.device());
+// The summing kernel on rows of one buffer: the multi-node schedule's node partials and destination sums
+// (tide/ops/reference_multinode.py), and the kernel's tests and benchmark. With n = the outs' numels
+// summed and off_j = the numels of outs[0..j) summed:
+//   outs[j] (+)= scale * (x_0 + x_1 + ... + x_{K-1})[off_j : off_j + outs[j].numel()],  fp32, k in order,
+// where x_k, for k == own_row, is owns[j] read where it lies (one per out), and otherwise the next row of
+// `rows` (R x n, rows contiguous: K = R + 1 with owns, K = R without, own_row = -1). Bit for bit
+// tide.ops.reference.sum_rows_.
+void sum_rows(const std::vector<at::Tensor>& outs, const at::Tensor& rows, const std::vector<at::Tensor>& owns,
+              int64_t own_row, double scale, bool accumulate, int64_t ctas) {
+  auto code = [](const at::Tensor& t) {
+    const auto s = t.scalar_type();
+    TORCH_CHECK(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "tide.sum_rows: rows and owns must be fp32, bf16 or fp16");
+    return s == at::kBFloat16 ? kBF16 : s == at::kHalf ? kF16 : kF32;
+  };
+  TORCH_CHECK(!outs.empty(), "tide.sum_rows: outs is empty");
+  TORCH_CHECK(rows.is_cuda() && rows.dim() == 2 && (rows.size(1) <= 1 || rows.stride(1) == 1),
+              "tide.sum_rows: rows must be a 2-D CUDA tensor of contiguous rows");
+  const bool has_own = !owns.empty();
+  TORCH_CHECK(has_own ? owns.size() == outs.size() : own_row == -1,
+              "tide.sum_rows: owns needs one tensor per out, and own_row = -1 without owns");
+  const int64_t k = rows.size(0) + (has_own ? 1 : 0);
+  TORCH_CHECK(k >= 1 && (!has_own || (own_row >= 0 && own_row < k)),
+              "tide.sum_rows: own_row=", num(own_row), " not in [0, ", num(k), ")");
+  const int32_t dtype = code(rows);
+  int64_t n = 0;
+  for (size_t j = 0; j < outs.size(); ++j) {
+    const at::Tensor& o = outs[j];
+    TORCH_CHECK(o.is_cuda() && o.get_device() == rows.get_device() && o.scalar_type() == at::kFloat && o.is_contiguous(),
+                "tide.sum_rows: outs[", num(j), "] must be a contiguous fp32 tensor on rows' device");
+    if (has_own)
+      TORCH_CHECK(owns[j].is_cuda() && owns[j].get_device() == rows.get_device() && owns[j].is_contiguous() &&
+                      code(owns[j]) == dtype && owns[j].numel() == o.numel(),
+                  "tide.sum_rows: owns[", num(j), "] must be contiguous, on rows' device, in rows' dtype, with outs[",
+                  num(j), "]'s numel");
+    n += o.numel();
+  }
+  TORCH_CHECK(rows.size(1) == n, "tide.sum_rows: rows have ", num(rows.size(1)), " columns, the outs ", num(n),
+              " elements");
+  c10::cuda::CUDAGuard guard(rows.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   SumArgs a{};
-  a.staging = static_cast<const char*>(base.data_ptr());
-  a.stride = stride_bytes;
+  a.staging = static_cast<const char*>(rows.data_ptr());
+  a.stride = rows.stride(0) * static_cast<int64_t>(rows.element_size());
   a.k = static_cast<int32_t>(k);
-  a.own_rank = -1;
+  a.own_rank = static_cast<int32_t>(own_row);
+  a.own_skipped = has_own;
   a.scale = static_cast<float>(scale);
   a.accumulate = accumulate;
-  a.nseg = 1;
-  a.seg[0] = SumSegment{out.data_ptr<float>(), nullptr, 0, n, dtype, 0};
-  launch_sum_contributions(a, static_cast<int>(ctas), c10::cuda::getCurrentCUDAStream().stream());
+  int64_t off = 0;
+  for (size_t j = 0; j < outs.size(); ++j) {
+    if (outs[j].numel() > 0) {
+      const void* own = has_own ? owns[j].data_ptr() : nullptr;
+      a.seg[a.nseg++] = SumSegment{outs[j].data_ptr<float>(), own, off * static_cast<int64_t>(rows.element_size()),
+                                   outs[j].numel(), dtype, 0};
+      if (a.nseg == kMaxSegments) {
+        launch_sum_contributions(a, static_cast<int>(ctas), stream);
+        a.nseg = 0;
+      }
+    }
+    off += outs[j].numel();
+  }
+  launch_sum_contributions(a, static_cast<int>(ctas), stream);
 }
 
 // The own-shard cast kernel on one contiguous pair (the kernel benchmark and tests): dst = cast(src).
@@ -208,8 +249,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return d;
            });
   m.def("op_completed", &completions::completed, py::arg("device"), py::arg("op"));
-  m.def("sum_strided", &sum_strided, py::arg("out"), py::arg("base"), py::arg("k"), py::arg("stride_bytes"), py::arg("n"),
-        py::arg("scale"), py::arg("accumulate"), py::arg("ctas"));
+  m.def("sum_rows", &sum_rows, py::arg("outs"), py::arg("rows"), py::arg("owns"), py::arg("own_row"), py::arg("scale"),
+        py::arg("accumulate"), py::arg("ctas"));
   m.def("cast_into", &cast_into, py::arg("dst"), py::arg("src"), py::arg("max_ctas"));
   m.def("ipc_export", [](const at::Tensor& t) {
           const ipc::Export e = ipc::export_segment(t);

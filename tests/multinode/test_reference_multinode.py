@@ -95,8 +95,11 @@ def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
                 assert torch.allclose(got[:f64.numel()].double(), f64, rtol=1e-5, atol=1e-5), \
                     f"seed {seed} trial {t} rank {rank}: param {i} far from the float64 sum"
     rounds = tide.stats()["multinode"]
-    if N > 1:  # the rails carried pieces, by the implementation the group and device call for
+    if N > 1:  # the rails carried pieces, by the implementation the group and device call for, and the
+        # sums ran on the summing kernel on GPUs, as torch ops on the CPU
         assert rounds.get(f"rail:{rails.implementation(group, dev)}", 0) > 0, rounds
+        assert rounds.get("sum:kernel" if device_type == "cuda" else "sum:torch", 0) > 0, rounds
+        assert rounds.get("sum:torch" if device_type == "cuda" else "sum:kernel", 0) == 0, rounds
     return trials
 
 

@@ -28,7 +28,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from tide import topology
 from tide.meta import checks
 from tide.meta.layout import rank_row_range, rows_and_row_numel
-from tide.ops import reference_multinode
+from tide.ops import reference_multinode, sums
 from tide.transport.agreement import call_desc
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
@@ -93,21 +93,6 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
         w.wait()
 
 
-def sum_contributions_(shard_flat: torch.Tensor, contributions: torch.Tensor, scale: float, accumulate: bool) -> None:
-    """``shard_flat[:n] (+)= scale * sum_k contributions[k]``, fp32, k in order 0..W-1; the tail
-    ``shard_flat[n:]`` (padding) is zeroed unless accumulating. This order is the ops' contract."""
-    n = contributions.shape[1]
-    acc = contributions[0].to(torch.float32, copy=True)
-    for k in range(1, contributions.shape[0]):
-        acc.add_(contributions[k])
-    acc.mul_(scale)
-    if accumulate:
-        shard_flat[:n].add_(acc)
-    else:
-        shard_flat[:n].copy_(acc)
-        shard_flat[n:].zero_()
-
-
 def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name) -> None:
     op = "reduce_scatter_params_"
     checks.check_reduce_scatter_params(op, grads, shard_grads, world_size)
@@ -135,7 +120,10 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     for work, recv, shard in pending:
         if work is not None:
             work.wait()
-        sum_contributions_(shard.view(-1), recv, scale, accumulate)
+        flat, n = shard.view(-1), recv.shape[1]
+        sums.sum_rows_([flat[:n]], recv, scale=scale, accumulate=accumulate)  # the W contributions in rank order
+        if not accumulate:
+            flat[n:].zero_()  # padding rows
 
 
 def all_gather(shards, world_size, group_name) -> list[torch.Tensor]:

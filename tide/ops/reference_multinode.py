@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES, GroupLayout, RsChunk
 from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topology
+from tide.ops import sums
 from tide.transport import agreement, nccl_rails, rails, watchdog
 
 log = logging.getLogger("tide")
@@ -181,81 +182,89 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
                          plan: MultiNodePlan) -> None:
     """One step of :meth:`MultiNodePlan.rs_steps`: ``step[d]`` are destination d's chunks in it. Each stage
     moves and sums a destination's chunks of the step as one buffer (one send per peer and destination,
-    a few kernels per destination), in the same element order as chunk by chunk."""
+    one sum per destination: ``tide/ops/sums.py``), in the same element order as chunk by chunk."""
     topology, rank = plan.topology, group.rank()
     N, L, W = topology.num_nodes, topology.local_size, topology.world_size
     me_node, me_local = topology.node(rank), topology.local(rank)
     mine = [d for d in range(W) if plan.partial_rank(me_node, d) == rank]  # the partials this rank sums
     device = flat[0].device
-    numel = {d: sum(c.numel for c in step[d]) for d in range(W)}
-    # What contribution(d) holds (any dtype when d has no chunks in this step), and what carries node
-    # partials for d: fp32, or with one rank per node (the partial is that rank's own contribution) the
-    # gradients' dtype, converted to fp32 where the destination sums (exact): half the rail bytes for bf16.
+    sizes = {d: [c.numel for c in step[d]] for d in range(W)}
+    numel = {d: sum(sizes[d]) for d in range(W)}
+    # What this rank's contribution to d is staged in (any dtype when d has no chunks in this step), and
+    # what carries node partials for d: fp32, or with one rank per node (the partial is that rank's own
+    # contribution) the gradients' dtype, converted to fp32 where the destination sums (exact): half the
+    # rail bytes for bf16.
     grad_dtype = {d: reduce(torch.promote_types, [flat[c.param].dtype for c in step[d]] or [flat[0].dtype])
                   for d in range(W)}
     partial_dtype = grad_dtype if L == 1 else dict.fromkeys(range(W), torch.float32)
 
-    def contribution(d):
-        """This rank's gradient chunks for destination d: the gradient's own elements when they are one
-        range, else gathered (one kernel; mixed dtypes promote, which is exact, since every sum runs in fp32)."""
+    def own_terms(d):
+        """This rank's gradient chunks for destination d, one per chunk, as a sum's own terms: read where
+        they lie when they share d's staging dtype, else gathered into it (promotion is exact: every sum
+        runs in fp32)."""
         ranges = [flat[c.param][c.grad_offset:c.grad_offset + c.numel] for c in step[d]]
+        if all(r.dtype == grad_dtype[d] for r in ranges):
+            return ranges
+        return list(torch.cat(ranges).split(sizes[d]))
+
+    def contribution(d):
+        """The same as one tensor, to send (the gradient's own elements when they are one range)."""
+        ranges = own_terms(d)
         return ranges[0] if len(ranges) == 1 else torch.cat(ranges)
 
-    def empty(d, dtype):
-        return torch.empty(numel[d], dtype=dtype, device=device)
+    def empty(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=device)
 
-    # 1. node-local contributions to the rank that sums the node's partial for each destination
+    def row(rows, index, own):  # the row of ``rows`` that stands for term ``index`` (``own``'s has none)
+        return rows[index - 1 if index > own else index]
+
+    # 1. node-local contributions to the rank that sums the node's partial for each destination, staged as
+    # the rows of that sum (local order, this rank's own row left out)
     sends = [(plan.partial_rank(me_node, d), contribution(d)) for d in range(W)
              if plan.partial_rank(me_node, d) != rank and numel[d]]
-    staged = {(d, l): empty(d, grad_dtype[d]) for d in mine for l in range(L) if l != me_local and numel[d]}
-    recvs = [(topology.rank(me_node, l), staged[d, l]) for d in mine for l in range(L) if l != me_local and numel[d]]
+    staged = {d: empty((L - 1, numel[d]), grad_dtype[d]) for d in mine if numel[d] and L > 1}
+    recvs = [(topology.rank(me_node, l), row(staged[d], l, me_local)) for d in staged for l in range(L) if l != me_local]
     rails.exchange(group, sends, recvs, "intra")
-    # 2. fp32 node partials, local order (the first term's conversion to fp32 is exact); with L = 1 the
-    # partial is the contribution itself, never written to: the gradients stay as autograd left them
-    partial = {}
+    # 2. node partials in local order (fp32); with L = 1 the partial is this rank's contribution itself,
+    # never written to: the gradients stay as autograd left them
+    to_send, own_partial = {}, []  # the partials for other ranks, one tensor each; this rank's, per chunk
     for d in mine:
         if not numel[d]:
-            partial[d] = empty(d, partial_dtype[d])
             continue
-        terms = [contribution(d) if l == me_local else staged[d, l] for l in range(L)]
-        partial[d] = terms[0].to(partial_dtype[d], copy=L > 1)
-        for x in terms[1:]:
-            partial[d].add_(x)
-    # 3. rail rounds: one destination's node partials out and one's in per round
+        if L == 1:
+            if d == rank:
+                own_partial = own_terms(d)
+            else:
+                to_send[d] = contribution(d)
+            continue
+        whole = empty(numel[d], torch.float32)
+        pieces = list(whole.split(sizes[d]))
+        sums.sum_rows(pieces, staged[d], own_terms(d), me_local)
+        if d == rank:
+            own_partial = pieces
+        else:
+            to_send[d] = whole
+    # 3. rail rounds: one destination's node partials out and one's in per round; those for this rank land
+    # in the rows of its final sum (node order, its own node's row left out)
+    parts = empty((N - 1, numel[rank]), partial_dtype[rank])
     landed, sends, recvs = {}, [], []
     for t in range(1, N):
         send_to, dest_sent, recv_from, dest_received = plan.rs_rail_round(t, rank)
-        landed[topology.node(recv_from), dest_received] = empty(dest_received, partial_dtype[dest_received])
+        n = topology.node(recv_from)
+        landed[n, dest_received] = (row(parts, n, me_node) if dest_received == rank
+                                    else empty(numel[dest_received], partial_dtype[dest_received]))
         if numel[dest_sent]:
-            sends.append((send_to, partial[dest_sent]))
+            sends.append((send_to, to_send[dest_sent]))
         if numel[dest_received]:
-            recvs.append((recv_from, landed[topology.node(recv_from), dest_received]))
+            recvs.append((recv_from, landed[n, dest_received]))
     rails.exchange(group, sends, recvs, "rail")
     # 4. hand-off on the destination's node: the landing rank passes each partial to its destination
-    parts = {me_node: partial[rank]}
     sends = [(dest, buf) for (n, dest), buf in sorted(landed.items(), key=lambda kv: kv[0])
              if dest != rank and buf.numel()]
-    recvs = []
-    for n in range(N):
-        if n == me_node:
-            continue
-        if plan.landing_rank(n, rank) == rank:
-            parts[n] = landed[n, rank]
-        else:
-            parts[n] = empty(rank, partial_dtype[rank])
-            if numel[rank]:
-                recvs.append((plan.landing_rank(n, rank), parts[n]))
+    recvs = [(plan.landing_rank(n, rank), row(parts, n, me_node)) for n in range(N)
+             if n != me_node and plan.landing_rank(n, rank) != rank and numel[rank]]
     rails.exchange(group, sends, recvs, "handoff")
     # 5. the destination sums the N partials in node order, scales, and writes (or adds) each chunk
-    if not numel[rank]:
-        return
-    total = parts[0].to(torch.float32, copy=True)
-    for n in range(1, N):
-        total.add_(parts[n])
-    total.mul_(scale)
-    dsts = [out[c.param][c.shard_offset:c.shard_offset + c.numel] for c in step[rank]]
-    sums = list(total.split([c.numel for c in step[rank]]))
-    if accumulate:
-        torch._foreach_add_(dsts, sums)
-    else:
-        torch._foreach_copy_(dsts, sums)
+    if numel[rank]:
+        dsts = [out[c.param][c.shard_offset:c.shard_offset + c.numel] for c in step[rank]]
+        sums.sum_rows(dsts, parts, own_partial, me_node, scale, accumulate)

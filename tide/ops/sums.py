@@ -1,0 +1,77 @@
+"""The ops' fp32 sum, in one place. Every reduce-scatter sums its terms as
+
+    outs[j] (+)= scale * (x_0 + x_1 + ... + x_{K-1})[off_j : off_j + outs[j].numel()]
+
+in fp32, term by term in order k = 0 .. K-1, each step one rounded fp32 operation, then the scale, then
+the write (or the add into ``outs[j]``, ``accumulate``); off_j is the numel of ``outs[0..j)``. The terms are
+the rows of ``rows`` (R x n), and, when ``owns`` are given, one more term at position ``own_row``:
+``owns[j]`` (one per out, same dtype as the rows) read where they lie, so a rank's own contribution is
+never copied into a staging row. The single-node reduce-scatter's terms are its W ranks' contributions
+(rank order); the multi-node schedule's are a node's local contributions (local order), then a
+destination's node partials (node order).
+
+:func:`sum_rows_` is the reference: torch ops, any device, this order by construction. :func:`sum_rows`
+is what the multi-node schedule calls: on CUDA the bounded-grid summing kernel of TIDE-RS
+(csrc/ops/sum_contributions.cu, ``TIDE_RS_CTAS`` CTAs), bit for bit the same; on CPU, or when the CUDA
+extension cannot be built, the reference. ``tide.stats()["multinode"]`` counts which ran (``sum:kernel``,
+``sum:torch``).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from tide import counters
+from tide.transport.arena import DEFAULT_SUM_CTAS
+
+log = logging.getLogger("tide")
+
+
+def sum_rows_(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[torch.Tensor] = (), own_row: int = -1,
+              scale: float = 1.0, accumulate: bool = False) -> None:
+    """The reference of the sum above (torch ops): ``outs`` are fp32, ``rows`` is R x n with n the outs'
+    numels summed; with ``owns`` the terms are K = R + 1, ``owns`` standing at ``own_row``."""
+    k = rows.shape[0] + (1 if owns else 0)
+    own = None
+    if owns:
+        own = owns[0].reshape(-1) if len(owns) == 1 else torch.cat([o.reshape(-1) for o in owns])
+    terms = [own if i == own_row else rows[i - 1 if owns and i > own_row else i] for i in range(k)]
+    acc = terms[0].to(torch.float32, copy=True)
+    for x in terms[1:]:
+        acc.add_(x)
+    acc.mul_(scale)
+    dsts = [o.view(-1) for o in outs]
+    pieces = list(acc.split([o.numel() for o in outs]))
+    if accumulate:
+        torch._foreach_add_(dsts, pieces)
+    else:
+        torch._foreach_copy_(dsts, pieces)
+
+
+@functools.cache
+def _kernel():
+    """The extension's ``sum_rows``, or None when the CUDA extension cannot be built here (logged once)."""
+    from tide.transport import build
+
+    try:
+        return build.load().sum_rows
+    except Exception as e:  # no nvcc, a failed build: the reference computes the same bits, slower
+        log.warning("tide: the summing kernel is unavailable (%s: %s); multi-node sums run as torch ops",
+                    type(e).__name__, e)
+        return None
+
+
+def sum_rows(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[torch.Tensor] = (), own_row: int = -1,
+             scale: float = 1.0, accumulate: bool = False) -> None:
+    """The sum above: the summing kernel on CUDA tensors, else :func:`sum_rows_` (counted either way)."""
+    kernel = _kernel() if rows.is_cuda else None
+    counters.count_multinode("sum:kernel" if kernel is not None else "sum:torch")
+    if kernel is None:
+        sum_rows_(outs, rows, owns, own_row, scale, accumulate)
+        return
+    ctas = int(os.environ.get("TIDE_RS_CTAS") or DEFAULT_SUM_CTAS)
+    kernel(outs=list(outs), rows=rows, owns=list(owns), own_row=own_row, scale=scale, accumulate=accumulate, ctas=ctas)
