@@ -100,7 +100,7 @@ py::dict counters(const Arena& a) {
 //   outs[j] (+)= scale * (x_0 + x_1 + ... + x_{K-1})[off_j : off_j + outs[j].numel()],  fp32, k in order,
 // where x_k, for k == own_row, is owns[j] read where it lies (one per out), and otherwise the next row of
 // `rows` (R x n, rows contiguous: K = R + 1 with owns, K = R without, own_row = -1). Bit for bit
-// tide.ops.reference.sum_rows_.
+// tide.ops.sums.sum_rows_.
 void sum_rows(const std::vector<at::Tensor>& outs, const at::Tensor& rows, const std::vector<at::Tensor>& owns,
               int64_t own_row, double scale, bool accumulate, int64_t ctas) {
   auto code = [](const at::Tensor& t) {
@@ -115,8 +115,10 @@ void sum_rows(const std::vector<at::Tensor>& outs, const at::Tensor& rows, const
   TORCH_CHECK(has_own ? owns.size() == outs.size() : own_row == -1,
               "tide.sum_rows: owns needs one tensor per out, and own_row = -1 without owns");
   const int64_t k = rows.size(0) + (has_own ? 1 : 0);
-  TORCH_CHECK(k >= 1 && (!has_own || (own_row >= 0 && own_row < k)),
-              "tide.sum_rows: own_row=", num(own_row), " not in [0, ", num(k), ")");
+  TORCH_CHECK(k >= 1, "tide.sum_rows: no terms (rows has no row and there are no owns)");
+  TORCH_CHECK(!has_own || (own_row >= 0 && own_row < k), "tide.sum_rows: own_row=", num(own_row), " not in [0, ",
+              num(k), ")");
+  TORCH_CHECK(ctas >= 1, "tide.sum_rows: ctas must be >= 1 (TIDE_RS_CTAS), got ", num(ctas));
   const int32_t dtype = code(rows);
   int64_t n = 0;
   for (size_t j = 0; j < outs.size(); ++j) {

@@ -33,7 +33,7 @@ def test_sum_matches_reference(ext, dtype, k):
         else:
             n = rng.choice([1, 7, 8, 9, 4096 + rng.randint(1, 15), rng.randint(1, 300_000)])
             pad = rng.choice([0, 1, 3, 4, 8])
-        with_own = trial % 4 >= 2 and k > 0
+        with_own = trial % 4 >= 2
         nrows = k - 1 if with_own else k
         stride = n + pad
         rows = torch.randn(max(nrows, 1) * stride, device="cuda").to(dtype)[:nrows * stride].view(nrows, stride)[:, :n]
@@ -57,6 +57,22 @@ def test_sum_matches_reference(ext, dtype, k):
                     out, want)
 
 
+def test_sum_splits_many_outputs_into_launches(ext):
+    """More outputs than one launch's segments (96): exactly 96, 97 and 250 pieces, some empty."""
+    rng = random.Random(96)
+    for parts in (96, 97, 250):
+        n = 40_000
+        sizes = _pieces(rng, n, parts)
+        rows = torch.randn(3, n, device="cuda").to(torch.bfloat16)
+        own = torch.randn(n, device="cuda").to(torch.bfloat16)
+        out = torch.full((n,), float("nan"), device="cuda")
+        ext.sum_rows(outs=list(out.split(sizes)), rows=rows, owns=list(own.split(sizes)), own_row=2, scale=0.5,
+                     accumulate=False, ctas=8)
+        want = torch.empty(n)
+        sum_rows_(list(want.split(sizes)), rows.cpu(), list(own.cpu().split(sizes)), 2, 0.5, False)
+        assert_bits(f"{parts} pieces", out, want)
+
+
 def test_sum_rejects_bad_arguments(ext):
     """Every misuse names ``tide.sum_rows`` and what is wrong; nothing runs."""
     rows = torch.randn(2, 8, device="cuda")
@@ -69,11 +85,14 @@ def test_sum_rejects_bad_arguments(ext):
         (dict(outs=[out], rows=rows, owns=[torch.randn(8, device="cuda").half()], own_row=0), "owns[0]"),
         (dict(outs=[out.double()], rows=rows, owns=[], own_row=-1), "outs[0]"),
         (dict(outs=[out], rows=rows.to(torch.int32), owns=[], own_row=-1), "fp32, bf16 or fp16"),
+        (dict(outs=[out], rows=rows[:0], owns=[], own_row=-1), "no terms"),
     ]
     for kwargs, message in cases:
         with pytest.raises(RuntimeError, match="tide.sum_rows") as e:
             ext.sum_rows(scale=1.0, accumulate=False, ctas=4, **kwargs)
         assert message in str(e.value), (message, str(e.value))
+    with pytest.raises(RuntimeError, match="tide.sum_rows: ctas must be >= 1"):
+        ext.sum_rows(outs=[out], rows=rows, owns=[], own_row=-1, scale=1.0, accumulate=False, ctas=0)
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

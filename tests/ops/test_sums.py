@@ -72,3 +72,15 @@ def test_cpu_tensors_take_the_reference_and_count_it():
     sums.sum_rows_([want], rows)
     assert torch.equal(out, want)
     assert tide.stats()["multinode"] == {"sum:torch": 1}
+
+
+def test_the_reference_refuses_inconsistent_own_terms():
+    rows, out = torch.randn(2, 4), torch.empty(4)
+    cases = [(dict(owns=[], own_row=0), "own_row = -1 without owns"),
+             (dict(owns=[torch.randn(4)], own_row=3), "own_row=3 not in [0, 3)"),
+             (dict(owns=[torch.randn(2), torch.randn(2)], own_row=0), "one tensor per out"),
+             (dict(owns=[torch.randn(4).half()], own_row=0), "rows' dtype")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match="tide.sum_rows_") as e:
+            sums.sum_rows_([out], rows, **kwargs)
+        assert message in str(e.value), (message, str(e.value))

@@ -184,11 +184,13 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
         start = piece.owner * numels[piece.param] + piece.first
         return flat[piece.param][start:start + piece.count]
 
-    for leg, sends, recvs in steps:
-        rails.exchange(group, [(dst, at(pc, send=True)) for dst, pc in sends], [(src, at(pc)) for src, pc in recvs],
-                       leg)
-    if beside:
-        current.wait_stream(side)
+    try:
+        for leg, sends, recvs in steps:
+            rails.exchange(group, [(dst, at(pc, send=True)) for dst, pc in sends],
+                           [(src, at(pc)) for src, pc in recvs], leg)
+    finally:  # also when a step raises: the caller may free the outputs the copy still writes
+        if beside:
+            current.wait_stream(side)
 
 
 def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: dist.ProcessGroup,

@@ -36,6 +36,13 @@ def sum_rows_(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[t
     """The reference of the sum above (torch ops): ``outs`` are fp32, ``rows`` is R x n with n the outs'
     numels summed; with ``owns`` the terms are K = R + 1, ``owns`` standing at ``own_row``."""
     k = rows.shape[0] + (1 if owns else 0)
+    if (len(owns) != len(outs)) if owns else own_row != -1:
+        raise ValueError(f"tide.sum_rows_: owns needs one tensor per out ({len(owns)} for {len(outs)}), and "
+                         f"own_row = -1 without owns (got {own_row})")
+    if owns and not 0 <= own_row < k:
+        raise ValueError(f"tide.sum_rows_: own_row={own_row} not in [0, {k})")
+    if any(o.dtype != rows.dtype for o in owns):
+        raise ValueError(f"tide.sum_rows_: owns must have rows' dtype {rows.dtype}")
     own = None
     if owns:
         own = owns[0].reshape(-1) if len(owns) == 1 else torch.cat([o.reshape(-1) for o in owns])
