@@ -6,15 +6,10 @@ import pytest
 import torch
 
 from tests.cuda.ranks import assert_bits
+from tests.ops.test_sums import _pieces
 from tide.ops.sums import sum_rows_
 
 pytestmark = pytest.mark.cuda
-
-
-def _pieces(rng: random.Random, n: int, parts: int) -> list[int]:
-    """``n`` elements cut into ``parts`` consecutive pieces (some of them empty)."""
-    cuts = sorted(rng.randint(0, n) for _ in range(parts - 1))
-    return [b - a for a, b in zip([0, *cuts], [*cuts, n])]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -14,6 +14,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _pieces(rng: random.Random, n: int, parts: int) -> list[int]:
+    """``n`` elements cut into ``parts`` consecutive pieces (some of them empty)."""
     cuts = sorted(rng.randint(0, n) for _ in range(parts - 1))
     return [b - a for a, b in zip([0, *cuts], [*cuts, n])]
 

@@ -228,19 +228,20 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
                   for d in range(W)}
     partial_dtype = grad_dtype if L == 1 else dict.fromkeys(range(W), torch.float32)
 
-    def own_terms(d):
-        """This rank's gradient chunks for destination d, one per chunk, as a sum's own terms: read where
-        they lie when they share d's staging dtype, else gathered into it (promotion is exact: every sum
-        runs in fp32)."""
-        ranges = [flat[c.param][c.grad_offset:c.grad_offset + c.numel] for c in step[d]]
-        if all(r.dtype == grad_dtype[d] for r in ranges):
-            return ranges
-        return list(torch.cat(ranges).split(sizes[d]))
+    def ranges(d):  # this rank's gradient chunks for destination d, where they lie
+        return [flat[c.param][c.grad_offset:c.grad_offset + c.numel] for c in step[d]]
 
     def contribution(d):
-        """The same as one tensor, to send (the gradient's own elements when they are one range)."""
-        ranges = own_terms(d)
-        return ranges[0] if len(ranges) == 1 else torch.cat(ranges)
+        """Those chunks as one tensor, to send: the gradient's own elements when they are one range, else
+        gathered (mixed dtypes promote, which is exact: every sum runs in fp32)."""
+        r = ranges(d)
+        return r[0] if len(r) == 1 else torch.cat(r)
+
+    def own_terms(d):
+        """Those chunks as a sum's own terms, one per chunk: read where they lie when they share d's
+        staging dtype, else the gathered contribution's pieces."""
+        r = ranges(d)
+        return r if all(x.dtype == grad_dtype[d] for x in r) else list(torch.cat(r).split(sizes[d]))
 
     def empty(shape, dtype):
         return torch.empty(shape, dtype=dtype, device=device)
