@@ -9,9 +9,11 @@ runs 55-62). Here a step's sends and receives go to NCCL as one group from one e
   unique id through the store, then a collective ``ncclCommInitRank``): NCCL kernels of one communicator
   must never run from two streams at once, and torch runs its own on its internal stream.
 - **One rail stream per group.** Every exchange waits for the caller's stream, runs on the rail stream,
-  and the caller's stream waits for it; the tensors are recorded on the rail stream for the caching
-  allocator. FSDP2's all-gather and reduce-scatter streams thus never put two kernels of the
-  communicator side by side.
+  and the caller's stream waits for it before the call returns, as if it had run there: FSDP2's
+  all-gather and reduce-scatter streams thus never put two kernels of the communicator side by side, and
+  a tensor freed after the call is reused only by work ordered after the exchange, so none is recorded on
+  the rail stream (a recorded block's reuse waits until the allocator sees the rail stream pass it, which
+  left the step's reserved memory at the mercy of the host's lead over the GPU).
 - **Bounded like every TIDE op.** The watchdog (``tide/transport/watchdog.py``) tracks the communicator's
   creation and every exchange from before its call, through a completion word written on the caller's
   stream after the join: a peer that dies mid-step ends this process after the timeout, with a report.
@@ -80,8 +82,6 @@ class DirectRails:
                                  f"they move contiguous tensors on {self.device}")
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        for _, t, _ in ops:
-            t.record_stream(self.stream)
         done = watchdog.Completion(self.ext, self.device.index)
         watchdog.WATCHDOG.track(done, f"direct NCCL rails: {leg} step", self.label, self.timeout_s, self._report)
         op = None
