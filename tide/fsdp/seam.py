@@ -93,9 +93,9 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
             outs = bind_all_gather_outputs(fsdp_params, world_size, device, slot, arena)
     else:
         # From the compute stream's pool, as stock's copy-out allocates them: allocated on the copy-in
-        # stream, the outputs of an 8B-shaped step's groups took 5.7 GiB of segments of that stream's own
-        # (GPU run 79), and peak reserved memory went above stock's. A block freed on the compute stream may
-        # still be read by work queued there: the all-gather writes after it.
+        # stream, the outputs of an 8B-shaped step's groups took 3.9-5.7 GiB of segments of that
+        # stream's own (GPU runs 79-80), and peak reserved memory went above stock's. A block freed on
+        # the compute stream may still be read by work queued there: the all-gather writes after it.
         outs = bind_all_gather_outputs(fsdp_params, world_size, device)
         copy_in_stream.wait_stream(compute_stream)
     all_gather_stream.wait_stream(copy_in_stream)
