@@ -225,13 +225,17 @@ def test_the_pace_sets_the_rail_steps_and_every_rank_must_set_the_same():
 
 
 def test_the_rails_setting_is_agreed_and_direct_nccl_needs_an_nccl_group():
-    """``TIDE_MULTINODE_RAILS=nccl`` on a gloo group leaves the rails on p2p on every rank (with the same
-    result); ranks that ask for different rails all raise, naming the setting; an unknown value is refused."""
+    """``TIDE_MULTINODE_RAILS=nccl`` or ``auto`` on a gloo group leaves the rails on p2p on every rank (with
+    the same result); ranks that ask for different rails all raise, naming the setting (unset is ``auto``);
+    an unknown value is refused."""
     env = {"LOCAL_WORLD_SIZE": "2"}
-    direct = run_ranks(_with_settings, 4, [{RAILS: "nccl"}] * 4, env=env, timeout=120)
-    assert all(steps == {"rail:p2p": 1} and ok for steps, ok in direct), direct
+    for asked in ("nccl", "auto"):
+        direct = run_ranks(_with_settings, 4, [{RAILS: asked}] * 4, env=env, timeout=120)
+        assert all(steps == {"rail:p2p": 1} and ok for steps, ok in direct), (asked, direct)
     mixed = run_ranks(_with_settings, 4, [{RAILS: "nccl"}] + [{RAILS: "p2p"}] * 3, env=env, timeout=120)
     assert all(isinstance(m, str) and RAILS in m for m in mixed), mixed
+    unset = run_ranks(_with_settings, 4, [{}] * 3 + [{RAILS: "p2p"}], env=env, timeout=120)
+    assert all(isinstance(m, str) and RAILS in m and "auto" in m for m in unset), unset
     unknown = run_ranks(_with_settings, 4, [{RAILS: "mpi"}] * 4, env=env, timeout=120)
     assert all(isinstance(m, str) and "'mpi'" in m for m in unknown), unknown
 

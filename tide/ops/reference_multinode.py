@@ -17,8 +17,8 @@ size. On GPUs that staging comes from a memory pool of its own (:func:`staging_p
 splits the blocks the model's tensors come back to.
 
 The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), and the rails'
-implementation, ``TIDE_MULTINODE_RAILS`` (``p2p``, or ``nccl`` for direct NCCL: ``tide/transport/rails.py``),
-are read by each rank and compared across the group at the group's first multi-node call: ranks that set
+implementation, ``TIDE_MULTINODE_RAILS`` (``auto``, the default: direct NCCL where every rank of the group can
+run them, else ``p2p``; or ``p2p`` or ``nccl``: ``tide/transport/rails.py``), are read by each rank and compared across the group at the group's first multi-node call: ranks that set
 them differently would post sends and receives of different sizes or on different communicators, so all
 of them raise, naming the settings.
 """
@@ -91,7 +91,7 @@ class Settings:
 
     group: dist.ProcessGroup  # the group object they hold for: a re-created group of the same name agrees anew
     pace: int  # bytes per rail step (PACE_ENV)
-    direct: bool  # every rank asked for the direct NCCL rails (rails.RAILS_ENV) and can run them
+    direct: bool  # no rank asked for p2p (rails.RAILS_ENV) and every rank can run the direct NCCL rails
     prefix: str  # the store keys of this agreement
 
 
@@ -103,7 +103,7 @@ def settings(group: dist.ProcessGroup) -> Settings:
     """This group's settings, agreed by its ranks at the group's first multi-node call (one store round
     trip): :data:`PACE_ENV` and ``rails.RAILS_ENV``. A rank's invalid value, or values that differ
     between ranks, make every rank raise, naming them. Direct NCCL rails that some rank cannot run leave
-    every rank on ``p2p``, logged with the reason."""
+    every rank on ``p2p``, logged with the reason (a warning when they were asked for by name)."""
     agreed = _settings.get(group.group_name)
     if agreed is None or agreed.group is not group:
         agreed = _settings[group.group_name] = _agree(group)
@@ -115,14 +115,14 @@ def _agree(group: dist.ProcessGroup) -> Settings:
     _agreements[name] += 1
     prefix = f"tide/multinode/{name}/{_agreements[name]}"
     pace = os.environ.get(PACE_ENV) or str(DEFAULT_PACE_BYTES)
-    want = os.environ.get(rails.RAILS_ENV) or "p2p"
+    want = os.environ.get(rails.RAILS_ENV) or "auto"
     problems = []  # published, not raised here: every rank names them instead of waiting for this one
     if not pace.isdigit() or int(pace) < 1:
         problems.append(f"{PACE_ENV}={pace!r} is not a positive number of bytes")
-    if want not in ("p2p", "nccl"):
-        problems.append(f"{rails.RAILS_ENV}={want!r}: expected 'p2p' or 'nccl'")
+    if want not in ("auto", "p2p", "nccl"):
+        problems.append(f"{rails.RAILS_ENV}={want!r}: expected 'auto', 'p2p' or 'nccl'")
     why_not = ""
-    if want == "nccl" and not problems:
+    if want != "p2p" and not problems:
         why_not = ("the group is not an NCCL group (ranks sharing GPUs)" if "nccl" not in dist.get_backend(group)
                    else nccl_rails.unavailable() or "")
     what = f"tide: the multi-node settings of group {name!r}"
@@ -139,8 +139,9 @@ def _agree(group: dist.ProcessGroup) -> Settings:
                            "the schedule needs the same on every rank")
     reasons = [f"rank {r}: {v['why_not']}" for r, v in enumerate(every) if v["why_not"]]
     if reasons:
-        log.warning("%s: direct NCCL rails unavailable, the rails stay p2p (%s)", what, "; ".join(reasons))
-    return Settings(group, int(pace), want == "nccl" and not reasons, prefix)
+        (log.warning if want == "nccl" else log.debug)("%s: direct NCCL rails unavailable, the rails stay p2p (%s)",
+                                                        what, "; ".join(reasons))
+    return Settings(group, int(pace), want != "p2p" and not reasons, prefix)
 
 
 def _pace(group: dist.ProcessGroup) -> int:

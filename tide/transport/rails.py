@@ -9,8 +9,8 @@ group's backend for the tensors' device, recorded per leg in ``tide.stats()["mul
 - ``p2p_host_staged``: CUDA tensors on a gloo group (ranks sharing one GPU), whose send and receive move
   host memory only: sends are copied to the host first, receives land in host buffers and are copied
   into place after;
-- ``nccl_direct``: CUDA tensors on an NCCL group whose ranks agreed on ``TIDE_MULTINODE_RAILS=nccl``
-  (opt-in): each batch is one NCCL group issued from one extension call on a communicator of TIDE's own
+- ``nccl_direct``: CUDA tensors on an NCCL group whose ranks can all run them and did not set
+  ``TIDE_MULTINODE_RAILS=p2p`` (the default ``auto``, or ``nccl``): each batch is one NCCL group issued from one extension call on a communicator of TIDE's own
   (``tide/transport/nccl_rails.py``).
 
 NCCL's one-sided put/signal (``nccl4py``, NCCL >= 2.29) is the other implementation the design names; it
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tide import counters
 
-RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "p2p" (default) or "nccl" (direct NCCL, opt-in)
+RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "auto" (default: direct NCCL where every rank can run them), "p2p" or "nccl"
 _direct: dict = {}  # process-group name -> (the group, its DirectRails: tide/transport/nccl_rails.py)
 _openings: Counter = Counter()  # process-group name -> direct rails opened so far (numbers their store keys)
 
