@@ -19,7 +19,6 @@ import os
 from tide import topology
 from tide.fsdp import compat, hooks, seam, wiring
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
-from tide.ops import reference_multinode
 from tide.transport import rails
 
 __all__ = ["enable", "disable", "param_groups", "RS_MODES", "TRANSPORTS"]
@@ -112,8 +111,8 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
 
 def disable(module: nn.Module) -> nn.Module:
     """Return every param group in ``module``'s tree to the comms it had before :func:`enable`, and drop
-    the transport arenas :func:`enable` created, and the direct NCCL rails and reduce-scatter staging pools
-    of multi-node groups, once no enabled group uses them (call it between steps: it refuses while unsharded parameters still live in
+    the transport arenas :func:`enable` created, and the direct NCCL rails of multi-node groups, once no
+    enabled group uses them (call it between steps: it refuses while unsharded parameters still live in
     an arena slot)."""
     _check_module("tide.fsdp.disable", module)
     groups = [g for g in param_groups(module) if isinstance(g._all_gather_comm, TideAllGather)]
@@ -123,7 +122,6 @@ def disable(module: nn.Module) -> nn.Module:
     for key in emptied:
         wiring.drop_arena(key)
         rails.close_direct(process_groups[key])
-        reference_multinode.drop_staging(process_groups[key])
     for m in _fsdp_modules(module):
         wiring.unwatch_forward(m)
     for g in groups:

@@ -13,8 +13,7 @@ rank per node the partial is its own contribution, sent in its dtype), the rail 
 the destination node and the sum in node order (every sum on TIDE-RS's summing kernel on GPUs:
 ``tide/ops/sums.py``), in the plan's steps (``MultiNodePlan.rs_steps``:
 ``pace_bytes`` of chunks of every destination per step), so the staging is bounded whatever the model's
-size. On GPUs that staging comes from a memory pool of its own (:func:`staging_pool`), so it never
-splits the blocks the model's tensors come back to.
+size.
 
 The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), and the rails'
 implementation, ``TIDE_MULTINODE_RAILS`` (``auto``, the default: direct NCCL where every rank of the group can
@@ -24,7 +23,6 @@ of them raise, naming the settings.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -196,33 +194,6 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
             current.wait_stream(side)
 
 
-_pools: dict[str, torch.cuda.MemPool] = {}  # process-group name -> its reduce-scatters' staging pool
-
-
-@contextlib.contextmanager
-def staging_pool(group: dist.ProcessGroup, device: torch.device):
-    """On GPUs, the allocations of a reduce-scatter's steps come from a caching-allocator pool of the group's
-    own. In the shared pool, the staging (up to the pace per step, freed at the op's end) split the blocks
-    that the model's tensors come back to: in an 8B-shaped step at 4K tokens per GPU (GPU run 79), the root
-    group's 2 GiB of fp32 shard gradients then needed a second segment, and AdamW's state new ones, which
-    put peak reserved memory 1.7 GiB above stock's. Not under CUDA-graph capture, whose allocations
-    belong to the graph's pool. :func:`drop_staging` gives the pool back."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        yield
-        return
-    pool = _pools.get(group.group_name)
-    if pool is None:
-        pool = _pools[group.group_name] = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool, device):
-        yield
-
-
-def drop_staging(group: dist.ProcessGroup) -> None:
-    """Let ``group``'s staging pool go (``tide.fsdp.disable``): the allocator frees its memory at the next
-    ``torch.cuda.empty_cache()`` once none of its blocks is in use; a later reduce-scatter makes a new one."""
-    _pools.pop(group.group_name, None)
-
-
 def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: dist.ProcessGroup,
                    topology: Topology, *, rs_chunk_bytes: int = DEFAULT_RS_CHUNK_BYTES,
                    pace: int | None = None) -> None:
@@ -231,9 +202,8 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                                        topology, rs_chunk_bytes, pace or _pace(group))
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
-    with staging_pool(group, flat[0].device):
-        for step in steps:
-            _reduce_scatter_step(step, flat, out, scale, accumulate, group, plan)
+    for step in steps:
+        _reduce_scatter_step(step, flat, out, scale, accumulate, group, plan)
     if not accumulate:
         for pad in layout.pad_ranges(rank):
             out[pad.param][pad.shard_offset:pad.shard_offset + pad.numel].zero_()
