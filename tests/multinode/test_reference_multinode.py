@@ -192,6 +192,8 @@ def _with_settings(rank, world_size, envs):
     import tide
     from tide.ops import reference_multinode  # noqa: F401 (tide.ops)
 
+    for name in (PACE, RAILS):  # a setting this rank leaves out is unset, whatever the caller's shell set
+        os.environ.pop(name, None)
     os.environ.update(envs[rank])
     group = dist.group.WORLD
     shapes = [(6 * world_size, 5), (3 * world_size,)]
@@ -238,6 +240,33 @@ def test_the_rails_setting_is_agreed_and_direct_nccl_needs_an_nccl_group():
     assert all(isinstance(m, str) and RAILS in m and "auto" in m for m in unset), unset
     unknown = run_ranks(_with_settings, 4, [{RAILS: "mpi"}] * 4, env=env, timeout=120)
     assert all(isinstance(m, str) and "'mpi'" in m for m in unknown), unknown
+
+
+def _rails_decision(rank, world_size, asked, cannot_run_on):
+    """Whether this rank's group agrees on the direct NCCL rails, with ``TIDE_MULTINODE_RAILS=asked`` (None:
+    unset), on a group that looks like an NCCL group where the ranks in ``cannot_run_on`` cannot run them."""
+    import os
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from tide.ops import reference_multinode
+
+    os.environ.pop(RAILS, None)
+    if asked is not None:
+        os.environ[RAILS] = asked
+    reason = "no NCCL symbols in this process" if rank in cannot_run_on else None
+    with mock.patch.object(reference_multinode.dist, "get_backend", return_value="nccl"), \
+            mock.patch.object(reference_multinode.nccl_rails, "unavailable", return_value=reason):
+        return reference_multinode.settings(dist.group.WORLD).direct
+
+
+def test_auto_rails_are_direct_only_where_every_rank_can_run_them():
+    """Unset or ``auto``: the direct NCCL rails when every rank of an NCCL group can run them, else p2p on
+    every rank alike; ``p2p`` never takes them; ``nccl`` takes them where all can."""
+    for asked, cannot, direct in ((None, (), True), ("auto", (), True), ("auto", (1,), False), ("p2p", (), False),
+                                  ("nccl", (), True), ("nccl", (0,), False)):
+        assert run_ranks(_rails_decision, 2, asked, cannot, timeout=60) == [direct, direct], (asked, cannot)
 
 
 def _regrouped(rank, world_size):

@@ -35,17 +35,17 @@ from tide.transport.watchdog import WATCHDOG
 
 
 # ---------------------------------------------------------------------------------------------- transport hooks
-def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device, slot: int | None = None,
-                            arena=None) -> list[torch.Tensor]:
+def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
+                            compute_stream: torch.Stream, slot: int | None = None, arena=None) -> list[torch.Tensor]:
     """Each param's 1-D all-gather output.
 
     With an arena slot (called on the all-gather copy-in stream): FSDP's own output tensors, their
     storages pointed into the slot at their param-major addresses (:func:`tide.fsdp.wiring.bind_into_slot`;
-    the caller has made the copy-in stream wait for the slot's previous users). Otherwise (called on the
-    compute stream) allocated exactly as FSDP's copy-out allocates them, with its own
-    ``init_all_gather_outputs`` / ``alloc_all_gather_outputs`` on the same stream, so they come from the
-    pool the compute stream's other tensors share, as stock's do; the caller orders the all-gather's
-    writes after that stream's earlier work.
+    the caller has made the copy-in stream wait for the slot's previous users). Otherwise allocated exactly
+    as FSDP's copy-out would (its own ``init_all_gather_outputs`` / ``alloc_all_gather_outputs``) on the
+    current stream, and on CUDA ``record_stream``-ed on the compute stream: a block allocated on another
+    stream is then not reused before the compute stream is done with it (on the compute stream itself the
+    record is a no-op).
     """
     if arena is not None and slot is not None:
         return wiring.bind_into_slot(arena, fsdp_params, world_size, device, slot)
@@ -53,7 +53,10 @@ def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device, 
     for p in fsdp_params:
         p.init_all_gather_outputs([p._sharded_param_data.numel()], [group_dtype(p)], world_size, device)
         p.alloc_all_gather_outputs()
-        outs.append(p.all_gather_outputs[0])
+        out = p.all_gather_outputs[0]
+        if device.type == "cuda":
+            out.record_stream(compute_stream)
+        outs.append(out)
     return outs
 
 
@@ -90,14 +93,19 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
             # host, its kernels may still run), and its last all-gather or Slot-Reuse reduce elsewhere.
             copy_in_stream.wait_stream(compute_stream)
             arena.slots.wait(slot, copy_in_stream)
-            outs = bind_all_gather_outputs(fsdp_params, world_size, device, slot, arena)
-    else:
-        # From the compute stream's pool, as stock's copy-out allocates them: allocated on the copy-in
-        # stream, the outputs of an 8B-shaped step's groups took 3.9-5.7 GiB of segments of that
-        # stream's own (GPU runs 79-80), and peak reserved memory went above stock's. A block freed on
-        # the compute stream may still be read by work queued there: the all-gather writes after it.
-        outs = bind_all_gather_outputs(fsdp_params, world_size, device)
+            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, arena)
+    elif mode == "none":
+        # No arena (multi-node groups; the reference transport): from the compute stream's pool, as
+        # stock's copy-out allocates them. On the copy-in stream the outputs of an 8B-shaped multi-node
+        # step took 3.9-5.7 GiB of segments of that stream's own (GPU runs 79-80). A block freed on the
+        # compute stream may still be read by work queued there, so the all-gather writes after that
+        # work: without FSDP's explicit forward prefetch it no longer overlaps the layer before.
+        outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
         copy_in_stream.wait_stream(compute_stream)
+    else:
+        # Single-node groups outside a slot keep stock's overlap: allocated on the copy-in stream.
+        with handle.stream(copy_in_stream):
+            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
     all_gather_stream.wait_stream(copy_in_stream)
     shards = [p._sharded_param_data for p in fsdp_params]
     # The unsharded params alias these outputs and autograd may have saved them (re-gather in

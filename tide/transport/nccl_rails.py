@@ -9,19 +9,20 @@ runs 55-62). Here a step's sends and receives go to NCCL as one group from one e
   unique id through the store, then a collective ``ncclCommInitRank``): NCCL kernels of one communicator
   must never run from two streams at once, and torch runs its own on its internal stream.
 - **One rail stream per group.** Every exchange waits for the caller's stream, runs on the rail stream,
-  and the caller's stream waits for it before the call returns, as if it had run there: FSDP2's
-  all-gather and reduce-scatter streams thus never put two kernels of the communicator side by side, and
-  a tensor freed after the call is reused only by work ordered after the exchange, so none is recorded on
-  the rail stream (a recorded block's reuse waits until the allocator sees the rail stream pass it, which
-  left the step's reserved memory at the mercy of the host's lead over the GPU).
+  and the caller's stream waits for it before the call returns (also when the call raises), as if it had
+  run there: FSDP2's all-gather and reduce-scatter streams thus never put two kernels of the communicator
+  side by side. No tensor is recorded on the rail stream, as none would be for a kernel on the caller's
+  stream: a block allocated there is reused only by work ordered after the exchange, and FSDP2's events
+  order the rest (a recorded block's reuse waits until the allocator sees the rail stream pass it, which
+  left the step's reserved memory at the mercy of the host's lead over the GPU: GPU runs 81-82).
 - **Bounded like every TIDE op.** The watchdog (``tide/transport/watchdog.py``) tracks the communicator's
   creation and every exchange from before its call, through a completion word written on the caller's
   stream after the join: a peer that dies mid-step ends this process after the timeout, with a report.
 
 The default wherever every rank of the group can run them (``TIDE_MULTINODE_RAILS`` unset or ``auto``;
 ``p2p`` keeps torch's point-to-point path; ``tide/ops/reference_multinode.py`` agrees on it with the pace):
-on two H200s as 2 nodes x 1 they beat the p2p rails at every size and put an 8B-shaped step's peak
-reserved memory below stock's (GPU run 82). Counted as ``<leg>:nccl_direct`` in ``tide.stats()["multinode"]``.
+on two H200s as 2 nodes x 1 they beat the p2p rails at every size and reserve less memory in the
+8B-shaped step (GPU runs 78 and 82). Counted as ``<leg>:nccl_direct`` in ``tide.stats()["multinode"]``.
 """
 from __future__ import annotations
 
@@ -88,10 +89,12 @@ class DirectRails:
         watchdog.WATCHDOG.track(done, f"direct NCCL rails: {leg} step", self.label, self.timeout_s, self._report)
         op = None
         try:
-            self._comm.exchange(peers=[p for p, _, _ in ops], addrs=[t.data_ptr() for _, t, _ in ops],
-                                bytes=[t.numel() * t.element_size() for _, t, _ in ops],
-                                sends=[s for _, _, s in ops], stream=self.stream.cuda_stream)
-            current.wait_stream(self.stream)
+            try:
+                self._comm.exchange(peers=[p for p, _, _ in ops], addrs=[t.data_ptr() for _, t, _ in ops],
+                                    bytes=[t.numel() * t.element_size() for _, t, _ in ops],
+                                    sends=[s for _, _, s in ops], stream=self.stream.cuda_stream)
+            finally:  # also when it raised: what it queued may still touch these tensors
+                current.wait_stream(self.stream)
             op = self.ext.mark_completion(device=self.device.index)
         finally:
             done.issued(op)
