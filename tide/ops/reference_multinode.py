@@ -101,7 +101,9 @@ def settings(group: dist.ProcessGroup) -> Settings:
     """This group's settings, agreed by its ranks at the group's first multi-node call (one store round
     trip): :data:`PACE_ENV` and ``rails.RAILS_ENV``. A rank's invalid value, or values that differ
     between ranks, make every rank raise, naming them. Direct NCCL rails that some rank cannot run leave
-    every rank on ``p2p``, logged with the reason (a warning when they were asked for by name)."""
+    every rank on ``p2p``, logged with the reason (a warning when they were asked for by name). "Can run"
+    means an NCCL group and the extension's NCCL symbols; a communicator whose set-up then fails raises
+    there rather than falling back (its peers wait in theirs until the watchdog ends them)."""
     agreed = _settings.get(group.group_name)
     if agreed is None or agreed.group is not group:
         agreed = _settings[group.group_name] = _agree(group)
@@ -142,10 +144,11 @@ def _agree(group: dist.ProcessGroup) -> Settings:
     return Settings(group, int(pace), want != "p2p" and not reasons, prefix)
 
 
-def _pace(group: dist.ProcessGroup) -> int:
-    """The agreed pace, and the direct rails opened where agreed (at an op's start: every rank is there)."""
+def _pace(group: dist.ProcessGroup, device: torch.device) -> int:
+    """The agreed pace, and the direct rails opened where agreed and the op's tensors are on a GPU (at an
+    op's start: every rank is there; CPU tensors on a group with an NCCL backend for CUDA never use them)."""
     agreed = settings(group)
-    if agreed.direct:
+    if agreed.direct and device.type == "cuda":
         rails.open_direct(group, agreed.prefix)
     return agreed.pace
 
@@ -159,7 +162,7 @@ def _own_copy_stream(device: int) -> torch.cuda.Stream:
 def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:
     rank = group.rank()
     numels, steps = _ag_schedule(tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs),
-                                 topology, rank, pace or _pace(group))
+                                 topology, rank, pace or _pace(group, shards[0].device))
     flat = [o.view(-1) for o in outs]
     own = [out[rank * n:(rank + 1) * n] for out, n in zip(flat, numels)]
     sources = [s.reshape(-1) for s in shards]
@@ -199,7 +202,7 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                    pace: int | None = None) -> None:
     rank = group.rank()
     layout, plan, steps = _rs_schedule(tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads),
-                                       topology, rs_chunk_bytes, pace or _pace(group))
+                                       topology, rs_chunk_bytes, pace or _pace(group, grads[0].device))
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
     for step in steps:
