@@ -4,8 +4,9 @@ Presets (``--preset``): ``llama8b`` (Llama-3.1-8B-shaped blocks: dim 4096, ffn 1
 128256), ``moe`` (Qwen3-30B-A3B-shaped blocks: dim 2048, 16 heads of 128, 128 experts of ffn 768 as 3-D
 parameters sharded on the expert dim, top-8, grouped GEMMs, vocab 151936), or a small one for smoke
 runs. ``--blocks`` blocks (default 4) plus the root (embedding, final norm, head), every block and the
-root ``fully_shard``-ed with bf16 params and fp32 reduce, explicit forward/backward prefetch, AdamW,
-``--batch`` sequences of tokens-per-GPU / batch tokens each.
+root ``fully_shard``-ed with bf16 params and fp32 reduce, explicit forward/backward prefetch (FSDP2's implicit
+prefetch alone with ``--implicit-prefetch``: CSV names end in ``_implicit``), AdamW, ``--batch`` sequences of
+tokens-per-GPU / batch tokens each.
 
 Variants, each in processes of its own (a clean allocator and one symmetric-memory backend each):
 ``stock``; ``stock_nccl_ce`` (stock FSDP2 whose all-gather is NCCL's zero-SM copy-engine all-gather,
@@ -53,7 +54,7 @@ def graph_instantiations(fn) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("cudaGraphInstantiate"))
 
 
-def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_size, steps, warmup):
+def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_size, steps, warmup, prefetch):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import tide.fsdp
@@ -66,7 +67,7 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     tide_mode = {"tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}.get(variant)
     model = fsdp_model(cfg, device=device, mp_policy=mp, use_tide=tide_mode is not None,
-                       rs_mode=tide_mode or "in_place", prefetch=True, seed=0)
+                       rs_mode=tide_mode or "in_place", prefetch=prefetch, seed=0)
     if variant == "stock_nccl_ce":
         import nccl_ce
 
@@ -131,6 +132,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--local-world-size", type=int, default=None,
                    help="emulate nodes of this many ranks (TIDE's variants run the multi-node schedule)")
+    p.add_argument("--implicit-prefetch", action="store_true",
+                   help="no explicit forward/backward prefetch: FSDP2's implicit overlap alone")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
     require_cuda("train_step.py")
@@ -163,16 +166,21 @@ def main(argv=None):
     rows = []
     for variant in variants:
         per_rank = run_ranks(_variant_rank, ranks, variant, args.preset, args.blocks, tokens, args.batch, args.steps,
-                             args.warmup, backend=backend, device_type="cuda", env=env, timeout=580)
+                             args.warmup, not args.implicit_prefetch, backend=backend, device_type="cuda", env=env,
+                             timeout=580)
         for i, r in enumerate(per_rank[0]):
             rows.append({**r, "median_step_ms": max(pr[i]["median_step_ms"] for pr in per_rank)})
     mode = "one GPU per rank" if gpus >= ranks else f"{ranks} ranks sharing {gpus} GPU (smoke, gloo stock path)"
     if L is not None:
         mode = f"{ranks // L} nodes x {L} EMULATED, {mode}"
+    if args.implicit_prefetch:
+        mode += ", implicit prefetch only"
     meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, preset=args.preset, blocks=args.blocks, batch=args.batch,
-                    steps=args.steps, warmup=args.warmup, mode=mode, local_world_size=L or ranks)
+                    steps=args.steps, warmup=args.warmup, mode=mode, local_world_size=L or ranks,
+                    prefetch="implicit" if args.implicit_prefetch else "explicit")
     rows = [{**{k: {**r, **meta}[k] for k in COLUMNS}, **r, **meta} for r in rows]
-    name = CSV_NAMES.get(args.preset, f"train_step_{args.preset}") + ("_multinode" if L is not None else "")
+    name = (CSV_NAMES.get(args.preset, f"train_step_{args.preset}") + ("_multinode" if L is not None else "")
+            + ("_implicit" if args.implicit_prefetch else ""))
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
     plt = pyplot()

@@ -17,9 +17,10 @@ size.
 
 The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), and the rails'
 implementation, ``TIDE_MULTINODE_RAILS`` (``auto``, the default: direct NCCL where every rank of the group can
-run them, else ``p2p``; or ``p2p`` or ``nccl``: ``tide/transport/rails.py``), are read by each rank and compared across the group at the group's first multi-node call: ranks that set
-them differently would post sends and receives of different sizes or on different communicators, so all
-of them raise, naming the settings.
+run them, else ``p2p``; or ``p2p`` or ``nccl``: ``tide/transport/rails.py``), are read by each rank and
+compared across the group at the group's first multi-node call: ranks that set them differently would post
+sends and receives of different sizes or on different communicators, so all of them raise, naming the
+settings.
 """
 from __future__ import annotations
 
