@@ -20,12 +20,15 @@ instantiated per step after warm-up (``cudaGraphInstantiate`` calls in a profile
 ranks the ranks share a GPU over gloo: a smoke run, not NVLink numbers. ``--local-world-size L``
 emulates nodes of L ranks (``TIDE_CUDA_MULTINODE=1``: TIDE's variants run the multi-node schedule, every
 round point-to-point; stock is unchanged) and writes ``<name>_multinode.csv``: the schedule's cost on
-these GPUs, not what it gains across real nodes.
+these GPUs, not what it gains across real nodes. ``--segments`` records the caching allocator's history on
+rank 0 (slower) and writes ``<name>_segments.csv``: per variant, the segments the allocator created, summed by
+the Python frame that asked for each (where reserved memory goes; GPU run 79 found three causes with it).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -54,7 +57,26 @@ def graph_instantiations(fn) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("cudaGraphInstantiate"))
 
 
-def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_size, steps, warmup, prefetch):
+def segment_sites(snapshot: dict) -> list[dict]:
+    """The segment allocations in ``snapshot`` (``torch.cuda.memory._snapshot()`` with its history recorded),
+    summed by the innermost Python frame outside torch's own modules (torch.distributed's count: FSDP is
+    one), largest first: ``{"site": "file.py:function", "segments", "mib"}``."""
+    sums: dict[str, tuple[int, int]] = {}
+    for trace in snapshot.get("device_traces", []):
+        for entry in trace:
+            if entry.get("action") != "segment_alloc":
+                continue
+            site = next((f"{os.path.basename(f['filename'])}:{f['name']}" for f in entry.get("frames", [])
+                         if "/torch/" not in f["filename"] or "/torch/distributed/" in f["filename"]),
+                        "(no Python frame)")
+            count, nbytes = sums.get(site, (0, 0))
+            sums[site] = (count + 1, nbytes + entry["size"])
+    return [{"site": site, "segments": count, "mib": nbytes / 2**20}
+            for site, (count, nbytes) in sorted(sums.items(), key=lambda kv: -kv[1][1])]
+
+
+def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_size, steps, warmup, prefetch,
+                  segments):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import tide.fsdp
@@ -63,6 +85,8 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
     from tide.train import fsdp_model, train_step
 
     device = torch.device("cuda", torch.cuda.current_device())
+    if segments and rank == 0:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     cfg = dataclasses.replace(PRESETS[preset], n_layers=blocks, seq_len=max(tokens_list) // batch_size)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     tide_mode = {"tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}.get(variant)
@@ -115,9 +139,13 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
             print(f"{variant:16s} {tokens:6d} tok/GPU  median {r['median_step_ms']:8.2f} ms  peak {r['peak_mib']:9.1f} MiB"
                   f" (arena {r['arena_mib']:.0f})  graphs/step {graphs}  loss {r['final_loss']:.4f}  {r['arena_stats']}",
                   flush=True)
+    sites = []
+    if segments and rank == 0:
+        sites = [{"variant": variant, **site} for site in segment_sites(torch.cuda.memory._snapshot())]
+        torch.cuda.memory._record_memory_history(enabled=None)
     if tide_mode is not None:
         tide.fsdp.disable(model)
-    return rows
+    return rows, sites
 
 
 def main(argv=None):
@@ -134,6 +162,8 @@ def main(argv=None):
                    help="emulate nodes of this many ranks (TIDE's variants run the multi-node schedule)")
     p.add_argument("--implicit-prefetch", action="store_true",
                    help="no explicit forward/backward prefetch: FSDP2's implicit overlap alone")
+    p.add_argument("--segments", action="store_true",
+                   help="record the allocator's history on rank 0 and write <name>_segments.csv (slower)")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
     require_cuda("train_step.py")
@@ -163,13 +193,14 @@ def main(argv=None):
         if why_not is not None:
             print(f"train_step.py: no stock_nccl_ce variant: {why_not}")
             variants.remove("stock_nccl_ce")
-    rows = []
+    rows, segment_rows = [], []
     for variant in variants:
         per_rank = run_ranks(_variant_rank, ranks, variant, args.preset, args.blocks, tokens, args.batch, args.steps,
-                             args.warmup, not args.implicit_prefetch, backend=backend, device_type="cuda", env=env,
-                             timeout=580)
-        for i, r in enumerate(per_rank[0]):
-            rows.append({**r, "median_step_ms": max(pr[i]["median_step_ms"] for pr in per_rank)})
+                             args.warmup, not args.implicit_prefetch, args.segments, backend=backend,
+                             device_type="cuda", env=env, timeout=580)
+        for i, r in enumerate(per_rank[0][0]):
+            rows.append({**r, "median_step_ms": max(pr[0][i]["median_step_ms"] for pr in per_rank)})
+        segment_rows += per_rank[0][1]
     mode = "one GPU per rank" if gpus >= ranks else f"{ranks} ranks sharing {gpus} GPU (smoke, gloo stock path)"
     if L is not None:
         mode = f"{ranks // L} nodes x {L} EMULATED, {mode}"
@@ -183,6 +214,8 @@ def main(argv=None):
             + ("_implicit" if args.implicit_prefetch else ""))
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
+    if args.segments:
+        write_csv(out / f"{name}_segments.csv", [{**r, "tokens": ",".join(map(str, tokens))} for r in segment_rows])
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
