@@ -74,7 +74,8 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
     ``local_world_size``: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``), for every group of
     the process (``tide.topology``): groups whose ranks span several nodes run the multi-node schedule,
     counted as ``"tide_multinode"`` (on CUDA only with ``TIDE_CUDA_MULTINODE=1``: opt-in while its intra-node
-    legs are point-to-point, not copy engines; else they take stock, ``stock:nvlink_domain``). Every rank must pass the same value.
+    legs are point-to-point, not copy engines; else they take stock, ``stock:nvlink_domain``). Every rank
+    must pass the same value.
     Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
     path's comms.
     """
