@@ -10,8 +10,8 @@ group's backend for the tensors' device, recorded per leg in ``tide.stats()["mul
   host memory only: sends are copied to the host first, receives land in host buffers and are copied
   into place after;
 - ``nccl_direct``: CUDA tensors on an NCCL group whose ranks can all run them and did not set
-  ``TIDE_MULTINODE_RAILS=p2p`` (the default ``auto``, or ``nccl``): each batch is one NCCL group issued from one extension call on a communicator of TIDE's own
-  (``tide/transport/nccl_rails.py``).
+  ``TIDE_MULTINODE_RAILS=p2p`` (the default ``auto``, or ``nccl``): each batch is one NCCL group issued
+  from one extension call on a communicator of TIDE's own (``tide/transport/nccl_rails.py``).
 
 NCCL's one-sided put/signal (``nccl4py``, NCCL >= 2.29) is the other implementation the design names; it
 is not built. :func:`put_signal_unavailable` says why it could not run here.
