@@ -87,7 +87,6 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     if mode == "bound":
         # Leased (if it is not) on the compute stream, so a released region serves its activations.
         arena.region()
-    if mode == "bound":
         with handle.stream(copy_in_stream):
             # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the
             # host, its kernels may still run), and its last all-gather or Slot-Reuse reduce elsewhere.

@@ -61,11 +61,13 @@ def sum_rows_(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[t
 
 @functools.cache
 def _kernel():
-    """The extension's ``sum_rows``, or None when the CUDA extension cannot be built here (logged once)."""
+    """The extension's ``sum_rows`` on ``TIDE_RS_CTAS`` CTAs (read once, as the arena reads it), or None when
+    the CUDA extension cannot be built here (logged once)."""
     from tide.transport import build
 
+    ctas = int(os.environ.get("TIDE_RS_CTAS") or DEFAULT_SUM_CTAS)
     try:
-        return build.load().sum_rows
+        return functools.partial(build.load().sum_rows, ctas=ctas)
     except Exception as e:  # no nvcc, a failed build: the reference computes the same bits, slower
         log.warning("tide: the summing kernel is unavailable (%s: %s); multi-node sums run as torch ops",
                     type(e).__name__, e)
@@ -80,5 +82,4 @@ def sum_rows(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[to
     if kernel is None:
         sum_rows_(outs, rows, owns, own_row, scale, accumulate)
         return
-    ctas = int(os.environ.get("TIDE_RS_CTAS") or DEFAULT_SUM_CTAS)
-    kernel(outs=list(outs), rows=rows, owns=list(owns), own_row=own_row, scale=scale, accumulate=accumulate, ctas=ctas)
+    kernel(outs=list(outs), rows=rows, owns=list(owns), own_row=own_row, scale=scale, accumulate=accumulate)
