@@ -266,8 +266,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<nccl_p2p::Comm>(m, "NcclComm")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t>(), py::arg("id"), py::arg("world"), py::arg("rank"),
            py::arg("device"), py::call_guard<py::gil_scoped_release>())  // blocks until every rank has joined
-      .def("exchange", &nccl_p2p::Comm::exchange, py::arg("peers"), py::arg("addrs"), py::arg("bytes"),
-           py::arg("sends"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());  // may wait for peers
+      .def("exchange", &nccl_p2p::Comm::exchange, py::arg("peers"), py::arg("tensors"), py::arg("starts"),
+           py::arg("counts"), py::arg("sends"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());  // may wait for peers
   // A completion word for work just issued on the current stream (completions.h): its op id.
   m.def("mark_completion", [](int64_t device) {
           c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));

@@ -119,15 +119,25 @@ Comm::~Comm() {
   }
 }
 
-void Comm::exchange(const std::vector<int64_t>& peers, const std::vector<int64_t>& addrs,
-                    const std::vector<int64_t>& bytes, const std::vector<bool>& sends, int64_t stream) {
+void Comm::exchange(const std::vector<int64_t>& peers, const std::vector<at::Tensor>& tensors,
+                    const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                    const std::vector<bool>& sends, int64_t stream) {
   const size_t n = peers.size();
-  TORCH_CHECK(addrs.size() == n && bytes.size() == n && sends.size() == n,
-              "tide.nccl_p2p.exchange: peers, addrs, bytes and sends must have one entry per operation");
-  for (size_t i = 0; i < n; ++i)
-    TORCH_CHECK(peers[i] >= 0 && peers[i] < world_ && peers[i] != rank_ && bytes[i] >= 0,
-                "tide.nccl_p2p.exchange: operation ", num(static_cast<long long>(i)), " has peer ", num(peers[i]),
-                " and ", num(bytes[i]), " bytes (this rank ", num(rank_), " of ", num(world_), ")");
+  TORCH_CHECK_VALUE(tensors.size() == n && starts.size() == n && counts.size() == n && sends.size() == n,
+                    "tide.nccl_p2p.exchange: peers, tensors, starts, counts and sends must have one entry per "
+                    "operation");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK_VALUE(peers[i] >= 0 && peers[i] < world_ && peers[i] != rank_, "tide.nccl_p2p.exchange: operation ",
+                      num(static_cast<long long>(i)), " has peer ", num(peers[i]), " (this rank ", num(rank_), " of ",
+                      num(world_), ")");
+    TORCH_CHECK_VALUE(t.defined() && t.is_cuda() && t.get_device() == device_ && t.is_contiguous(),
+                      "tide.nccl_p2p.exchange: tensor ", num(static_cast<long long>(i)),
+                      " must be a contiguous tensor on cuda:", num(device_));
+    TORCH_CHECK_VALUE(starts[i] >= 0 && counts[i] >= 0 && starts[i] + counts[i] <= t.numel(),
+                      "tide.nccl_p2p.exchange: operation ", num(static_cast<long long>(i)), " moves elements [",
+                      num(starts[i]), ", ", num(starts[i] + counts[i]), ") of a tensor of ", num(t.numel()));
+  }
   if (n == 0) return;
   const Api& a = api();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
@@ -135,8 +145,9 @@ void Comm::exchange(const std::vector<int64_t>& peers, const std::vector<int64_t
   check(a.group_start(), "ncclGroupStart");
   int result = 0;
   for (size_t i = 0; i < n && result == 0; ++i) {
-    void* p = reinterpret_cast<void*>(addrs[i]);
-    const auto count = static_cast<size_t>(bytes[i]);
+    const auto item = static_cast<int64_t>(tensors[i].element_size());
+    char* p = static_cast<char*>(tensors[i].data_ptr()) + starts[i] * item;
+    const auto count = static_cast<size_t>(counts[i] * item);
     const int peer = static_cast<int>(peers[i]);
     result = sends[i] ? a.send(p, count, kUint8, peer, comm_, s) : a.recv(p, count, kUint8, peer, comm_, s);
   }

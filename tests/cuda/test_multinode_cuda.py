@@ -10,9 +10,11 @@ otherwise ranks share the GPUs over gloo (the pieces are staged through host mem
   call running the schedule, rounds counted on the rails.
 - Both with the direct NCCL rails (``TIDE_MULTINODE_RAILS=nccl``, tide/transport/nccl_rails.py) too: the
   same answers, every rail round counted ``nccl_direct``; closed and opened again (a new communicator,
-  fresh store keys), the same once more.
+  fresh store keys), the same once more; spans they cannot move refused with the op's name.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -55,7 +57,14 @@ def _check_direct(rank, world_size, seed, trials, expect_nodes):
     assert rails.implementation(group, device) == "p2p"
     again = _check(rank, world_size, seed + 1, trials, expect_nodes, "cuda")
     assert rails.implementation(group, device) == "nccl_direct"
-    return done + again
+    # Spans the direct rails cannot move are refused before NCCL sees them (every rank posts the same bad
+    # ones: nothing waits), naming the op, and the rails keep working.
+    x = torch.randn(4, 6, device=device)
+    for span, says in (((x, 20, 5), "moves elements [20, 25) of a tensor of 24"),
+                       ((x.t(), 0, 4), "must be a contiguous tensor")):
+        with pytest.raises(ValueError, match=r"tide\.nccl_p2p\.exchange: .*" + re.escape(says)):
+            rails.exchange(group, [(1 - rank, span)], [], "rail")
+    return done + _check(rank, world_size, seed + 2, 1, expect_nodes, "cuda") + again
 
 
 def test_ops_bit_exact_on_the_direct_nccl_rails():
@@ -63,7 +72,7 @@ def test_ops_bit_exact_on_the_direct_nccl_rails():
         pytest.skip("the direct NCCL rails need one GPU per rank: 2 GPUs")
     env = {**ranks.ENV, "LOCAL_WORLD_SIZE": "1", "TIDE_MULTINODE_RAILS": "nccl"}
     assert run_ranks(_check_direct, 2, 5077, 3, (2, 1), backend="nccl", device_type="cuda", env=env,
-                     timeout=300) == [6, 6]
+                     timeout=300) == [7, 7]
 
 
 @pytest.mark.parametrize("rails", ["p2p", "nccl"])

@@ -20,9 +20,13 @@ def _round(rank, world_size, seed):
     mine = [torch.randn(5, generator=gen(rank)), torch.randn(3, 2, generator=gen(rank + 10))]
     theirs = [torch.randn(5, generator=gen(peer)), torch.randn(3, 2, generator=gen(peer + 10))]
     got = [torch.full_like(x, float("nan")) for x in theirs]
-    rails.exchange(group, [(peer, x) for x in mine], [(peer, x) for x in got], "rail")
+    # a whole tensor, and a span (elements 1-4 of the 3 x 2 tensor into elements 2-5 of the receiver's)
+    rails.exchange(group, [(peer, rails.whole(mine[0])), (peer, (mine[1], 1, 4))],
+                   [(peer, rails.whole(got[0])), (peer, (got[1], 2, 4))], "rail")
     rails.exchange(group, [], [], "intra")  # nothing to move: not a round
-    assert all(torch.equal(g, w) for g, w in zip(got, theirs)), (got, theirs)
+    assert torch.equal(got[0], theirs[0]), (got[0], theirs[0])
+    assert torch.equal(got[1].view(-1)[2:], theirs[1].view(-1)[1:5]), (got[1], theirs[1])
+    assert got[1].view(-1)[:2].isnan().all(), got[1]  # outside the span: untouched
     return tide.stats()["multinode"]
 
 
@@ -41,9 +45,9 @@ def _many_pieces(rank, world_size, seed):
     piece = lambda src, dst, i: torch.randn(i + 1, generator=torch.Generator().manual_seed(  # noqa: E731
         seed + 100 * src + 10 * dst + i))
     peers = [p for p in range(world_size) if p != rank]
-    sends = [(p, piece(rank, p, i)) for p in peers for i in range(count(rank, p))]
+    sends = [(p, rails.whole(piece(rank, p, i))) for p in peers for i in range(count(rank, p))]
     got = [(p, torch.full((i + 1,), float("nan"))) for p in peers for i in range(count(p, rank))]
-    rails.exchange(dist.group.WORLD, sends, got, "intra")
+    rails.exchange(dist.group.WORLD, sends, [(p, rails.whole(t)) for p, t in got], "intra")
     want = [piece(p, rank, i) for p in peers for i in range(count(p, rank))]
     return all(torch.equal(g, w) for (_, g), w in zip(got, want))
 

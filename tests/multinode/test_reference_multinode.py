@@ -147,7 +147,7 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
     received, exchange = [], rails.exchange
 
     def recording(group, sends, recvs, leg):
-        received.append(sum(t.numel() * t.element_size() for _, t in recvs))
+        received.append(sum(count * t.element_size() for _, (t, _, count) in recvs))
         exchange(group, sends, recvs, leg)
 
     rails.exchange = recording

@@ -174,20 +174,19 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
     as_is = [s.dtype == o.dtype for s, o in zip(shards, outs)]
     beside = flat[0].is_cuda and all(as_is) and not torch.cuda.is_current_stream_capturing()
     if beside:
+        # No record_stream for the shards: the caller's stream waits for this copy before the op returns, as
+        # if it had run there (a recorded block waits for the allocator to see the side stream pass it).
         current, side = torch.cuda.current_stream(flat[0].device), _own_copy_stream(flat[0].device.index)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             torch._foreach_copy_(own, sources)
-        for source in sources:  # the caller may free a shard once this returns: not before the copy ran
-            source.record_stream(side)
     else:
         torch._foreach_copy_(own, sources)  # the only cast; one launch when the dtypes match
 
-    def at(piece: Piece, send: bool = False) -> torch.Tensor:
+    def at(piece: Piece, send: bool = False) -> tuple:  # the piece's span (rails.exchange)
         if send and piece.owner == rank and as_is[piece.param]:
-            return sources[piece.param][piece.first:piece.first + piece.count]
-        start = piece.owner * numels[piece.param] + piece.first
-        return flat[piece.param][start:start + piece.count]
+            return sources[piece.param], piece.first, piece.count
+        return flat[piece.param], piece.owner * numels[piece.param] + piece.first, piece.count
 
     try:
         for leg, sends, recvs in steps:
@@ -237,10 +236,12 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
         return [flat[c.param][c.grad_offset:c.grad_offset + c.numel] for c in step[d]]
 
     def contribution(d):
-        """Those chunks as one tensor, to send: the gradient's own elements when they are one range, else
-        gathered (mixed dtypes promote, which is exact: every sum runs in fp32)."""
-        r = ranges(d)
-        return r[0] if len(r) == 1 else torch.cat(r)
+        """Those chunks as one span to send (``rails.exchange``): the gradient's own elements when they are
+        one range, else gathered (mixed dtypes promote, which is exact: every sum runs in fp32)."""
+        if len(step[d]) == 1:
+            c = step[d][0]
+            return flat[c.param], c.grad_offset, c.numel
+        return rails.whole(torch.cat(ranges(d)))
 
     def own_terms(d):
         """Those chunks as a sum's own terms, one per chunk: read where they lie when they share d's
@@ -259,11 +260,12 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     sends = [(plan.partial_rank(me_node, d), contribution(d)) for d in range(W)
              if plan.partial_rank(me_node, d) != rank and numel[d]]
     staged = {d: empty((L - 1, numel[d]), grad_dtype[d]) for d in mine if numel[d] and L > 1}
-    recvs = [(topology.rank(me_node, l), row(staged[d], l, me_local)) for d in staged for l in range(L) if l != me_local]
+    recvs = [(topology.rank(me_node, l), rails.whole(row(staged[d], l, me_local))) for d in staged for l in range(L)
+             if l != me_local]
     rails.exchange(group, sends, recvs, "intra")
     # 2. node partials in local order (fp32); with L = 1 the partial is this rank's contribution itself,
     # never written to: the gradients stay as autograd left them
-    to_send, own_partial = {}, []  # the partials for other ranks, one tensor each; this rank's, per chunk
+    to_send, own_partial = {}, []  # the partials for other ranks, one span each; this rank's, per chunk
     for d in mine:
         if not numel[d]:
             continue
@@ -273,13 +275,13 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
             else:
                 to_send[d] = contribution(d)
             continue
-        whole = empty(numel[d], torch.float32)
-        pieces = list(whole.split(sizes[d]))
+        partial = empty(numel[d], torch.float32)
+        pieces = list(partial.split(sizes[d]))
         sums.sum_rows(pieces, staged[d], own_terms(d), me_local)
         if d == rank:
             own_partial = pieces
         else:
-            to_send[d] = whole
+            to_send[d] = rails.whole(partial)
     # 3. rail rounds: one destination's node partials out and one's in per round; those for this rank land
     # in the rows of its final sum (node order, its own node's row left out)
     parts = empty((N - 1, numel[rank]), partial_dtype[rank])
@@ -292,12 +294,12 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
         if numel[dest_sent]:
             sends.append((send_to, to_send[dest_sent]))
         if numel[dest_received]:
-            recvs.append((recv_from, landed[n, dest_received]))
+            recvs.append((recv_from, rails.whole(landed[n, dest_received])))
     rails.exchange(group, sends, recvs, "rail")
     # 4. hand-off on the destination's node: the landing rank passes each partial to its destination
-    sends = [(dest, buf) for (n, dest), buf in sorted(landed.items(), key=lambda kv: kv[0])
+    sends = [(dest, rails.whole(buf)) for (n, dest), buf in sorted(landed.items(), key=lambda kv: kv[0])
              if dest != rank and buf.numel()]
-    recvs = [(plan.landing_rank(n, rank), row(parts, n, me_node)) for n in range(N)
+    recvs = [(plan.landing_rank(n, rank), rails.whole(row(parts, n, me_node))) for n in range(N)
              if n != me_node and plan.landing_rank(n, rank) != rank and numel[rank]]
     rails.exchange(group, sends, recvs, "handoff")
     # 5. the destination sums the N partials in node order, scales, and writes (or adds) each chunk

@@ -76,13 +76,10 @@ class DirectRails:
     def _report(self):
         yield f"  direct NCCL rails of group {self.label}: a peer did not post its matching operations"
 
-    def post(self, ops: Sequence[tuple[int, torch.Tensor, bool]], leg: str) -> None:
-        """One NCCL group of ``(group peer, tensor, is_send)`` operations, ordered on the caller's stream."""
-        for i, (_, t, _) in enumerate(ops):  # NCCL moves bytes from an address: a contiguous tensor, here
-            if not t.is_contiguous() or t.device != self.device:
-                raise ValueError(f"tide: the direct NCCL rails' {leg} step: tensor {i} is "
-                                 f"{'on ' + str(t.device) if t.device != self.device else 'not contiguous'}; "
-                                 f"they move contiguous tensors on {self.device}")
+    def post(self, ops: Sequence[tuple[int, torch.Tensor, int, int, bool]], leg: str) -> None:
+        """One NCCL group of ``(group peer, tensor, start, count, is_send)`` operations (elements
+        ``[start, start + count)`` of a contiguous tensor on this GPU, checked in C++), ordered on the
+        caller's stream."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         done = watchdog.Completion(self.ext, self.device.index)
@@ -90,9 +87,9 @@ class DirectRails:
         op = None
         try:
             try:
-                self._comm.exchange(peers=[p for p, _, _ in ops], addrs=[t.data_ptr() for _, t, _ in ops],
-                                    bytes=[t.numel() * t.element_size() for _, t, _ in ops],
-                                    sends=[s for _, _, s in ops], stream=self.stream.cuda_stream)
+                peers, tensors, starts, counts, sends = zip(*ops)
+                self._comm.exchange(peers=peers, tensors=tensors, starts=starts, counts=counts, sends=sends,
+                                    stream=self.stream.cuda_stream)
             finally:  # also when it raised: what it queued may still touch these tensors
                 current.wait_stream(self.stream)
             op = self.ext.mark_completion(device=self.device.index)

@@ -1,8 +1,9 @@
 """The point-to-point legs of the multi-node schedule (``tide/ops/reference_multinode.py``).
 
-One call moves a round's pieces: every ``(peer, tensor)`` send and receive of this rank, posted as
-batches of point-to-point operations on the group (a bounded number per peer each), then waited for. How it moves them depends on the
-group's backend for the tensors' device, recorded per leg in ``tide.stats()["multinode"]``:
+One call moves a round's pieces: every send and receive of this rank (a span of a tensor, with its peer),
+posted as batches of point-to-point operations on the group (a bounded number per peer each), then waited
+for. How it moves them depends on the group's backend for the tensors' device, recorded per leg in
+``tide.stats()["multinode"]``:
 
 - ``p2p``: the backend moves the tensors themselves: NCCL for CUDA tensors (one GPU per rank), gloo for
   CPU tensors;
@@ -78,8 +79,10 @@ MAX_OPS_PER_PEER = 64
 
 
 def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: str) -> None:
-    """Post every ``(group peer, tensor)`` send and receive (pairs post in the same order on both ends),
-    then wait for all; ``leg`` names the schedule's leg in the stats (``rail``, ``intra``, ``handoff``).
+    """Post every send and receive of this rank, then wait for all; ``leg`` names the schedule's leg in the
+    stats (``rail``, ``intra``, ``handoff``). Each is ``(group peer, span)``, the span ``(tensor, start,
+    count)`` elements ``[start, start + count)`` of a contiguous tensor, moved where they lie (the direct
+    rails take the span itself: no slice per piece). Pairs post in the same order on both ends.
 
     Batches hold at most :data:`MAX_OPS_PER_PEER` sends and receives per peer. Batch k carries the k-th
     slice of this rank's sends to each peer and receives from it. That peer's receives from this rank
@@ -87,24 +90,27 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
     its receive in the same batch on both ends."""
     if not sends and not recvs:
         return
-    device = (sends or recvs)[0][1].device
+    device = (sends or recvs)[0][1][0].device
     how = implementation(group, device)
     counters.count_multinode(f"{leg}:{how}")
     landed = []
+    if how != "nccl_direct":  # torch's point-to-point ops take tensors
+        sends = [(peer, (piece(*span),)) for peer, span in sends]
+        recvs = [(peer, (piece(*span),)) for peer, span in recvs]
     if how == "p2p_host_staged":
-        sends = [(peer, t.cpu()) for peer, t in sends]
-        landed = [(t, torch.empty(t.shape, dtype=t.dtype)) for _, t in recvs]
-        recvs = [(peer, host) for (peer, _), (_, host) in zip(recvs, landed)]
+        sends = [(peer, (t.cpu(),)) for peer, (t,) in sends]
+        landed = [(t, torch.empty(t.shape, dtype=t.dtype)) for _, (t,) in recvs]
+        recvs = [(peer, (host,)) for (peer, _), (_, host) in zip(recvs, landed)]
     to, frm = defaultdict(list), defaultdict(list)
-    for peer, t in sends:
-        to[peer].append(t)
-    for peer, t in recvs:
-        frm[peer].append(t)
+    for peer, span in sends:
+        to[peer].append(span)
+    for peer, span in recvs:
+        frm[peer].append(span)
     batches = max(-(-len(ts) // MAX_OPS_PER_PEER) for ts in (*to.values(), *frm.values()))
     for k in range(batches):
         part = slice(k * MAX_OPS_PER_PEER, (k + 1) * MAX_OPS_PER_PEER)
-        ops = [(peer, t, True) for peer in sorted(to) for t in to[peer][part]]
-        ops += [(peer, t, False) for peer in sorted(frm) for t in frm[peer][part]]
+        ops = [(peer, *span, True) for peer in sorted(to) for span in to[peer][part]]
+        ops += [(peer, *span, False) for peer in sorted(frm) for span in frm[peer][part]]
         if not ops:  # no op with a peer in batch k here means none with this rank in that peer's batch k
             continue
         if how == "nccl_direct":
@@ -115,6 +121,17 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
             work.wait()
     for target, host in landed:
         target.copy_(host)
+
+
+def piece(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Elements ``[start, start + count)`` of contiguous ``t``, as a 1-D view."""
+    flat = t if t.dim() == 1 else t.view(-1)
+    return flat[start:start + count]
+
+
+def whole(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The span of all of contiguous ``t``."""
+    return t, 0, t.numel()
 
 
 def put_signal_unavailable() -> str | None:
