@@ -94,27 +94,27 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
     how = implementation(group, device)
     counters.count_multinode(f"{leg}:{how}")
     landed = []
-    if how != "nccl_direct":  # torch's point-to-point ops take tensors
-        sends = [(peer, (piece(*span),)) for peer, span in sends]
-        recvs = [(peer, (piece(*span),)) for peer, span in recvs]
+    if how != "nccl_direct":  # torch's point-to-point ops take tensors: each span becomes its slice
+        sends = [(peer, piece(*span)) for peer, span in sends]
+        recvs = [(peer, piece(*span)) for peer, span in recvs]
     if how == "p2p_host_staged":
-        sends = [(peer, (t.cpu(),)) for peer, (t,) in sends]
-        landed = [(t, torch.empty(t.shape, dtype=t.dtype)) for _, (t,) in recvs]
-        recvs = [(peer, (host,)) for (peer, _), (_, host) in zip(recvs, landed)]
+        sends = [(peer, t.cpu()) for peer, t in sends]
+        landed = [(t, torch.empty(t.shape, dtype=t.dtype)) for _, t in recvs]
+        recvs = [(peer, host) for (peer, _), (_, host) in zip(recvs, landed)]
     to, frm = defaultdict(list), defaultdict(list)
-    for peer, span in sends:
-        to[peer].append(span)
-    for peer, span in recvs:
-        frm[peer].append(span)
+    for peer, what in sends:
+        to[peer].append(what)
+    for peer, what in recvs:
+        frm[peer].append(what)
     batches = max(-(-len(ts) // MAX_OPS_PER_PEER) for ts in (*to.values(), *frm.values()))
     for k in range(batches):
         part = slice(k * MAX_OPS_PER_PEER, (k + 1) * MAX_OPS_PER_PEER)
-        ops = [(peer, *span, True) for peer in sorted(to) for span in to[peer][part]]
-        ops += [(peer, *span, False) for peer in sorted(frm) for span in frm[peer][part]]
+        ops = [(peer, what, True) for peer in sorted(to) for what in to[peer][part]]
+        ops += [(peer, what, False) for peer in sorted(frm) for what in frm[peer][part]]
         if not ops:  # no op with a peer in batch k here means none with this rank in that peer's batch k
             continue
         if how == "nccl_direct":
-            _opened(group).post(ops, leg)
+            _opened(group).post([(peer, *span, send) for peer, span, send in ops], leg)
             continue
         p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, group=group, group_peer=peer) for peer, t, send in ops]
         for work in dist.batch_isend_irecv(p2p):
