@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
 #     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
 #     tests_transport tests_fsdp_cuda tests_multinode tests_memory_model tests_faults fault_campaign kernels collectives
-#     collectives_multinode timeline ce_patterns lease_probe (2+ GPUs) overlap host_time train_step_8b train_step_multinode (2+ GPUs)
+#     collectives_multinode multinode_host timeline ce_patterns lease_probe (2+ GPUs) overlap host_time train_step_8b
+#     train_step_multinode (2+ GPUs)
 #     train_step_moe memory layout_conversion
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
@@ -83,6 +84,8 @@ multinode_locals="1"; [ "$gpus" -ge 4 ] && multinode_locals="1 2 $((gpus / 2))"
 [ "$gpus" -ge 2 ] && stage collectives_multinode 240 bash -c "for L in \$(echo $multinode_locals | tr ' ' '\n' | sort -un); do
   out='$WORK/results'; [ \$L = 1 ] || out='$WORK/results/multinode_L'\$L
   $PY bench/collectives.py --local-world-size \$L --sizes 1,16,256 --reps 5 --out \$out || exit 1; done"
+# Where the multi-node ops' host time goes: every function of the path timed, 2 GPUs as 2 nodes x 1.
+[ "$gpus" -ge 2 ] && stage multinode_host 90 $PY bench/multinode_host.py --device cuda --ranks 2 --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage timeline 150 $PY bench/timeline.py --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage ce_patterns 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$WORK/ce_patterns' \
   bench/ce_patterns.cu -lcuda && '$WORK/ce_patterns' 10 > '$WORK/results/ce_patterns.csv'"

@@ -1,17 +1,26 @@
-"""bench/multinode_host.py runs on CPU: both ops in both modes, a CSV row each, a SUMMARY line."""
+"""bench/multinode_host.py runs on CPU: both ops split into their functions' self times, which add up to
+the whole call, and a SUMMARY line."""
 import csv
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "multinode_host.py"
+OP_CALL = "op call (dispatcher and untimed code)"
 
 
-def test_measures_both_ops_in_both_modes(tmp_path):
-    done = subprocess.run([sys.executable, str(BENCH), "--reps", "6", "--out", str(tmp_path)], check=True,
+def test_splits_both_ops_into_self_times_that_add_up(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCH), "--reps", "4", "--out", str(tmp_path)], check=True,
                           capture_output=True, text=True, timeout=300)
-    assert "SUMMARY multinode_host (CPU, 2 x 1): all_gather" in done.stdout, done.stdout
+    assert "SUMMARY multinode_host (cpu, 2 x 1, 1 MiB): all_gather" in done.stdout, done.stdout
     rows = list(csv.DictReader(open(tmp_path / "multinode_host.csv")))
-    assert {(r["op"], r["mode"]) for r in rows} == {(op, m) for op in ("all_gather", "reduce_scatter")
-                                                   for m in ("cached", "planned")}
-    assert all(float(r["median_us"]) > 0 and r["nodes"] == "2" for r in rows), rows
+    for op, body in (("all_gather", "ops.reference_multinode.all_gather"),
+                     ("reduce_scatter", "ops.reference_multinode._reduce_scatter_step")):
+        mine = {r["function"]: r for r in rows if r["op"] == op}
+        assert {OP_CALL, body, "transport.rails.exchange"} <= set(mine), sorted(mine)
+        whole = float(mine[OP_CALL]["inclusive_us"])
+        # every nanosecond of a call is some function's self time, once
+        assert math.isclose(sum(float(r["self_us"]) for r in mine.values()), whole, rel_tol=1e-6), (op, mine)
+        assert all(0 <= float(r["self_us"]) <= float(r["inclusive_us"]) <= whole for r in mine.values()), mine
+        assert float(mine[OP_CALL]["calls_per_op"]) == 1.0 and mine[body]["nodes"] == "2"
