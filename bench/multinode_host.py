@@ -10,8 +10,9 @@ collectives bench's, 8 bf16 parameters of ``--mib`` MiB in all, and the ops are 
 Each function of the path (:data:`TIMED`) is wrapped in a timer that knows which timed function called it,
 so every call splits into self times: what a function spent outside the timed functions it called. The
 op call's own self time is the dispatcher and whatever is not timed. Per call, on rank 0, after warm-up:
-each function's calls, inclusive and self time (wrapping costs about 0.3 us per wrapped call). GPU run 86
-found the all-gather's slice per piece this way (docs/performance.md, "Fourteenth session").
+each function's calls, inclusive and self time (a wrapper costs 0.4 us per call on the CPU machine of
+docs/performance.md). GPU run 86 found the all-gather's slice per piece this way (docs/performance.md,
+"Fourteenth session").
 
 Writes ``multinode_host.csv`` and ``.png`` under ``--out`` and prints one ``SUMMARY`` line.
 """
