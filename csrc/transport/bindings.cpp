@@ -157,7 +157,7 @@ void sum_rows(const std::vector<at::Tensor>& outs, const at::Tensor& rows, const
     }
     off += outs[j].numel();
   }
-  launch_sum_contributions(a, static_cast<int>(ctas), stream);
+  if (a.nseg > 0) launch_sum_contributions(a, static_cast<int>(ctas), stream);
 }
 
 // The own-shard cast kernel on one contiguous pair (the kernel benchmark and tests): dst = cast(src).
