@@ -72,7 +72,7 @@ stage tests_transport 200 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider 
   --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py \
   --ignore=tests/cuda/test_multinode_cuda.py
 stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
-stage tests_multinode 180 $PY -m pytest tests/cuda/test_multinode_cuda.py -q -rfEs -p no:cacheprovider --timeout=170
+stage tests_multinode 300 $PY -m pytest tests/cuda/test_multinode_cuda.py -q -rfEs -p no:cacheprovider --timeout=290
 stage tests_memory_model 90 $PY -m pytest tests/cuda/test_memory_model.py -q -rfEs -p no:cacheprovider --timeout=85
 # The fault stages trace every TIDE decision (TIDE_TRACE=1): a hung rank's log shows what it last did.
 TIDE_TRACE=1 stage tests_faults 330 $PY -m pytest tests/cuda/test_faults.py -v -rfEs -p no:cacheprovider --timeout=100 --maxfail=2

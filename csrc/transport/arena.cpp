@@ -306,25 +306,12 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
   ++ag_calls_;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cudaStream_t S = current_stream(device_, "all_gather_into_params_");
-  const FlagLayout& f = layout_.flags;
-  uint32_t v;
   {
-    std::lock_guard<std::mutex> lock(progress_mu_);
-    v = ++ag_uses_[slot];
-    publish_locked();
+    HostTimer t(host_ns_[kEvent]);
+    TIDE_CUDA(cudaEventRecord(ev_start_, S));
   }
+  const uint32_t v = open_slot(slot, ev_start_);
   const uint64_t mine = slot_base(rank_, slot);
-  join(ag_push_, S, ev_start_);
-  if (world_ > 1) {  // my slot may be written: post "free" into every peer, then wait for every peer's
-    std::vector<driver::MemOp> writes, waits;
-    for (int64_t k = 1; k < world_; ++k) {
-      const int64_t p = (rank_ + k) % world_;
-      writes.push_back(driver::MemOp{peer_flag(p, f.ag_free(slot, rank_)), v});
-      waits.push_back(driver::MemOp{local_flag(f.ag_free(slot, p)), v});
-    }
-    writes.push_back(driver::MemOp{local_flag(f.ag_src(slot)), v});  // read by the "ready" copies
-    memops(ag_push_, writes, waits);
-  }
   // Pipeline chunk c: one kernel writes its ranges of my shards into my slot i on S (cast to the output
   // dtype, or copied); the pushes read cast ranges from my slot once "chunk c" is recorded, same-dtype
   // ranges from the shard itself at once. A chunk with nothing to cast waits for nothing: its copies
@@ -350,6 +337,36 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
     HostTimer t(host_ns_[kCopy]);
     data_.issue(ag_push_, false, copied_);
   }
+  close_slot(slot, v, S);
+}
+
+uint32_t Arena::open_slot(int64_t slot, cudaEvent_t start) {
+  const FlagLayout& f = layout_.flags;
+  uint32_t v;
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    v = ++ag_uses_[slot];
+    publish_locked();
+  }
+  {
+    HostTimer t(host_ns_[kEvent]);
+    TIDE_CUDA(cudaStreamWaitEvent(ag_push_, start, 0));
+  }
+  if (world_ > 1) {  // my slot may be written: post "free" into every peer, then wait for every peer's
+    std::vector<driver::MemOp> writes, waits;
+    for (int64_t k = 1; k < world_; ++k) {
+      const int64_t p = (rank_ + k) % world_;
+      writes.push_back(driver::MemOp{peer_flag(p, f.ag_free(slot, rank_)), v});
+      waits.push_back(driver::MemOp{local_flag(f.ag_free(slot, p)), v});
+    }
+    writes.push_back(driver::MemOp{local_flag(f.ag_src(slot)), v});  // read by the "ready" copies
+    memops(ag_push_, writes, waits);
+  }
+  return v;
+}
+
+void Arena::close_slot(int64_t slot, uint32_t v, cudaStream_t S) {
+  const FlagLayout& f = layout_.flags;
   if (world_ > 1) {  // my pieces are in every peer's slot: post "ready", then wait for every peer's
     std::vector<driver::MemOp> waits;
     for (int64_t k = 1; k < world_; ++k) {
@@ -365,6 +382,44 @@ void Arena::run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& sh
   }
   join(S, ag_push_, ev_ag_push_);
   mark_completion(S);
+}
+
+// ------------------------------------------------------------------------------------ node leg
+void Arena::push_spans(int64_t slot, uint64_t start, const std::vector<uint64_t>& landed,
+                       const std::vector<std::vector<int64_t>>& spans) {
+  const char* op = "all_gather_into_params_";
+  TORCH_CHECK_VALUE(slot >= 0 && slot < layout_.flags.K, "tide.", op, ": node arena slot ", num(slot),
+                    " not in [0, ", num(layout_.flags.K), ")");
+  TORCH_CHECK_VALUE(landed.size() == spans.size() && start != 0, "tide.", op,
+                    ": push_spans needs a recorded start event and one event per batch of spans");
+  for (size_t b = 0; b < spans.size(); ++b) {
+    TORCH_CHECK_VALUE(spans[b].size() % 2 == 0 && landed[b] != 0, "tide.", op, ": batch ", num(b),
+                      " needs a recorded event and (offset, bytes) pairs");
+    for (size_t i = 0; i < spans[b].size(); i += 2)
+      TORCH_CHECK_VALUE(spans[b][i] >= 0 && spans[b][i + 1] >= 0 && spans[b][i] + spans[b][i + 1] <= layout_.slot_bytes,
+                        "tide.", op, ": span [", num(spans[b][i]), ", ", num(spans[b][i] + spans[b][i + 1]),
+                        ") of batch ", num(b), " is not inside a slot of ", num(layout_.slot_bytes), " bytes");
+  }
+  check_leased(op);
+  HostTimer total(host_ns_[kTotal]);
+  ++ag_calls_;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  cudaStream_t S = current_stream(device_, op);
+  const uint32_t v = open_slot(slot, reinterpret_cast<cudaEvent_t>(start));
+  const uint64_t mine = slot_base(rank_, slot);
+  for (size_t b = 0; b < spans.size(); ++b) {
+    {
+      HostTimer t(host_ns_[kEvent]);
+      TIDE_CUDA(cudaStreamWaitEvent(ag_push_, reinterpret_cast<cudaEvent_t>(landed[b]), 0));
+    }
+    for (size_t i = 0; i < spans[b].size(); i += 2)
+      for (int64_t k = 1; k < world_; ++k)
+        data_.add(slot_base((rank_ + k) % world_, slot) + spans[b][i], mine + spans[b][i],
+                  static_cast<size_t>(spans[b][i + 1]));
+    HostTimer t(host_ns_[kCopy]);
+    data_.issue(ag_push_, false, copied_);
+  }
+  close_slot(slot, v, S);
 }
 
 // ------------------------------------------------------------------------------------ TIDE-RS

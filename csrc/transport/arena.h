@@ -73,6 +73,13 @@ class Arena {
   // TIDE-RS: kTide, kNoPlan or kBadArgs (nothing issued).
   Ran reduce_scatter(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads, double scale,
                      bool accumulate);
+  // The intra-node leg of a multi-node all-gather whose outputs are bound in slot `slot` of this node
+  // arena (tide/ops/reference_multinode.py): TIDE-AG's flags around it, and batch b of (byte offset in
+  // the slot, bytes) pairs of my slot copied to every peer's slot at the same offsets once event
+  // landed[b] has fired (the rail round that received them, or the own copy); P waits for event `start`
+  // (recorded on S as the op began) before posting "free". Events are cudaEvent_t values.
+  void push_spans(int64_t slot, uint64_t start, const std::vector<uint64_t>& landed,
+                  const std::vector<std::vector<int64_t>>& spans);
   void add_ag_plan(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs, AgPlan plan);
   void add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan);
 
@@ -113,6 +120,10 @@ class Arena {
   bool ag_args_ok(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) const;
   bool rs_args_ok(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads) const;
   void run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& shards, int64_t slot);
+  // One use of slot i by an all-gather: counts it (v), makes P wait for `start`, then the "free" handshake.
+  uint32_t open_slot(int64_t slot, cudaEvent_t start);
+  // After P's copies: "ready" into every peer; S waits for every peer's and for P.
+  void close_slot(int64_t slot, uint32_t v, cudaStream_t S);
   void run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>& grads,
                           const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate);
   void memops(cudaStream_t stream, const std::vector<driver::MemOp>& writes, const std::vector<driver::MemOp>& waits);

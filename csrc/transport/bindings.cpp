@@ -223,7 +223,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("rank"), py::arg("world"), py::arg("flag_bases"), py::arg("device"), py::arg("num_slots"),
            py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"), py::arg("cast_ctas"))
-      // Both return (what ran, the op's id for tide.transport's watchdog: completions.h).
+      // The ops return (what ran, the op's id for tide.transport's watchdog: completions.h).
       .def("all_gather", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
              const Ran ran = a.all_gather(shards, outs);
              return std::make_pair(std::string(ran_name(ran)), a.last_op());
@@ -233,6 +233,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const Ran ran = a.reduce_scatter(grads, shard_grads, scale, accumulate);
              return std::make_pair(std::string(ran_name(ran)), a.last_op());
            }, py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("push_spans", [](Arena& a, int64_t slot, uint64_t start, const std::vector<uint64_t>& landed,
+                            const std::vector<std::vector<int64_t>>& spans) {
+             a.push_spans(slot, start, landed, spans);
+             return std::make_pair(std::string(ran_name(Ran::kTide)), a.last_op());
+           }, py::arg("slot"), py::arg("start"), py::arg("landed"), py::arg("spans"),
            py::call_guard<py::gil_scoped_release>())
       .def("add_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
                              const AgPlan& plan) { a.add_ag_plan(shards, outs, plan); },

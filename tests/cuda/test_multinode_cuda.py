@@ -8,6 +8,9 @@ otherwise ranks share the GPUs over gloo (the pieces are staged through host mem
 - FSDP2 with ``TIDE_CUDA_MULTINODE=1`` on 2 nodes x 1 GPU: parity with stock FSDP2 (the tolerances of
   tests/cuda/test_fsdp_cuda.py), every collective counted ``tide_multinode``, no arena created, every op
   call running the schedule, rounds counted on the rails.
+- 2 nodes x 2 (4 ranks): all-gathers into outputs bound in the node arena's slots push the intra-node leg
+  by copy engine (tide/transport/nodes.py), bit-exact; FSDP2 parity with the blocks bound there, both RS
+  modes (Slot-Reuse reads the gradients from the node arena's slot).
 - Both with the direct NCCL rails (``TIDE_MULTINODE_RAILS=nccl``, tide/transport/nccl_rails.py) too: the
   same answers, every rail round counted ``nccl_direct``; closed and opened again (a new communicator,
   fresh store keys), the same once more; spans they cannot move refused with the op's name.
@@ -43,6 +46,65 @@ def test_ops_run_the_multinode_schedule_bit_exact(nodes, local):
     results = run_ranks(_check, ws, seed, 3, (nodes, local), "cuda", backend=_backend(ws), device_type="cuda",
                         env=env, timeout=300)
     assert results == [3] * ws
+
+
+def _check_node_arena(rank, world_size, seed, trials):
+    """All-gathers into outputs that lie in the node arena's slots: the intra-node leg goes by copy engine
+    (Arena.push_spans), bit-exact, poisoned first, both slots in turn; a span outside the slot is refused
+    with the op's name before anything is issued."""
+    import math
+    import random
+
+    import torch.distributed as dist
+
+    import tide
+    from tests.multinode.test_reference_multinode import DTYPES, _inputs
+    from tide.transport import nodes, plans
+
+    group, W = dist.group.WORLD, world_size
+    dev = torch.device("cuda", torch.cuda.current_device())
+    node = nodes.enable(group, slot_bytes=1 << 21)
+    assert nodes.get(group.group_name) is node and node.world_size == 2, node
+    tide.reset_stats()
+    rng = random.Random(seed)
+    for t in range(trials):
+        # Padded shards (c, *rest) of 1 B to 12 KiB, dtypes mixed; the flat outputs at their places in the slot.
+        shapes = [(rng.randint(1, 6), rng.randint(1, 700)) for _ in range(rng.randint(1, 5))] + [(rng.randint(1, 3),)]
+        in_dt = [rng.choice(DTYPES) for _ in shapes]
+        out_dt = [rng.choice(DTYPES) for _ in shapes]
+        every = [_inputs(seed * 100 + t, W, r, shapes, in_dt) for r in range(W)]
+        layout = plans.all_gather_layout([(math.prod(sh),) for sh in shapes], out_dt, W)
+        outs = node.slot_views(layout, out_dt, t % 2)
+        for o in outs:
+            o.fill_(float("nan"))
+        tide.ops.all_gather_into_params([x.to(dev) for x in every[rank]], outs, group)
+        for i, (o, dt) in enumerate(zip(outs, out_dt)):
+            want = torch.cat([every[r][i].to(dt).reshape(-1) for r in range(W)])
+            assert torch.equal(o.cpu(), want), f"seed {seed} trial {t} rank {rank}: all-gather param {i} differs"
+    legs = tide.stats()["multinode"]
+    assert legs.get("intra:copy_engine") == trials and not any(k.startswith("intra:p2p") for k in legs), legs
+    copied = node.counters()["ce_copies"]
+    assert copied >= trials, copied
+    uses, start = node._c.progress()["ag_uses"], torch.cuda.current_stream().record_event()
+    try:
+        node.push_spans(0, start, [(start, [node.slot_bytes - 4, 8])])
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    assert refused.startswith("tide.all_gather_into_params_: span [") and "not inside a slot" in refused, refused
+    assert node.counters()["ce_copies"] == copied and node._c.progress()["ag_uses"] == uses  # nothing issued
+    torch.cuda.synchronize()
+    nodes.disable(group.group_name)
+    assert nodes.get(group.group_name) is None
+    return trials
+
+
+def test_ops_push_the_intra_node_leg_by_copy_engine():
+    ws = 4
+    print("seed 5123")
+    env = {**ranks.ENV, "LOCAL_WORLD_SIZE": "2"}
+    assert run_ranks(_check_node_arena, ws, 5123, 4, backend=_backend(ws), device_type="cuda", env=env,
+                     timeout=300) == [4] * ws
 
 
 def _check_direct(rank, world_size, seed, trials, expect_nodes):
@@ -96,3 +158,28 @@ def test_fsdp_parity_on_two_emulated_nodes(rails):
             assert any(k.startswith(want) for k in t["multinode"]), (what, t["multinode"])
             assert (t["direct_rails"], t["direct_rails_after_disable"]) == ((1, 0) if rails == "nccl" else (0, 0)), \
                 (what, "direct rails open before / after tide.fsdp.disable")
+
+
+def test_fsdp_parity_on_two_nodes_of_two():
+    """2 nodes x 2 ranks (4 ranks; on 2 GPUs each node's ranks are on both GPUs, so its copies cross NVLink):
+    the blocks' outputs bound in the node arena's slots, the intra-node leg by copy engine, both RS modes."""
+    names = ["in_place_prefetch_raf", "slot_reuse_prefetch_raf"]
+    env = {**ranks.ENV, "LOCAL_WORLD_SIZE": "2", "TIDE_CUDA_MULTINODE": "1"}
+    results = run_ranks(fsdp_cuda, 4, names, False, backend=_backend(4), device_type="cuda", env=env, timeout=420)
+    for rank, res in enumerate(results):
+        for name in names:
+            r, what = res[name], f"rank {rank} {name}"
+            _assert_parity(what, r)
+            t, arena = r["tide"], r["tide"]["arena"]
+            assert set(t["stats"]["reduce_scatter"]) == {"tide_multinode"}, (what, t["stats"])
+            ag = t["stats"]["all_gather"]
+            assert ag.get("tide_multinode", 0) > 0 and set(ag) <= {"tide_multinode", "stock:arena_busy"}, (what, ag)
+            assert arena.get("arena:created") == 1 and t["arenas"] == 1 and t["arenas_after_disable"] == 0, \
+                (what, arena, t)
+            assert arena.get("ag:bound", 0) > 0 and t["multinode"].get("intra:copy_engine") == arena["ag:bound"], \
+                (what, arena, t["multinode"])
+            assert t["leased_at_loss"] == [False] and t["leased_after_backward"] == [False], (what, t)
+            if name.startswith("slot_reuse"):
+                assert arena.get("rs:slot_reuse", 0) > 0 and arena.get("rs:grad_into_slot", 0) > 0, (what, arena)
+            else:
+                assert "rs:slot_reuse" not in arena, (what, arena)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tide import counters, transport
+from tide import counters
 from tide.fsdp.comms import TideReduceScatter
+from tide.transport import nodes
 
 
 def install(param_group) -> None:
@@ -54,7 +55,7 @@ def grad_into_slot(param_group, fsdp_param, param) -> None:
             or fsdp_param.unsharded_accumulated_grad is not None or grad.dtype != param.dtype
             or grad.shape != param.shape or not grad.is_contiguous() or torch.cuda.is_current_stream_capturing()):
         return
-    arena = transport.get(param_group._all_gather_process_group.group_name)
+    arena = nodes.serving(param_group._all_gather_process_group.group_name)
     out = fsdp_param.all_gather_outputs[0] if fsdp_param.all_gather_outputs else None
     if arena is None or out is None or out.untyped_storage().nbytes() == 0 or grad.data_ptr() == out.data_ptr():
         return

@@ -27,10 +27,11 @@ from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
 
-from tide import counters, topology, transport
+from tide import counters, topology
 from tide.fsdp import compat, hooks, wiring
 from tide.fsdp.comms import TideAllGather, TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
+from tide.transport import nodes
 from tide.transport.watchdog import WATCHDOG
 
 
@@ -73,7 +74,9 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
     hooks moved it; with an arena, ``tide.stats()["wiring"]`` counts which."""
     torch.ops.tide.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group.group_name)
     if arena is not None:
-        from_slot = any(arena.slot_of(g) is not None for g in grads)
+        # A node arena's slot (a group spanning nodes) is read by the multi-node op, which knows no arena.
+        from_slot = (arena.read_from_slots(grads) if arena.world_size != world_size
+                     else any(arena.slot_of(g) is not None for g in grads))
         counters.count_wiring("rs:slot_reuse" if from_slot else "rs:in_place")
 
 
@@ -94,16 +97,16 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
             arena.slots.wait(slot, copy_in_stream)
             outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, arena)
     elif mode == "none":
-        # No arena (multi-node groups; the reference transport): from the compute stream's pool, as
-        # stock's copy-out allocates them. On the copy-in stream the outputs of an 8B-shaped multi-node
-        # step took 3.9-5.7 GiB of segments of that stream's own (GPU runs 79-80). A block freed on the
-        # compute stream may still be read by work queued there, so the all-gather writes after that
-        # work: without FSDP's explicit forward prefetch it cannot overlap the layer before (an 8B-shaped
-        # step on 2 x 1 was still 5-18 % faster than stock's, GPU run 83).
+        # No arena (multi-node groups of one rank per node; the reference transport): from the compute
+        # stream's pool, as stock's copy-out allocates them. On the copy-in stream the outputs of an
+        # 8B-shaped multi-node step took 3.9-5.7 GiB of segments of that stream's own (GPU runs 79-80).
+        # A block freed on the compute stream may still be read by work queued there, so the all-gather
+        # writes after that work: without FSDP's explicit forward prefetch it cannot overlap the layer
+        # before (an 8B-shaped step on 2 x 1 was still 5-18 % faster than stock's, GPU run 83).
         outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
         copy_in_stream.wait_stream(compute_stream)
     else:
-        # Single-node groups outside a slot keep stock's overlap: allocated on the copy-in stream.
+        # Groups outside a slot keep stock's overlap: allocated on the copy-in stream.
         with handle.stream(copy_in_stream):
             outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
     all_gather_stream.wait_stream(copy_in_stream)
@@ -263,7 +266,7 @@ def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
     gradients there, within the call)."""
     if not (isinstance(comm, TideReduceScatter) and comm.grad_hooks and fsdp_params and group is not None):
         return
-    arena = transport.get(group.group_name)
+    arena = nodes.serving(group.group_name)
     own = arena.slots.last_slot(fsdp_params[0]) if arena is not None else None
     if own is not None:
         arena.slots.used(own, stream.record_event())

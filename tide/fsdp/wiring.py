@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tide import counters, topology, transport
 from tide.fsdp.comms import TideAllGather
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
-from tide.transport import plans
+from tide.transport import nodes, plans
 
 log = logging.getLogger("tide.fsdp")
 
@@ -74,16 +74,20 @@ def bindable(param_group) -> bool:
             and param_group.post_forward_mesh_info is not None)
 
 
-def _create_arena(group: dist.ProcessGroup):
-    """Rendezvous the arena of ``group``'s ranks (collective: every rank reaches its group's first TIDE
+def _create_arena(group: dist.ProcessGroup, multinode: bool):
+    """Rendezvous the arena of ``group``'s ranks, or for a group spanning nodes the node arena of this
+    rank's node (:mod:`tide.transport.nodes`); collective: every rank reaches its group's first TIDE
     collective at the same point of the step; never under graph capture: that call took the stock path
-    before). Slots fit the largest :func:`bindable` group enabled on those ranks; with none, the arena has
-    no slots (reduce-scatters only)."""
+    before. Slots fit the largest :func:`bindable` group enabled on those ranks (all of ``group``'s ranks'
+    outputs); with none, the arena has no slots (reduce-scatters only)."""
     W = group.size()
     key = group_key(group)
     layouts = [slot_layout(g.fsdp_params, W) for g in enabled_groups(key)
                if g.fsdp_params and bindable(g) and static_all_gather_reason(g.fsdp_params) is None]
-    arena = transport.enable(group, layouts=layouts)
+    if multinode:
+        arena = nodes.enable(group, slot_bytes=max([0] + [layout.slot_bytes for layout in layouts]))
+    else:
+        arena = transport.enable(group, layouts=layouts)
     _CREATED[key] = group.group_name
     counters.count_wiring("arena:created")
     log.info("tide.fsdp: created %r for %d enabled param groups", arena, len(enabled_groups(key)))
@@ -91,20 +95,24 @@ def _create_arena(group: dist.ProcessGroup):
 
 
 def arena_for(group: dist.ProcessGroup, device: torch.device, comm_transport: str):
-    """The arena of ``group``'s ranks (created on first use, unless an op-level user made one), or None:
-    not CUDA, the reference transport, or a group spanning nodes."""
+    """The arena serving ``group`` (created on first use, unless an op-level user made one): its ranks' own,
+    or for a group spanning nodes of 2 or more ranks its node arena, whose slots the multi-node
+    all-gather's intra-node leg pushes through. None: not CUDA, the reference transport, or one rank per
+    node (the ops run the multi-node schedule alone)."""
     if device.type != "cuda" or comm_transport != "auto":
         return None
-    if topology.is_multinode(topology.of_group(group)):  # the ops run the multi-node schedule, no arena
+    topo = topology.of_group(group)
+    multinode = topology.is_multinode(topo)
+    if multinode and topo.local_size < 2:
         return None
-    arena = transport.get(group.group_name)
-    return arena if arena is not None else _create_arena(group)
+    arena = nodes.serving(group.group_name)
+    return arena if arena is not None else _create_arena(group, multinode)
 
 
 def check_arenas_idle(param_groups) -> None:
     """Raise (changing nothing) if an arena serving ``param_groups`` still holds unsharded params."""
     for g in param_groups:
-        arena = transport.get(g._all_gather_process_group.group_name)
+        arena = nodes.serving(g._all_gather_process_group.group_name)
         if arena is not None and arena.slots.held():
             raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of "
                                f"ranks {list(arena.ranks)}; call disable between steps (after backward / reshard)")
@@ -115,6 +123,7 @@ def drop_arena(key: tuple) -> None:
     name = _CREATED.pop(key, None)
     if name is not None:
         transport.disable(name)
+        nodes.disable(name)
 
 
 def release_leases() -> None:
@@ -122,7 +131,7 @@ def release_leases() -> None:
     ended: nothing TIDE leases sits beside the activations at the loss or beside the optimizer step;
     tide/transport/lease.py). Every rank reaches the same points."""
     for name in _CREATED.values():
-        arena = transport.get(name)
+        arena = nodes.serving(name)
         if arena is not None:
             arena.release()
 
@@ -187,5 +196,5 @@ def bind_into_slot(arena, fsdp_params, world_size: int, device: torch.device, sl
     for p in fsdp_params:
         p.init_all_gather_outputs([p._sharded_param_data.numel()], [group_dtype(p)], world_size, device)
         outs.append(p.all_gather_outputs[0])
-    arena.bind_outputs(outs, slot, owners=fsdp_params)
+    arena.bind_outputs(outs, slot, owners=fsdp_params, world_size=world_size)
     return outs

@@ -36,10 +36,11 @@ from functools import reduce
 import torch
 import torch.distributed as dist
 
+from tide import counters
 from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES, GroupLayout, RsChunk
 from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topology
 from tide.ops import sums
-from tide.transport import agreement, nccl_rails, rails, watchdog
+from tide.transport import agreement, nccl_rails, nodes, rails, watchdog
 
 log = logging.getLogger("tide")
 
@@ -57,6 +58,30 @@ def _ag_schedule(shard_shapes: tuple, item_sizes: tuple, topology: Topology, ran
     mine = [(leg, [(t.dst, pc) for t in step if t.src == rank for pc in t.pieces],
              [(t.src, pc) for t in step if t.dst == rank for pc in t.pieces]) for leg, step in steps]
     return [p.shard_numel for p in layout.params], mine
+
+
+@functools.lru_cache(maxsize=256)
+def _node_spans(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank: int, pace_bytes: int) -> list:
+    """The batches of the copy-engine intra-node leg (``Arena.push_spans``): this rank's own shards, then
+    the pieces each rail step lands, as flat (byte offset in the slot, bytes) pairs, adjacent ones merged.
+    The slot is laid out as ``Arena.bind_outputs`` binds the group's W outputs."""
+    W = topology.world_size
+    layout = GroupLayout([(W * s[0], *s[1:]) for s in shard_shapes], list(item_sizes), W)
+
+    def spans(pieces) -> list[int]:
+        out: list[int] = []
+        for pc in pieces:
+            p = layout.params[pc.param]
+            off, n = p.slot_offset + (pc.owner * p.shard_numel + pc.first) * p.itemsize, pc.count * p.itemsize
+            if out and out[-2] + out[-1] == off:
+                out[-1] += n
+            else:
+                out += [off, n]
+        return out
+
+    own = [Piece(p.index, rank, 0, p.shard_numel) for p in layout.params if p.shard_numel]
+    _, steps = _ag_schedule(shard_shapes, item_sizes, topology, rank, pace_bytes)
+    return [spans(own)] + [spans([pc for _, pc in recvs]) for leg, _, recvs in steps if leg == "rail"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -160,10 +185,25 @@ def _own_copy_stream(device: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+def _node_slot(outs, group: dist.ProcessGroup):
+    """(the node arena, the slot) when ``outs`` are bound in a slot of ``group``'s node arena, else None."""
+    node = nodes.get(group.group_name) if outs and outs[0].is_cuda else None
+    if node is None or torch.cuda.is_current_stream_capturing():
+        return None
+    slot = node.bound_slot(outs, group.size())
+    return None if slot is None else (node, slot)
+
+
 def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:
     rank = group.rank()
-    numels, steps = _ag_schedule(tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs),
-                                 topology, rank, pace or _pace(group, shards[0].device))
+    key = (tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs), topology, rank,
+           pace or _pace(group, shards[0].device))
+    numels, steps = _ag_schedule(*key)
+    node_slot = _node_slot(outs, group)
+    if node_slot is not None:  # the node's ranks push each other's pieces by copy engine (Arena.push_spans)
+        current = torch.cuda.current_stream(outs[0].device)
+        start, landed = current.record_event(), []
+        steps = [step for step in steps if step[0] == "rail"]
     flat = [o.view(-1) for o in outs]
     own = [out[rank * n:(rank + 1) * n] for out, n in zip(flat, numels)]
     sources = [s.reshape(-1) for s in shards]
@@ -182,6 +222,8 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
             torch._foreach_copy_(own, sources)
     else:
         torch._foreach_copy_(own, sources)  # the only cast; one launch when the dtypes match
+    if node_slot is not None:  # the own rows are pushed once written
+        landed.append((side if beside else current).record_event())
 
     def at(piece: Piece, send: bool = False) -> tuple:  # the piece's span (rails.exchange)
         if send and piece.owner == rank and as_is[piece.param]:
@@ -192,6 +234,12 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
         for leg, sends, recvs in steps:
             rails.exchange(group, [(dst, at(pc, send=True)) for dst, pc in sends],
                            [(src, at(pc)) for src, pc in recvs], leg)
+            if node_slot is not None:
+                landed.append(current.record_event())
+        if node_slot is not None:
+            node, slot = node_slot
+            node.push_spans(slot, start, list(zip(landed, _node_spans(*key))))
+            counters.count_multinode("intra:copy_engine")
     finally:  # also when a step raises: the caller may free the outputs the copy still writes
         if beside:
             current.wait_stream(side)

@@ -69,7 +69,8 @@ class Arena:
         slot_bytes: bytes of one all-gather slot (the largest ``GroupLayout.slot_bytes`` bound in a slot);
             0 gives an arena without slots (reduce-scatters only; all-gathers take the reference path).
         num_slots: K, the all-gather slots.
-        rs_ring_bytes: bytes of the reduce-scatter staging ring (``TIDE_RS_RING_BYTES``).
+        rs_ring_bytes: bytes of the reduce-scatter staging ring (``TIDE_RS_RING_BYTES``; 0: the smallest,
+            for an arena that serves no reduce-scatter, as a node arena: :mod:`tide.transport.nodes`).
         ring_depth: R, staging slots per destination, each of W entries (``TIDE_RS_RING_DEPTH``): up to R
             rounds of a reduce-scatter are in flight.
         sum_ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
@@ -97,7 +98,7 @@ class Arena:
         self.num_slots = num_slots if self.slot_bytes > 0 else 0
         self.ring_depth = ring_depth or _env_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
         self.sum_ctas = sum_ctas or _env_int("TIDE_RS_CTAS", DEFAULT_SUM_CTAS)
-        ring = rs_ring_bytes or _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
+        ring = _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES) if rs_ring_bytes is None else rs_ring_bytes
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.cast_ctas = cast_ctas or _env_int("TIDE_AG_CAST_CTAS", CAST_CTAS_PER_SM * sms)
         if self.ring_depth < 1 or self.sum_ctas < 1 or self.cast_ctas < 1 or self.num_slots < 0:
@@ -261,11 +262,28 @@ class Arena:
         if ran == "bad_args":
             checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
             self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
-        slots = {s for s in map(self.slot_of, grads) if s is not None}
+        self.read_from_slots(grads)
+
+    def read_from_slots(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Keep every slot that holds one of ``tensors`` busy until the current stream has passed this point
+        (work queued there read them); whether any did."""
+        slots = {s for s in map(self.slot_of, tensors) if s is not None}
         if slots:
             event = torch.cuda.current_stream(self.device).record_event()
             for slot in slots:
                 self.slots.used(slot, event)
+        return bool(slots)
+
+    def push_spans(self, slot: int, start: torch.cuda.Event,
+                   batches: Sequence[tuple[torch.cuda.Event, Sequence[int]]]) -> None:
+        """The copy-engine intra-node leg of a multi-node all-gather whose outputs are bound in slot ``slot``
+        of this node arena (:mod:`tide.transport.nodes`): each batch's ``(byte offset in the slot, bytes)``
+        pairs (flat) of this rank's slot go to every peer's slot at the same offsets once its event has
+        fired; ``start`` was recorded on the current stream as the op began. TIDE-AG's flags surround it
+        (csrc/transport/arena.h), so the current stream then waits until every peer's pieces are here."""
+        self.region()
+        self._issue("all_gather_into_params_", self._c.push_spans, slot=int(slot), start=start.cuda_event,
+                    landed=[event.cuda_event for event, _ in batches], spans=[list(spans) for _, spans in batches])
 
     def _issue(self, name: str, call, **kw) -> str:
         """One call into the extension, watched from before it issues anything; its outcome's name."""
@@ -357,24 +375,41 @@ class Arena:
             return None
         return region[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
-    def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int, owners: Sequence = ()) -> None:
-        """Point the storages of the 1-D all-gather outputs ``outs`` (their views see it too) into slot
-        ``slot`` at their param-major addresses, and lease the slot to them until they are resharded;
-        ``owners`` (one key per output, e.g. FSDP's params) remember the slot. Each output must own its
-        whole storage (storage offset 0, ``W*shard_numel`` elements)."""
-        slot = self._check_slot("bind_outputs", slot)
-        W = self.world_size
-        key = tuple([(o.numel(), o.dtype) for o in outs])
+    def _places(self, op: str, outs: Sequence[torch.Tensor], world_size: int) -> tuple[list, list]:
+        """(slot offset, bytes) of each 1-D all-gather output of a ``world_size``-rank group, param-major."""
+        W = world_size
+        key = (W, *[(o.numel(), o.dtype) for o in outs])
         places = self._bind_places.get(key)
         if places is None:
             if any(o.numel() % W for o in outs):
-                raise ValueError("tide.transport.bind_outputs: outputs must have W*c elements")
+                raise ValueError(f"tide.transport.{op}: outputs must have W*c elements (W = {W})")
             layout = plans.all_gather_layout([(o.numel() // W,) for o in outs], [o.dtype for o in outs], W)
             if layout.slot_bytes > self.slot_bytes:
-                raise ValueError(f"tide.transport.bind_outputs: group needs {layout.slot_bytes} slot bytes, "
+                raise ValueError(f"tide.transport.{op}: group needs {layout.slot_bytes} slot bytes, "
                                  f"the arena has {self.slot_bytes}")
             places = self._bind_places[key] = ([p.slot_offset for p in layout.params],
                                                [p.out_bytes for p in layout.params])
+        return places
+
+    def bound_slot(self, outs: Sequence[torch.Tensor], world_size: int) -> int | None:
+        """The slot in which every output of ``outs`` (1-D, of a ``world_size``-rank all-gather) lies at its
+        param-major address, or None."""
+        slot = self.slot_of(outs[0]) if outs else None
+        if slot is None:
+            return None
+        offsets = self._places("bound_slot", outs, world_size)[0]
+        base = self.leases.held.data_ptr() + self._slot_base(slot)
+        return slot if all(o.data_ptr() == base + off for o, off in zip(outs, offsets)) else None
+
+    def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int, owners: Sequence = (),
+                     world_size: int | None = None) -> None:
+        """Point the storages of the 1-D all-gather outputs ``outs`` (their views see it too) into slot
+        ``slot`` at their param-major addresses, and lease the slot to them until they are resharded;
+        ``owners`` (one key per output, e.g. FSDP's params) remember the slot. Each output must own its
+        whole storage (storage offset 0, ``W*shard_numel`` elements), W = ``world_size``: the arena's
+        ranks by default, a multi-node group's for a node arena (:mod:`tide.transport.nodes`)."""
+        slot = self._check_slot("bind_outputs", slot)
+        places = self._places("bind_outputs", outs, world_size or self.world_size)
         region = self.region()
         base = region.data_ptr() + self._slot_base(slot)
         # All outputs are checked before any is bound; each keeps the region alive until it is resharded.
