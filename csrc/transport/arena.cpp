@@ -196,6 +196,26 @@ void Arena::add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan) {
   rs_plans_[rs_key(grads)] = std::make_shared<RsPlan>(std::move(plan));
 }
 
+void Arena::add_partials_plan(int64_t id, RsPlan plan) {
+  TORCH_CHECK(static_cast<int64_t>(plan.rounds.size()) == world_ && plan.pads.empty(),
+              "tide.add_partials_plan: need one list of rounds per rank and no padding");
+  auto p = std::make_shared<PartialsPlan>();
+  p->grad_need.assign(plan.grad_dtype.size(), 0);
+  for (int64_t d = 0; d < world_; ++d) {
+    plan.max_rounds = std::max<int64_t>(plan.max_rounds, plan.rounds[d].size());
+    for (const auto& round : plan.rounds[d])
+      for (const RsChunk& c : round) {
+        TORCH_CHECK(c.param >= 0 && c.param < static_cast<int64_t>(p->grad_need.size()) && c.n >= 0 &&
+                        c.entry_off + c.n * dtype_size(plan.grad_dtype[c.param]) <= layout_.entry_bytes,
+                    "tide.add_partials_plan: a chunk lies outside its gradient list or its staging entry");
+        p->grad_need[c.param] = std::max(p->grad_need[c.param], c.grad_off + c.n);
+        if (d == rank_) p->out_need = std::max(p->out_need, c.shard_off + c.n);
+      }
+  }
+  p->rs = std::move(plan);
+  partials_plans_[id] = std::move(p);
+}
+
 // The conditions of tide.meta.checks (which words the errors; see tide/transport/arena.py), plus every
 // tensor on this arena's device.
 bool Arena::ag_args_ok(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) const {
@@ -258,6 +278,29 @@ Ran Arena::reduce_scatter(const std::vector<at::Tensor>& grads, const std::vecto
   check_leased("reduce_scatter_params_");
   run_reduce_scatter(*it->second, grads, shard_grads, static_cast<float>(scale), accumulate);
   return Ran::kTide;
+}
+
+void Arena::reduce_partials(int64_t id, const std::vector<at::Tensor>& grads, const at::Tensor& out) {
+  const char* op = "reduce_scatter_params_";
+  auto it = partials_plans_.find(id);
+  TORCH_CHECK_VALUE(it != partials_plans_.end(), "tide.", op, ": the node arena has no partials plan ", num(id));
+  const PartialsPlan& p = *it->second;
+  const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
+  TORCH_CHECK_VALUE(grads.size() == p.grad_need.size(), "tide.", op, ": the node partials plan reads ",
+                    num(p.grad_need.size()), " gradients, got ", num(grads.size()));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK_VALUE(g.device() == dev && g.is_contiguous() && dtype_code(g.scalar_type()) == p.rs.grad_dtype[i] &&
+                          g.numel() >= p.grad_need[i],
+                      "tide.", op, ": grads[", num(i), "] must be a contiguous tensor of the plan's dtype on the node "
+                      "arena's device with at least ", num(p.grad_need[i]), " elements");
+  }
+  TORCH_CHECK_VALUE(out.device() == dev && out.is_contiguous() && out.scalar_type() == at::kFloat &&
+                        out.numel() >= p.out_need,
+                    "tide.", op, ": the node partials must be a contiguous fp32 tensor on the node arena's device "
+                    "with at least ", num(p.out_need), " elements");
+  check_leased(op);
+  run_reduce_scatter(p.rs, grads, std::vector<at::Tensor>(grads.size(), out), 1.0f, false);
 }
 
 // ------------------------------------------------------------------------------------ streams, flags

@@ -80,6 +80,11 @@ class Arena {
   // (recorded on S as the op began) before posting "free". Events are cudaEvent_t values.
   void push_spans(int64_t slot, uint64_t start, const std::vector<uint64_t>& landed,
                   const std::vector<std::vector<int64_t>>& spans);
+  // The node-local stage of a multi-node reduce-scatter step on this node arena: TIDE-RS's rounds of
+  // plan `id` (add_partials_plan), every destination's sums written into the fp32 buffer `out` at the
+  // plan's offsets, unscaled (the node partials, summed in local rank order: the reference's order).
+  void reduce_partials(int64_t id, const std::vector<at::Tensor>& grads, const at::Tensor& out);
+  void add_partials_plan(int64_t id, RsPlan plan);
   void add_ag_plan(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs, AgPlan plan);
   void add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan);
 
@@ -149,6 +154,7 @@ class Arena {
   cudaEvent_t ev_report_ = nullptr;
   std::unordered_map<PlanKey, std::shared_ptr<AgPlan>, PlanKeyHash> ag_plans_;
   std::unordered_map<PlanKey, std::shared_ptr<RsPlan>, PlanKeyHash> rs_plans_;
+  std::unordered_map<int64_t, std::shared_ptr<PartialsPlan>> partials_plans_;
   CopyList data_, flags_;
   CopyCounters copied_;
   int64_t kernels_ = 0, memop_calls_ = 0, ag_calls_ = 0, rs_calls_ = 0;

@@ -240,6 +240,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return std::make_pair(std::string(ran_name(Ran::kTide)), a.last_op());
            }, py::arg("slot"), py::arg("start"), py::arg("landed"), py::arg("spans"),
            py::call_guard<py::gil_scoped_release>())
+      .def("reduce_partials", [](Arena& a, int64_t id, const std::vector<at::Tensor>& grads, const at::Tensor& out) {
+             a.reduce_partials(id, grads, out);
+             return std::make_pair(std::string(ran_name(Ran::kTide)), a.last_op());
+           }, py::arg("id"), py::arg("grads"), py::arg("out"), py::call_guard<py::gil_scoped_release>())
+      .def("add_partials_plan", [](Arena& a, int64_t id, const RsPlan& plan) { a.add_partials_plan(id, plan); },
+           py::arg("id"), py::arg("plan"))
       .def("add_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
                              const AgPlan& plan) { a.add_ag_plan(shards, outs, plan); },
            py::arg("shards"), py::arg("outs"), py::arg("plan"))

@@ -38,4 +38,13 @@ struct RsPlan {
   int64_t max_rounds = 0;
 };
 
+// A node arena's share of one multi-node reduce-scatter step (tide/ops/reference_multinode.py): its
+// rounds write every destination's node partials into one fp32 buffer (shard_off: elements into it), so
+// the call's checks need the elements each gradient and the buffer must hold.
+struct PartialsPlan {
+  RsPlan rs;
+  std::vector<int64_t> grad_need;  // per param: elements the rounds read
+  int64_t out_need = 0;            // elements this rank's own rounds write
+};
+
 }  // namespace tide

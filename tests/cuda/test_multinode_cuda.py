@@ -8,9 +8,10 @@ otherwise ranks share the GPUs over gloo (the pieces are staged through host mem
 - FSDP2 with ``TIDE_CUDA_MULTINODE=1`` on 2 nodes x 1 GPU: parity with stock FSDP2 (the tolerances of
   tests/cuda/test_fsdp_cuda.py), every collective counted ``tide_multinode``, no arena created, every op
   call running the schedule, rounds counted on the rails.
-- 2 nodes x 2 (4 ranks): all-gathers into outputs bound in the node arena's slots push the intra-node leg
-  by copy engine (tide/transport/nodes.py), bit-exact; FSDP2 parity with the blocks bound there, both RS
-  modes (Slot-Reuse reads the gradients from the node arena's slot).
+- 2 nodes x 2 (4 ranks) with a node arena (tide/transport/nodes.py): all-gathers into outputs bound in its
+  slots push the intra-node leg by copy engine, reduce-scatters sum their node partials there, both
+  bit-exact; FSDP2 parity with the blocks bound there, both RS modes (Slot-Reuse reads the gradients
+  from the node arena's slot).
 - Both with the direct NCCL rails (``TIDE_MULTINODE_RAILS=nccl``, tide/transport/nccl_rails.py) too: the
   same answers, every rail round counted ``nccl_direct``; closed and opened again (a new communicator,
   fresh store keys), the same once more; spans they cannot move refused with the op's name.
@@ -49,8 +50,9 @@ def test_ops_run_the_multinode_schedule_bit_exact(nodes, local):
 
 
 def _check_node_arena(rank, world_size, seed, trials):
-    """All-gathers into outputs that lie in the node arena's slots: the intra-node leg goes by copy engine
-    (Arena.push_spans), bit-exact, poisoned first, both slots in turn; a span outside the slot is refused
+    """2 x 2 with a node arena: all-gathers into outputs that lie in its slots push the intra-node leg by
+    copy engine (Arena.push_spans), both slots in turn; reduce-scatters sum their node partials there
+    (Arena.reduce_partials); both bit-exact, outputs poisoned first; a span outside the slot is refused
     with the op's name before anything is issued."""
     import math
     import random
@@ -58,7 +60,8 @@ def _check_node_arena(rank, world_size, seed, trials):
     import torch.distributed as dist
 
     import tide
-    from tests.multinode.test_reference_multinode import DTYPES, _inputs
+    from tests.multinode.test_reference_multinode import DTYPES, _expected_shard, _inputs
+    from tide.meta.layout import shard_rows
     from tide.transport import nodes, plans
 
     group, W = dist.group.WORLD, world_size
@@ -81,8 +84,23 @@ def _check_node_arena(rank, world_size, seed, trials):
         for i, (o, dt) in enumerate(zip(outs, out_dt)):
             want = torch.cat([every[r][i].to(dt).reshape(-1) for r in range(W)])
             assert torch.equal(o.cpu(), want), f"seed {seed} trial {t} rank {rank}: all-gather param {i} differs"
+        # Reduce-scatter: the node partials summed on the node arena (contributions pushed by copy engine into
+        # its staging ring), bit-exact against the documented order; bf16/fp16/fp32, uneven rows.
+        gshapes = [(rng.randint(0, 3 * W + 2), rng.randint(1, 300)) for _ in range(rng.randint(1, 4))] + [(rng.randint(1, W),)]
+        gdt = [rng.choice(DTYPES + (torch.float16,)) for _ in gshapes]
+        grads_all = [_inputs(seed * 100 + t + 7, W, r, gshapes, gdt) for r in range(W)]
+        scale, accumulate = rng.choice([1.0, 1.0 / W, rng.uniform(0.1, 2.0)]), rng.random() < 0.4
+        init = [torch.randn((shard_rows(sh[0], W), *sh[1:]), generator=torch.Generator().manual_seed(t + rank))
+                for sh in gshapes]
+        shard_grads = [(x.clone() if accumulate else torch.full_like(x, float("nan"))).to(dev) for x in init]
+        tide.ops.reduce_scatter_params([g.to(dev) for g in grads_all[rank]], shard_grads, group, scale=scale,
+                                       accumulate=accumulate)
+        for i, sh in enumerate(gshapes):
+            want, _ = _expected_shard(grads_all, i, sh, rank, 2, 2, scale, init[i], accumulate)
+            assert torch.equal(shard_grads[i].cpu().reshape(-1), want), \
+                f"seed {seed} trial {t} rank {rank}: reduce-scatter param {i} differs"
     legs = tide.stats()["multinode"]
-    assert legs.get("intra:copy_engine") == trials and not any(k.startswith("intra:p2p") for k in legs), legs
+    assert legs.get("intra:copy_engine") == 2 * trials and not any(k.startswith("intra:p2p") for k in legs), legs
     copied = node.counters()["ce_copies"]
     assert copied >= trials, copied
     uses, start = node._c.progress()["ag_uses"], torch.cuda.current_stream().record_event()
@@ -176,8 +194,10 @@ def test_fsdp_parity_on_two_nodes_of_two():
             assert ag.get("tide_multinode", 0) > 0 and set(ag) <= {"tide_multinode", "stock:arena_busy"}, (what, ag)
             assert arena.get("arena:created") == 1 and t["arenas"] == 1 and t["arenas_after_disable"] == 0, \
                 (what, arena, t)
-            assert arena.get("ag:bound", 0) > 0 and t["multinode"].get("intra:copy_engine") == arena["ag:bound"], \
-                (what, arena, t["multinode"])
+            # Every bound all-gather and every reduce-scatter (one step each here) ran its node leg on the node
+            # arena; the root's all-gather (not bound) stays point-to-point.
+            assert arena.get("ag:bound", 0) > 0 and t["multinode"].get("intra:copy_engine") == \
+                arena["ag:bound"] + t["stats"]["reduce_scatter"]["tide_multinode"], (what, arena, t["multinode"])
             assert t["leased_at_loss"] == [False] and t["leased_after_backward"] == [False], (what, t)
             if name.startswith("slot_reuse"):
                 assert arena.get("rs:slot_reuse", 0) > 0 and arena.get("rs:grad_into_slot", 0) > 0, (what, arena)

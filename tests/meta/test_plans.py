@@ -93,7 +93,7 @@ def test_rounds_are_as_few_as_the_entries_need_none_empty_and_the_same_on_every_
     rs = plans_by_rank[0]
     assert all(p.rounds == rs.rounds for p in plans_by_rank)  # flag values build on these counts
     for d in range(world_size):
-        full = plans._pack(rs.layout, itemsizes, d, entry_bytes)  # every round filling its entry
+        full = plans._pack(rs.layout.rs_chunks(d), itemsizes, entry_bytes)  # every round filling its entry
         assert len(rs.rounds[d]) == len(full)
         for rnd in rs.rounds[d]:
             assert rnd, rs.rounds[d]

@@ -40,7 +40,7 @@ from tide import counters
 from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES, GroupLayout, RsChunk
 from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topology
 from tide.ops import sums
-from tide.transport import agreement, nccl_rails, nodes, rails, watchdog
+from tide.transport import agreement, nccl_rails, nodes, plans, rails, watchdog
 
 log = logging.getLogger("tide")
 
@@ -92,6 +92,45 @@ def _rs_schedule(grad_shapes: tuple, item_sizes: tuple, topology: Topology, rs_c
     layout = GroupLayout(list(grad_shapes), list(item_sizes), topology.world_size, rs_chunk_bytes=rs_chunk_bytes)
     plan = MultiNodePlan(layout, topology, pace_bytes=pace_bytes)
     return layout, plan, [{d: _merged(chunks) for d, chunks in step.items()} for step in plan.rs_steps()]
+
+
+@functools.lru_cache(maxsize=256)
+def _partials_plan(rs_key: tuple, k: int, rank: int, entry_bytes: int) -> tuple:
+    """Step ``k``'s node-local stage as a TIDE-RS over this rank's node (``Arena.reduce_partials``):
+    (rounds per local destination j, this rank's node partials as {dest: (offset, elements)} in one fp32
+    buffer, that buffer's elements). Destination j's chunks are those of every dest whose partial j sums
+    (the Latin square), in dest order, each at its place in j's buffer; every contributor packs them alike."""
+    layout, plan, steps = _rs_schedule(*rs_key)
+    topo, step = plan.topology, steps[k]
+    node, itemsizes = topo.node(rank), [p.itemsize for p in layout.params]
+    plans.check_entry_bytes(itemsizes, entry_bytes)
+    rounds, mine, total = [], {}, 0
+    for j in range(topo.local_size):
+        chunks, off = [], 0
+        for d in range(topo.world_size):
+            if plan.partial_local(node, d) != j or not step[d]:
+                continue
+            start = off
+            for c in step[d]:
+                chunks.append(dataclasses.replace(c, shard_offset=off))
+                off += c.numel
+            if j == topo.local(rank):
+                mine[d] = (start, off - start)
+        rounds.append(plans.pack_rounds(chunks, itemsizes, entry_bytes))
+        if j == topo.local(rank):
+            total = off
+    return rounds, mine, total
+
+
+def _node_partials(node, rs_key: tuple, k: int, rank: int, flat: list) -> dict:
+    """Step ``k``'s node partials of this rank, summed on the node arena ``node`` from its node peers'
+    contributions, pushed by copy engine into its staging ring: {dest: fp32 partial}."""
+    _, mine, total = _partials_plan(rs_key, k, rank, node.entry_bytes)
+    out = torch.empty(total, dtype=torch.float32, device=flat[0].device)
+    node.reduce_partials((rs_key, k, tuple(g.dtype for g in flat)), flat, out,
+                         lambda entry_bytes: _partials_plan(rs_key, k, rank, entry_bytes)[0])
+    counters.count_multinode("intra:copy_engine")
+    return {d: out[off:off + n] for d, (off, n) in mine.items()}
 
 
 def _merged(chunks: list[RsChunk]) -> list[RsChunk]:
@@ -185,12 +224,18 @@ def _own_copy_stream(device: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+def _node_arena(group: dist.ProcessGroup, tensor: torch.Tensor):
+    """``group``'s node arena (:mod:`tide.transport.nodes`) for an op on ``tensor``'s device, or None: no
+    node arena, a CPU tensor, or CUDA-graph capture (its flags would be captured, not written)."""
+    if not tensor.is_cuda or torch.cuda.is_current_stream_capturing():
+        return None
+    return nodes.get(group.group_name)
+
+
 def _node_slot(outs, group: dist.ProcessGroup):
     """(the node arena, the slot) when ``outs`` are bound in a slot of ``group``'s node arena, else None."""
-    node = nodes.get(group.group_name) if outs and outs[0].is_cuda else None
-    if node is None or torch.cuda.is_current_stream_capturing():
-        return None
-    slot = node.bound_slot(outs, group.size())
+    node = _node_arena(group, outs[0]) if outs else None
+    slot = node.bound_slot(outs, group.size()) if node is not None else None
     return None if slot is None else (node, slot)
 
 
@@ -249,22 +294,27 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                    topology: Topology, *, rs_chunk_bytes: int = DEFAULT_RS_CHUNK_BYTES,
                    pace: int | None = None) -> None:
     rank = group.rank()
-    layout, plan, steps = _rs_schedule(tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads),
-                                       topology, rs_chunk_bytes, pace or _pace(group, grads[0].device))
+    key = (tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads), topology, rs_chunk_bytes,
+           pace or _pace(group, grads[0].device))
+    layout, plan, steps = _rs_schedule(*key)
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
-    for step in steps:
-        _reduce_scatter_step(step, flat, out, scale, accumulate, group, plan)
+    node = _node_arena(group, flat[0]) if topology.local_size > 1 else None
+    for k, step in enumerate(steps):
+        partials = _node_partials(node, key, k, rank, flat) if node is not None else None
+        _reduce_scatter_step(step, flat, out, scale, accumulate, group, plan, partials)
     if not accumulate:
         for pad in layout.pad_ranges(rank):
             out[pad.param][pad.shard_offset:pad.shard_offset + pad.numel].zero_()
 
 
 def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group: dist.ProcessGroup,
-                         plan: MultiNodePlan) -> None:
+                         plan: MultiNodePlan, partials: dict | None = None) -> None:
     """One step of :meth:`MultiNodePlan.rs_steps`: ``step[d]`` are destination d's chunks in it. Each stage
     moves and sums a destination's chunks of the step as one buffer (one send per peer and destination,
-    one sum per destination: ``tide/ops/sums.py``), in the same element order as chunk by chunk."""
+    one sum per destination: ``tide/ops/sums.py``), in the same element order as chunk by chunk.
+    ``partials``: this rank's node partials of the step, already summed on its node arena (stages 1 and
+    2 by copy engine and TIDE-RS's summing kernel: :func:`_node_partials`)."""
     topology, rank = plan.topology, group.rank()
     N, L, W = topology.num_nodes, topology.local_size, topology.world_size
     me_node, me_local = topology.node(rank), topology.local(rank)
@@ -305,12 +355,13 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
 
     # 1. node-local contributions to the rank that sums the node's partial for each destination, staged as
     # the rows of that sum (local order, this rank's own row left out)
-    sends = [(plan.partial_rank(me_node, d), contribution(d)) for d in range(W)
-             if plan.partial_rank(me_node, d) != rank and numel[d]]
-    staged = {d: empty((L - 1, numel[d]), grad_dtype[d]) for d in mine if numel[d] and L > 1}
-    recvs = [(topology.rank(me_node, l), rails.whole(row(staged[d], l, me_local))) for d in staged for l in range(L)
-             if l != me_local]
-    rails.exchange(group, sends, recvs, "intra")
+    if partials is None:
+        sends = [(plan.partial_rank(me_node, d), contribution(d)) for d in range(W)
+                 if plan.partial_rank(me_node, d) != rank and numel[d]]
+        staged = {d: empty((L - 1, numel[d]), grad_dtype[d]) for d in mine if numel[d] and L > 1}
+        recvs = [(topology.rank(me_node, l), rails.whole(row(staged[d], l, me_local))) for d in staged
+                 for l in range(L) if l != me_local]
+        rails.exchange(group, sends, recvs, "intra")
     # 2. node partials in local order (fp32); with L = 1 the partial is this rank's contribution itself,
     # never written to: the gradients stay as autograd left them
     to_send, own_partial = {}, []  # the partials for other ranks, one span each; this rank's, per chunk
@@ -323,9 +374,12 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
             else:
                 to_send[d] = contribution(d)
             continue
-        partial = empty(numel[d], torch.float32)
+        if partials is None:
+            partial = empty(numel[d], torch.float32)
+            sums.sum_rows(list(partial.split(sizes[d])), staged[d], own_terms(d), me_local)
+        else:
+            partial = partials[d]
         pieces = list(partial.split(sizes[d]))
-        sums.sum_rows(pieces, staged[d], own_terms(d), me_local)
         if d == rank:
             own_partial = pieces
         else:

@@ -22,7 +22,7 @@ is bound in slots), ``slot_bytes`` the largest group bound in a slot; the stagin
 ``ring_depth`` (``TIDE_RS_RING_DEPTH``, default 2) slots of W entries: at W = 2, 16 MiB entries, because
 every round costs its push stream about 11 us beside its data (a stream-memop wait, then the ready-flag
 copy; bench/timeline.py, docs/performance.md), so fewer, larger rounds win from 256 MiB up (runs 54-56;
-the plans cut an op's rounds equal, :func:`tide.transport.plans.rs_plan_info`). The arena alone leases its slots
+the plans cut an op's rounds equal, :func:`tide.transport.plans.pack_rounds`). The arena alone leases its slots
 (:class:`tide.transport.slots.SlotLeases`) and hands out views of its memory; a reduce-scatter that
 reads gradients lying in a slot (where FSDP's Slot-Reuse hooks put them) keeps that slot busy until it
 has read them.
@@ -69,8 +69,7 @@ class Arena:
         slot_bytes: bytes of one all-gather slot (the largest ``GroupLayout.slot_bytes`` bound in a slot);
             0 gives an arena without slots (reduce-scatters only; all-gathers take the reference path).
         num_slots: K, the all-gather slots.
-        rs_ring_bytes: bytes of the reduce-scatter staging ring (``TIDE_RS_RING_BYTES``; 0: the smallest,
-            for an arena that serves no reduce-scatter, as a node arena: :mod:`tide.transport.nodes`).
+        rs_ring_bytes: bytes of the reduce-scatter staging ring (``TIDE_RS_RING_BYTES``).
         ring_depth: R, staging slots per destination, each of W entries (``TIDE_RS_RING_DEPTH``): up to R
             rounds of a reduce-scatter are in flight.
         sum_ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
@@ -98,7 +97,7 @@ class Arena:
         self.num_slots = num_slots if self.slot_bytes > 0 else 0
         self.ring_depth = ring_depth or _env_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
         self.sum_ctas = sum_ctas or _env_int("TIDE_RS_CTAS", DEFAULT_SUM_CTAS)
-        ring = _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES) if rs_ring_bytes is None else rs_ring_bytes
+        ring = rs_ring_bytes or _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.cast_ctas = cast_ctas or _env_int("TIDE_AG_CAST_CTAS", CAST_CTAS_PER_SM * sms)
         if self.ring_depth < 1 or self.sum_ctas < 1 or self.cast_ctas < 1 or self.num_slots < 0:
@@ -151,7 +150,8 @@ class Arena:
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
         self._report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
         self._logged = False
-        self._bind_places: dict = {}  # (numel, dtype) of each output -> (slot offset, bytes) of each
+        self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
+        self._partials_ids: dict = {}  # a node arena's partials plans (reduce_partials): key -> the extension's id
 
     def __repr__(self) -> str:
         return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"
@@ -273,6 +273,22 @@ class Arena:
             for slot in slots:
                 self.slots.used(slot, event)
         return bool(slots)
+
+    def reduce_partials(self, key, grads: Sequence[torch.Tensor], out: torch.Tensor, rounds) -> None:
+        """The node-local stage of a multi-node reduce-scatter step on this node arena
+        (:mod:`tide.transport.nodes`): a TIDE-RS whose destinations are the node's ranks, each summing the
+        node partials the Latin square gives it into ``out`` (fp32, unscaled, local rank order). ``key``
+        names the plan; ``rounds(entry_bytes)`` builds it the first time (``rounds[d][j]``: destination
+        d's j-th round of ``(param, grad element, element of out, elements, entry byte)``)."""
+        plan_id = self._partials_ids.get(key)
+        if plan_id is None:
+            plan = self.ext.RsPlan(rounds=rounds(self.entry_bytes), pads=[],
+                                   grad_dtype=[plans.DTYPE_CODES[g.dtype] for g in grads])
+            plan_id = len(self._partials_ids)
+            self._c.add_partials_plan(id=plan_id, plan=plan)
+            self._partials_ids[key] = plan_id
+        self.region()
+        self._issue("reduce_scatter_params_", self._c.reduce_partials, id=plan_id, grads=grads, out=out)
 
     def push_spans(self, slot: int, start: torch.cuda.Event,
                    batches: Sequence[tuple[torch.cuda.Event, Sequence[int]]]) -> None:

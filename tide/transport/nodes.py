@@ -28,8 +28,7 @@ _NODE_ARENAS: dict[tuple, _arena.Arena] = {}  # a multi-node group's global rank
 def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Arena:
     """Create the node arena of multi-node ``group`` on this rank's node, its slots ``slot_bytes`` each (the
     largest bound layout of ``group``'s W ranks). Every rank of ``group`` calls it at the same point; the
-    ranks of one node rendezvous together. ``kwargs`` go to :class:`~tide.transport.arena.Arena`; the
-    arena has the smallest reduce-scatter ring, which it never uses."""
+    ranks of one node rendezvous together. ``kwargs`` go to :class:`~tide.transport.arena.Arena`."""
     ranks = _arena.group_ranks(group.group_name)
     topo = topology.of_group(group)
     if not topology.is_multinode(topo) or topo.local_size < 2:
@@ -43,7 +42,7 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Are
     if node_group is None:  # only the node's ranks take part (no other rank of the job reaches this call)
         node_group = _NODE_GROUPS[node_ranks] = dist.new_group(list(node_ranks), backend="gloo",
                                                                use_local_synchronization=True)
-    arena = _arena.enable(node_group, slot_bytes=slot_bytes, rs_ring_bytes=0, **kwargs)
+    arena = _arena.enable(node_group, slot_bytes=slot_bytes, **kwargs)
     _NODE_ARENAS[ranks] = arena
     return arena
 

@@ -90,12 +90,13 @@ class RsPlanInfo:
     pads: list  # [(param, shard_off, numel)] of this rank
 
 
-def _pack(layout: GroupLayout, itemsizes: Sequence[int], dest: int, capacity: int) -> list:
-    """Destination ``dest``'s chunks packed into rounds of at most ``capacity`` bytes: each piece 16-B
-    aligned in its entry; a chunk that does not fit a round's room fills it (split at a multiple of
-    SPLIT_ELEMS elements) and goes on in the next round, so every round but the last is full."""
+def _pack(chunks: Sequence, itemsizes: Sequence[int], capacity: int) -> list:
+    """``chunks`` (each with ``param``, ``grad_offset``, ``shard_offset``, ``numel``) packed into rounds of
+    at most ``capacity`` bytes: each piece 16-B aligned in its entry; a chunk that does not fit a round's
+    room fills it (split at a multiple of SPLIT_ELEMS elements) and goes on in the next round, so every
+    round but the last is full."""
     rounds, cur, off = [], [], 0
-    for c in layout.rs_chunks(dest):
+    for c in chunks:
         size = itemsizes[c.param]
         grad_off, shard_off, left = c.grad_offset, c.shard_offset, c.numel
         while left:
@@ -113,31 +114,38 @@ def _pack(layout: GroupLayout, itemsizes: Sequence[int], dest: int, capacity: in
     return rounds
 
 
-def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[torch.dtype], world_size: int,
-                 rank: int, entry_bytes: int) -> RsPlanInfo:
-    """The reduce-scatter's rounds, per destination: the fewest that fit its entries, cut to about equal
-    size, so that a destination just over a whole number of entries does not end in a round of a few
-    KiB whose push and sum hardly overlap with the rest. Every rank computes every destination's rounds
-    alike. On 2 x H200 a 32 MiB op (16 MiB + 2 KiB for destination 0) took 135 us at ring depth 2 as
-    16 MiB + 2 KiB, and 124 us at depth 4 as 8 + 8 MiB + 2 KiB
-    (bench/results/timeline_push_streams_run54.csv); as two rounds of 8 MiB it is not measured yet."""
-    itemsizes = [d.itemsize for d in grad_dtypes]
-    min_round = SPLIT_ELEMS * max(itemsizes, default=1)
-    if entry_bytes % ALIGN or (itemsizes and entry_bytes < min_round):
+def check_entry_bytes(itemsizes: Sequence[int], entry_bytes: int) -> None:
+    if entry_bytes % ALIGN or (itemsizes and entry_bytes < SPLIT_ELEMS * max(itemsizes)):
         raise ValueError(f"tide.transport.plans: entry_bytes={entry_bytes} must be a multiple of {ALIGN} "
                          f"and hold {SPLIT_ELEMS} elements")
+
+
+def pack_rounds(chunks: Sequence, itemsizes: Sequence[int], entry_bytes: int) -> list:
+    """One destination's ``chunks`` in the fewest rounds that fit its entries, cut to about equal size, so
+    that a destination just over a whole number of entries does not end in a round of a few KiB whose
+    push and sum hardly overlap with the rest. On 2 x H200 a 32 MiB op (16 MiB + 2 KiB for destination 0)
+    took 135 us at ring depth 2 as 16 MiB + 2 KiB, and 124 us at depth 4 as 8 + 8 MiB + 2 KiB
+    (bench/results/timeline_push_streams_run54.csv)."""
+    rounds = _pack(chunks, itemsizes, entry_bytes)
+    if len(rounds) >= 2:
+        # This destination's bytes as packed (alignment included), cut in as many rounds, with room for the
+        # split granularity and each round's alignment; never beyond the entry.
+        min_round = SPLIT_ELEMS * max(itemsizes)
+        total = sum(align_up(k * itemsizes[p], ALIGN) for rnd in rounds for p, _, _, k, _ in rnd)
+        even = align_up(-(-total // len(rounds)), ALIGN) + min_round + ALIGN
+        if even < entry_bytes:
+            cut = _pack(chunks, itemsizes, even)
+            rounds = cut if len(cut) <= len(rounds) else rounds  # never more rounds than the entries need
+    return rounds
+
+
+def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[torch.dtype], world_size: int,
+                 rank: int, entry_bytes: int) -> RsPlanInfo:
+    """The reduce-scatter's rounds, per destination (:func:`pack_rounds`); every rank computes every
+    destination's rounds alike."""
+    itemsizes = [d.itemsize for d in grad_dtypes]
+    check_entry_bytes(itemsizes, entry_bytes)
     layout = GroupLayout(grad_shapes, itemsizes, world_size, rs_chunk_bytes=entry_bytes)
-    rounds = []
-    for d in range(world_size):
-        mine = _pack(layout, itemsizes, d, entry_bytes)
-        if len(mine) >= 2:
-            # This destination's bytes as packed (alignment included), cut in as many rounds, with room
-            # for the split granularity and each round's alignment; never beyond the entry.
-            total = sum(align_up(k * itemsizes[p], ALIGN) for rnd in mine for p, _, _, k, _ in rnd)
-            even = align_up(-(-total // len(mine)), ALIGN) + min_round + ALIGN
-            if even < entry_bytes:
-                cut = _pack(layout, itemsizes, d, even)
-                mine = cut if len(cut) <= len(mine) else mine  # never more rounds than the entries need
-        rounds.append(mine)
+    rounds = [pack_rounds(layout.rs_chunks(d), itemsizes, entry_bytes) for d in range(world_size)]
     pads = [(p.param, p.shard_offset, p.numel) for p in layout.pad_ranges(rank)]
     return RsPlanInfo(layout, rounds, pads)
