@@ -86,7 +86,8 @@ def _check_node_arena(rank, world_size, seed, trials):
             assert torch.equal(o.cpu(), want), f"seed {seed} trial {t} rank {rank}: all-gather param {i} differs"
         # Reduce-scatter: the node partials summed on the node arena (contributions pushed by copy engine into
         # its staging ring), bit-exact against the documented order; bf16/fp16/fp32, uneven rows.
-        gshapes = [(rng.randint(0, 3 * W + 2), rng.randint(1, 300)) for _ in range(rng.randint(1, 4))] + [(rng.randint(1, W),)]
+        gshapes = [(rng.randint(0, 3 * W + 2), rng.randint(1, 300)) for _ in range(rng.randint(1, 4))]
+        gshapes.append((rng.randint(1, W),))
         gdt = [rng.choice(DTYPES + (torch.float16,)) for _ in gshapes]
         grads_all = [_inputs(seed * 100 + t + 7, W, r, gshapes, gdt) for r in range(W)]
         scale, accumulate = rng.choice([1.0, 1.0 / W, rng.uniform(0.1, 2.0)]), rng.random() < 0.4
@@ -111,6 +112,19 @@ def _check_node_arena(rank, world_size, seed, trials):
         refused = str(e)
     assert refused.startswith("tide.all_gather_into_params_: span [") and "not inside a slot" in refused, refused
     assert node.counters()["ce_copies"] == copied and node._c.progress()["ag_uses"] == uses  # nothing issued
+    # A partials plan whose own rounds write 8 elements, called with a shorter buffer or a gradient of the
+    # wrong dtype: refused by the extension, naming the op and the argument, before any round is issued.
+    rounds = lambda entry_bytes: [[[(0, 0, 0, 8, 0)]], [[(0, 8, 0, 8, 0)]]]  # noqa: E731
+    grad, rounds_before = torch.randn(16, device=dev, dtype=torch.bfloat16), node._c.progress()["rs_rounds"]
+    for grads, out, says in (([grad], torch.empty(4, device=dev), "the node partials must be"),
+                             ([grad.float()], torch.empty(8, device=dev), "grads[0] must be")):
+        try:
+            node.reduce_partials(("bad call",), grads, out, rounds)
+            refused = "no error"
+        except ValueError as e:
+            refused = str(e)
+        assert refused.startswith("tide.reduce_scatter_params_: " + says), refused
+    assert node._c.progress()["rs_rounds"] == rounds_before
     torch.cuda.synchronize()
     nodes.disable(group.group_name)
     assert nodes.get(group.group_name) is None

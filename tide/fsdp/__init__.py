@@ -73,9 +73,11 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
     backend (stock collectives, still layout-aware). On CPU both are the reference backend.
     ``local_world_size``: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``), for every group of
     the process (``tide.topology``): groups whose ranks span several nodes run the multi-node schedule,
-    counted as ``"tide_multinode"`` (on CUDA only with ``TIDE_CUDA_MULTINODE=1``: opt-in while its intra-node
-    legs are point-to-point, not copy engines; else they take stock, ``stock:nvlink_domain``). Every rank
-    must pass the same value.
+    counted as ``"tide_multinode"`` (on CUDA only with ``TIDE_CUDA_MULTINODE=1``: opt-in until it is
+    measured with several GPUs per node, docs/performance.md; else they take stock,
+    ``stock:nvlink_domain``). With several ranks per node, each node's ranks share a node arena
+    (``tide.transport.nodes``) whose slots hold the blocks' outputs and whose copy engines carry the
+    intra-node legs. Every rank must pass the same value.
     Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
     path's comms.
     """

@@ -96,9 +96,9 @@ def _create_arena(group: dist.ProcessGroup, multinode: bool):
 
 def arena_for(group: dist.ProcessGroup, device: torch.device, comm_transport: str):
     """The arena serving ``group`` (created on first use, unless an op-level user made one): its ranks' own,
-    or for a group spanning nodes of 2 or more ranks its node arena, whose slots the multi-node
-    all-gather's intra-node leg pushes through. None: not CUDA, the reference transport, or one rank per
-    node (the ops run the multi-node schedule alone)."""
+    or for a group spanning nodes of 2 or more ranks its node arena, which carries the multi-node ops'
+    intra-node legs. None: not CUDA, the reference transport, or one rank per node (the ops run the
+    multi-node schedule alone)."""
     if device.type != "cuda" or comm_transport != "auto":
         return None
     topo = topology.of_group(group)

@@ -15,6 +15,13 @@ the destination node and the sum in node order (every sum on TIDE-RS's summing k
 ``pace_bytes`` of chunks of every destination per step), so the staging is bounded whatever the model's
 size.
 
+With a node arena (CUDA, L > 1: ``tide/transport/nodes.py``, which FSDP creates) the intra-node legs run on
+the copy engines instead: an all-gather whose outputs lie in its slots pushes its own rows and then each
+rail step's pieces, as the step lands, to the node's peers (``Arena.push_spans``); a reduce-scatter step's
+node partials are a TIDE-RS over the node (``Arena.reduce_partials``: contributions pushed into the
+summing rank's staging ring, summed in local order, so the answers stay bit-exact). Both count
+``intra:copy_engine`` in ``tide.stats()["multinode"]``.
+
 The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), and the rails'
 implementation, ``TIDE_MULTINODE_RAILS`` (``auto``, the default: direct NCCL where every rank of the group can
 run them, else ``p2p``; or ``p2p`` or ``nccl``: ``tide/transport/rails.py``), are read by each rank and

@@ -11,6 +11,7 @@ Importing this package builds nothing and needs no GPU: the extension is compile
     Arena.bind_outputs(outs, slot)                             (FSDP's all-gather outputs into a slot)
     Arena.slots                                                (the slot leases)
     disable(group_name)                                        (releases the arena's memory)
+    nodes.enable(group, slot_bytes=...) -> Arena               (a multi-node group's node arena: nodes.py)
 """
 from tide.transport.arena import Arena, arenas, disable, enable, get  # noqa: F401
 

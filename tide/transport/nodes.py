@@ -1,4 +1,4 @@
-"""Node arenas: the copy-engine intra-node leg of multi-node all-gathers (L > 1 ranks per node).
+"""Node arenas: the copy-engine intra-node legs of multi-node collectives (L > 1 ranks per node).
 
 The L ranks of one node of a multi-node group (:mod:`tide.topology`) are one NVLink domain, so they share
 an arena (:class:`tide.transport.arena.Arena`, over a gloo process group of those ranks) whose slots hold
@@ -6,8 +6,9 @@ outputs of the whole multi-node group: param-major, every one of its W ranks' ro
 (``Arena.bind_outputs(..., world_size=W)``). A multi-node all-gather into outputs bound there
 (``tide/ops/reference_multinode.py``) receives its rail pieces straight into the slot and pushes its own
 shards, then each rail round's pieces as that round lands, to the node's peers by copy engine
-(``Arena.push_spans``), under TIDE-AG's free/ready flags. Outputs outside a slot, and the reduce-scatter,
-keep the point-to-point intra-node leg.
+(``Arena.push_spans``), under TIDE-AG's free/ready flags; outputs outside a slot keep the point-to-point
+leg. A multi-node reduce-scatter step sums its node partials as a TIDE-RS over the node's ranks
+(``Arena.reduce_partials``): each rank pushes its contributions into the summing rank's staging ring.
 
     enable(group, slot_bytes=...) -> Arena    (collective over ``group``'s ranks, once per set of ranks)
     get(group_name) -> Arena | None           (the node arena of a multi-node group)
@@ -33,7 +34,7 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Are
     topo = topology.of_group(group)
     if not topology.is_multinode(topo) or topo.local_size < 2:
         raise ValueError(f"tide.transport.nodes.enable: ranks {list(ranks)} are not several nodes of 2 or more "
-                         f"ranks (topology {topo}); a node arena serves the intra-node leg of such a group")
+                         f"ranks (topology {topo}); a node arena serves the intra-node legs of such a group")
     if ranks in _NODE_ARENAS:
         raise ValueError(f"tide.transport.nodes.enable: ranks {list(ranks)} already have a node arena; disable it first")
     node = topo.node(group.rank())
