@@ -1,6 +1,6 @@
 """Node arenas without a device: the batches of the copy-engine intra-node all-gather leg
-(``reference_multinode._node_spans``, pushed by ``Arena.push_spans``) checked against the schedule at many
-(N, L), paces and layouts; the node-partials plan of the reduce-scatter (``_partials_plan``) covering every
+(``multinode_plans.node_spans``, pushed by ``Arena.push_spans``) checked against the schedule at many
+(N, L), paces and layouts; the node-partials plan of the reduce-scatter (``partials_plan``) covering every
 contribution once; and the groups a node arena refuses. The pushes and sums themselves need GPUs
 (tests/cuda/test_multinode_cuda.py)."""
 import random
@@ -10,7 +10,7 @@ import pytest
 from tide.launch import run_ranks
 from tide.meta.layout import GroupLayout
 from tide.meta.multinode import Topology
-from tide.ops.reference_multinode import _ag_schedule, _node_spans, _partials_plan, _rs_schedule
+from tide.ops.multinode_plans import ag_schedule, node_spans, partials_plan, rs_schedule
 
 
 def _bytes(spans):
@@ -35,8 +35,8 @@ def test_each_node_pushes_every_output_byte_once_as_it_lands(nodes, local):
             pushed = []
             for l in range(local):
                 rank = topo.rank(n, l)
-                batches = _node_spans(shapes, sizes, topo, rank, pace)
-                _, steps = _ag_schedule(shapes, sizes, topo, rank, pace)
+                batches = node_spans(shapes, sizes, topo, rank, pace)
+                _, steps = ag_schedule(shapes, sizes, topo, rank, pace)
                 assert len(batches) == 1 + sum(leg == "rail" for leg, _, _ in steps)
                 mine = [b for spans in batches for b in _bytes(spans)]
                 # A rank pushes its rail's rows only: the shards of the ranks with its local index.
@@ -61,11 +61,11 @@ def test_node_partials_plan_sums_every_contribution_once(nodes, local):
         shapes = tuple((rng.randint(0, 3 * W + 2), rng.randint(1, 40)) for _ in range(rng.randint(1, 4)))
         sizes = tuple(rng.choice((2, 4)) for _ in shapes)
         key = (shapes, sizes, topo, rng.choice((64, 1 << 20)), rng.choice((256, 1 << 20)))
-        layout, plan, steps = _rs_schedule(*key)
+        layout, plan, steps = rs_schedule(*key)
         entry = rng.choice((256, 4096))
         for k, step in enumerate(steps):
             for n in range(nodes):
-                by_rank = [_partials_plan(key, k, topo.rank(n, l), entry) for l in range(local)]
+                by_rank = [partials_plan(key, k, topo.rank(n, l), entry) for l in range(local)]
                 assert all(b[0] == by_rank[0][0] for b in by_rank), "contributors pack differently"
                 rounds = by_rank[0][0]
                 for j in range(local):

@@ -303,10 +303,10 @@ def test_a_steps_chunks_of_one_parameter_move_as_one_range():
     """The schedule merges a destination's consecutive chunks of a parameter in a step: the same elements in
     the same order (so the same sums), one range per parameter."""
     from tide.meta.multinode import Topology
-    from tide.ops.reference_multinode import _rs_schedule
+    from tide.ops.multinode_plans import rs_schedule
 
     shapes, item_sizes = ((37, 5), (11,), (64, 3)), (2, 4, 2)
-    layout, plan, steps = _rs_schedule(shapes, item_sizes, Topology(3, 2), 16, 96)
+    layout, plan, steps = rs_schedule(shapes, item_sizes, Topology(3, 2), 16, 96)
     for merged, chunks in zip(steps, plan.rs_steps(), strict=True):
         for d, original in chunks.items():
             def elements(cs):

@@ -29,7 +29,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
 
 from tide import counters, topology
 from tide.fsdp import compat, hooks, wiring
-from tide.fsdp.comms import TideAllGather, TideAllGatherResult, TideReduceScatter
+from tide.fsdp.comms import TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
 from tide.transport import nodes
 from tide.transport.watchdog import WATCHDOG

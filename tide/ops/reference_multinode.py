@@ -31,7 +31,6 @@ settings.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -44,113 +43,12 @@ import torch
 import torch.distributed as dist
 
 from tide import counters
-from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES, GroupLayout, RsChunk
+from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES
 from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topology
-from tide.ops import sums
-from tide.transport import agreement, nccl_rails, nodes, plans, rails, watchdog
+from tide.ops import multinode_plans, sums
+from tide.transport import agreement, nccl_rails, nodes, rails, watchdog
 
 log = logging.getLogger("tide")
-
-
-# Plans are pure functions of the shapes, element sizes and topology, and a training step repeats the same
-# groups: each is built once (about 75 us for an 8-parameter all-gather on the CPU CI machine, 40 for a
-# reduce-scatter). The cached lists are never mutated.
-@functools.lru_cache(maxsize=256)
-def _ag_schedule(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank: int, pace_bytes: int):
-    """(shard numels, [(leg, [(dst, piece)], [(src, piece)])]): this rank's sends and receives per step."""
-    W = topology.world_size
-    layout = GroupLayout([(W * s[0], *s[1:]) for s in shard_shapes], list(item_sizes), W)
-    plan = MultiNodePlan(layout, topology, pace_bytes=pace_bytes)
-    steps = [("rail", step) for step in plan.ag_rail_steps()] + [("intra", plan.ag_intra_transfers())]
-    mine = [(leg, [(t.dst, pc) for t in step if t.src == rank for pc in t.pieces],
-             [(t.src, pc) for t in step if t.dst == rank for pc in t.pieces]) for leg, step in steps]
-    return [p.shard_numel for p in layout.params], mine
-
-
-@functools.lru_cache(maxsize=256)
-def _node_spans(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank: int, pace_bytes: int) -> list:
-    """The batches of the copy-engine intra-node leg (``Arena.push_spans``): this rank's own shards, then
-    the pieces each rail step lands, as flat (byte offset in the slot, bytes) pairs, adjacent ones merged.
-    The slot is laid out as ``Arena.bind_outputs`` binds the group's W outputs."""
-    W = topology.world_size
-    layout = GroupLayout([(W * s[0], *s[1:]) for s in shard_shapes], list(item_sizes), W)
-
-    def spans(pieces) -> list[int]:
-        out: list[int] = []
-        for pc in pieces:
-            p = layout.params[pc.param]
-            off, n = p.slot_offset + (pc.owner * p.shard_numel + pc.first) * p.itemsize, pc.count * p.itemsize
-            if out and out[-2] + out[-1] == off:
-                out[-1] += n
-            else:
-                out += [off, n]
-        return out
-
-    own = [Piece(p.index, rank, 0, p.shard_numel) for p in layout.params if p.shard_numel]
-    _, steps = _ag_schedule(shard_shapes, item_sizes, topology, rank, pace_bytes)
-    return [spans(own)] + [spans([pc for _, pc in recvs]) for leg, _, recvs in steps if leg == "rail"]
-
-
-@functools.lru_cache(maxsize=256)
-def _rs_schedule(grad_shapes: tuple, item_sizes: tuple, topology: Topology, rs_chunk_bytes: int, pace_bytes: int):
-    """(the group's layout, its plan, the plan's steps with each destination's consecutive chunks of one
-    parameter merged into one range: the same elements in the same order, one slice each instead of one
-    per chunk, whose host cost set the time of a large reduce-scatter on GPUs, run 63)."""
-    layout = GroupLayout(list(grad_shapes), list(item_sizes), topology.world_size, rs_chunk_bytes=rs_chunk_bytes)
-    plan = MultiNodePlan(layout, topology, pace_bytes=pace_bytes)
-    return layout, plan, [{d: _merged(chunks) for d, chunks in step.items()} for step in plan.rs_steps()]
-
-
-@functools.lru_cache(maxsize=256)
-def _partials_plan(rs_key: tuple, k: int, rank: int, entry_bytes: int) -> tuple:
-    """Step ``k``'s node-local stage as a TIDE-RS over this rank's node (``Arena.reduce_partials``):
-    (rounds per local destination j, this rank's node partials as {dest: (offset, elements)} in one fp32
-    buffer, that buffer's elements). Destination j's chunks are those of every dest whose partial j sums
-    (the Latin square), in dest order, each at its place in j's buffer; every contributor packs them alike."""
-    layout, plan, steps = _rs_schedule(*rs_key)
-    topo, step = plan.topology, steps[k]
-    node, itemsizes = topo.node(rank), [p.itemsize for p in layout.params]
-    plans.check_entry_bytes(itemsizes, entry_bytes)
-    rounds, mine, total = [], {}, 0
-    for j in range(topo.local_size):
-        chunks, off = [], 0
-        for d in range(topo.world_size):
-            if plan.partial_local(node, d) != j or not step[d]:
-                continue
-            start = off
-            for c in step[d]:
-                chunks.append(dataclasses.replace(c, shard_offset=off))
-                off += c.numel
-            if j == topo.local(rank):
-                mine[d] = (start, off - start)
-        rounds.append(plans.pack_rounds(chunks, itemsizes, entry_bytes))
-        if j == topo.local(rank):
-            total = off
-    return rounds, mine, total
-
-
-def _node_partials(node, rs_key: tuple, k: int, rank: int, flat: list) -> dict:
-    """Step ``k``'s node partials of this rank, summed on the node arena ``node`` from its node peers'
-    contributions, pushed by copy engine into its staging ring: {dest: fp32 partial}."""
-    _, mine, total = _partials_plan(rs_key, k, rank, node.entry_bytes)
-    out = torch.empty(total, dtype=torch.float32, device=flat[0].device)
-    node.reduce_partials((rs_key, k, tuple(g.dtype for g in flat)), flat, out,
-                         lambda entry_bytes: _partials_plan(rs_key, k, rank, entry_bytes)[0])
-    counters.count_multinode("intra:copy_engine")
-    return {d: out[off:off + n] for d, (off, n) in mine.items()}
-
-
-def _merged(chunks: list[RsChunk]) -> list[RsChunk]:
-    """``chunks`` with each run of adjacent ones (same parameter, each starting where the last ended) as one."""
-    out: list[RsChunk] = []
-    for c in chunks:
-        last = out[-1] if out else None
-        if last is not None and last.param == c.param and last.grad_offset + last.numel == c.grad_offset:
-            out[-1] = dataclasses.replace(last, numel=last.numel + c.numel)
-        else:
-            out.append(c)
-    return out
-
 
 PACE_ENV = "TIDE_MULTINODE_PACE_BYTES"
 
@@ -246,11 +144,22 @@ def _node_slot(outs, group: dist.ProcessGroup):
     return None if slot is None else (node, slot)
 
 
+def _node_partials(node, rs_key: tuple, k: int, rank: int, flat: list) -> dict:
+    """Step ``k``'s node partials of this rank, summed on the node arena ``node`` from its node peers'
+    contributions, pushed by copy engine into its staging ring: {dest: fp32 partial}."""
+    _, mine, total = multinode_plans.partials_plan(rs_key, k, rank, node.entry_bytes)
+    out = torch.empty(total, dtype=torch.float32, device=flat[0].device)
+    node.reduce_partials((rs_key, k, tuple(g.dtype for g in flat)), flat, out,
+                         lambda entry_bytes: multinode_plans.partials_plan(rs_key, k, rank, entry_bytes)[0])
+    counters.count_multinode("intra:copy_engine")
+    return {d: out[off:off + n] for d, (off, n) in mine.items()}
+
+
 def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:
     rank = group.rank()
     key = (tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs), topology, rank,
            pace or _pace(group, shards[0].device))
-    numels, steps = _ag_schedule(*key)
+    numels, steps = multinode_plans.ag_schedule(*key)
     node_slot = _node_slot(outs, group)
     if node_slot is not None:  # the node's ranks push each other's pieces by copy engine (Arena.push_spans)
         current = torch.cuda.current_stream(outs[0].device)
@@ -290,7 +199,7 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
                 landed.append(current.record_event())
         if node_slot is not None:
             node, slot = node_slot
-            node.push_spans(slot, start, list(zip(landed, _node_spans(*key))))
+            node.push_spans(slot, start, list(zip(landed, multinode_plans.node_spans(*key))))
             counters.count_multinode("intra:copy_engine")
     finally:  # also when a step raises: the caller may free the outputs the copy still writes
         if beside:
@@ -303,7 +212,7 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
     rank = group.rank()
     key = (tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads), topology, rs_chunk_bytes,
            pace or _pace(group, grads[0].device))
-    layout, plan, steps = _rs_schedule(*key)
+    layout, plan, steps = multinode_plans.rs_schedule(*key)
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
     node = _node_arena(group, flat[0]) if topology.local_size > 1 else None
