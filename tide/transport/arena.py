@@ -391,31 +391,27 @@ class Arena:
             return None
         return region[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
-    def _places(self, op: str, outs: Sequence[torch.Tensor], world_size: int) -> tuple[list, list]:
-        """(slot offset, bytes) of each 1-D all-gather output of a ``world_size``-rank group, param-major."""
+    def _places(self, outs: Sequence[torch.Tensor], world_size: int) -> tuple[list, list, int] | None:
+        """(slot offset, bytes) of each 1-D all-gather output of a ``world_size``-rank group, param-major, and
+        the slot bytes the group needs; None when an output has no W*c elements."""
         W = world_size
         key = (W, *[(o.numel(), o.dtype) for o in outs])
         places = self._bind_places.get(key)
-        if places is None:
-            if any(o.numel() % W for o in outs):
-                raise ValueError(f"tide.transport.{op}: outputs must have W*c elements (W = {W})")
+        if places is None and not any(o.numel() % W for o in outs):
             layout = plans.all_gather_layout([(o.numel() // W,) for o in outs], [o.dtype for o in outs], W)
-            if layout.slot_bytes > self.slot_bytes:
-                raise ValueError(f"tide.transport.{op}: group needs {layout.slot_bytes} slot bytes, "
-                                 f"the arena has {self.slot_bytes}")
             places = self._bind_places[key] = ([p.slot_offset for p in layout.params],
-                                               [p.out_bytes for p in layout.params])
+                                               [p.out_bytes for p in layout.params], layout.slot_bytes)
         return places
 
     def bound_slot(self, outs: Sequence[torch.Tensor], world_size: int) -> int | None:
         """The slot in which every output of ``outs`` (1-D, of a ``world_size``-rank all-gather) lies at its
         param-major address, or None."""
         slot = self.slot_of(outs[0]) if outs else None
-        if slot is None:
+        places = self._places(outs, world_size) if slot is not None else None
+        if places is None or places[2] > self.slot_bytes:
             return None
-        offsets = self._places("bound_slot", outs, world_size)[0]
         base = self.leases.held.data_ptr() + self._slot_base(slot)
-        return slot if all(o.data_ptr() == base + off for o, off in zip(outs, offsets)) else None
+        return slot if all(o.data_ptr() == base + off for o, off in zip(outs, places[0])) else None
 
     def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int, owners: Sequence = (),
                      world_size: int | None = None) -> None:
@@ -425,7 +421,13 @@ class Arena:
         whole storage (storage offset 0, ``W*shard_numel`` elements), W = ``world_size``: the arena's
         ranks by default, a multi-node group's for a node arena (:mod:`tide.transport.nodes`)."""
         slot = self._check_slot("bind_outputs", slot)
-        places = self._places("bind_outputs", outs, world_size or self.world_size)
+        W = world_size or self.world_size
+        places = self._places(outs, W)
+        if places is None:
+            raise ValueError(f"tide.transport.bind_outputs: outputs must have W*c elements (W = {W})")
+        if places[2] > self.slot_bytes:
+            raise ValueError(f"tide.transport.bind_outputs: group needs {places[2]} slot bytes, the arena has "
+                             f"{self.slot_bytes}")
         region = self.region()
         base = region.data_ptr() + self._slot_base(slot)
         # All outputs are checked before any is bound; each keeps the region alive until it is resharded.
