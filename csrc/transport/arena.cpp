@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <chrono>
 #include <thread>
 
@@ -199,14 +200,20 @@ void Arena::add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan) {
 void Arena::add_partials_plan(int64_t id, RsPlan plan) {
   TORCH_CHECK(static_cast<int64_t>(plan.rounds.size()) == world_ && plan.pads.empty(),
               "tide.add_partials_plan: need one list of rounds per rank and no padding");
+  for (int32_t dt : plan.grad_dtype)
+    TORCH_CHECK(dt == kF32 || dt == kBF16 || dt == kF16, "tide.add_partials_plan: gradient dtype code ", num(dt));
   auto p = std::make_shared<PartialsPlan>();
   p->grad_need.assign(plan.grad_dtype.size(), 0);
+  const int64_t entry = layout_.entry_bytes;
   for (int64_t d = 0; d < world_; ++d) {
     plan.max_rounds = std::max<int64_t>(plan.max_rounds, plan.rounds[d].size());
     for (const auto& round : plan.rounds[d])
       for (const RsChunk& c : round) {
+        // Every term is checked on its own first, so no sum below can overflow.
         TORCH_CHECK(c.param >= 0 && c.param < static_cast<int64_t>(p->grad_need.size()) && c.n >= 0 &&
-                        c.entry_off + c.n * dtype_size(plan.grad_dtype[c.param]) <= layout_.entry_bytes,
+                        c.n <= entry && c.grad_off >= 0 && c.shard_off >= 0 && c.entry_off >= 0 &&
+                        c.entry_off <= entry && c.n * dtype_size(plan.grad_dtype[c.param]) <= entry - c.entry_off &&
+                        c.grad_off <= INT64_MAX - c.n && c.shard_off <= INT64_MAX - c.n,
                     "tide.add_partials_plan: a chunk lies outside its gradient list or its staging entry");
         p->grad_need[c.param] = std::max(p->grad_need[c.param], c.grad_off + c.n);
         if (d == rank_) p->out_need = std::max(p->out_need, c.shard_off + c.n);
@@ -439,9 +446,10 @@ void Arena::push_spans(int64_t slot, uint64_t start, const std::vector<uint64_t>
     TORCH_CHECK_VALUE(spans[b].size() % 2 == 0 && landed[b] != 0, "tide.", op, ": batch ", num(b),
                       " needs a recorded event and (offset, bytes) pairs");
     for (size_t i = 0; i < spans[b].size(); i += 2)
-      TORCH_CHECK_VALUE(spans[b][i] >= 0 && spans[b][i + 1] >= 0 && spans[b][i] + spans[b][i + 1] <= layout_.slot_bytes,
-                        "tide.", op, ": span [", num(spans[b][i]), ", ", num(spans[b][i] + spans[b][i + 1]),
-                        ") of batch ", num(b), " is not inside a slot of ", num(layout_.slot_bytes), " bytes");
+      TORCH_CHECK_VALUE(spans[b][i] >= 0 && spans[b][i] <= layout_.slot_bytes && spans[b][i + 1] >= 0 &&
+                            spans[b][i + 1] <= layout_.slot_bytes - spans[b][i],
+                        "tide.", op, ": span of ", num(spans[b][i + 1]), " bytes at ", num(spans[b][i]), " of batch ",
+                        num(b), " is not inside a slot of ", num(layout_.slot_bytes), " bytes");
   }
   check_leased(op);
   HostTimer total(host_ns_[kTotal]);

@@ -110,7 +110,8 @@ def _check_node_arena(rank, world_size, seed, trials):
         refused = "no error"
     except ValueError as e:
         refused = str(e)
-    assert refused.startswith("tide.all_gather_into_params_: span [") and "not inside a slot" in refused, refused
+    assert refused.startswith("tide.all_gather_into_params_: span of 8 bytes at") and "not inside a slot" in refused, \
+        refused
     assert node.counters()["ce_copies"] == copied and node._c.progress()["ag_uses"] == uses  # nothing issued
     # A partials plan whose own rounds write 8 elements, called with a shorter buffer or a gradient of the
     # wrong dtype: refused by the extension, naming the op and the argument, before any round is issued.

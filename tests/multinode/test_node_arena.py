@@ -43,8 +43,12 @@ def test_each_node_pushes_every_output_byte_once_as_it_lands(nodes, local):
                 assert {topo.local(owner_of[b]) for b in mine} <= {l}, (rank, batches)
                 assert {owner_of[b] for b in _bytes(batches[0])} == {rank}
                 for spans, (leg, _, recvs) in zip(batches[1:], [s for s in steps if s[0] == "rail"]):
-                    landed = sum(pc.count * sizes[pc.param] for _, pc in recvs)
-                    assert sum(spans[1::2]) == landed, (rank, spans, recvs)  # exactly what that step landed
+                    landed = []  # the bytes that step received, at their places in the slot
+                    for _, pc in recvs:
+                        p = layout.params[pc.param]
+                        first = p.slot_offset + (pc.owner * p.shard_numel + pc.first) * p.itemsize
+                        landed += range(first, first + pc.count * p.itemsize)
+                    assert sorted(_bytes(spans)) == sorted(landed), (rank, spans, recvs)  # exactly those
                     assert all(a + m != b for a, m, b in zip(spans[::2], spans[1::2], spans[2::2])), spans  # merged
                 pushed += mine
             assert sorted(pushed) == sorted(owner_of), f"node {n}: bytes pushed more than once or never"

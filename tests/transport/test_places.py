@@ -52,3 +52,8 @@ def test_bound_slot_finds_outputs_at_their_places_only():
     assert arena.bound_slot(at(0)[::-1], 4) is None  # the same tensors as another group's: other places
     assert arena.bound_slot([region[2 * slot_bytes:2 * slot_bytes + 80].view(torch.bfloat16)], 4) is None  # ring
     assert arena.bound_slot([torch.empty(4 * 2000)], 4) is None  # outside the region
+    # An empty output has no address of its own: it neither places nor unplaces its group.
+    outs = [torch.empty(0, dtype=torch.bfloat16), torch.empty(4 * 7)]
+    offsets, nbytes, _ = arena._places(outs, 4)
+    outs[1] = region[slot_bytes + offsets[1]:slot_bytes + offsets[1] + nbytes[1]].view(torch.float32)
+    assert arena.bound_slot(outs, 4) == 1 and arena.bound_slot(outs[:1], 4) is None

@@ -282,6 +282,10 @@ class Arena:
         d's j-th round of ``(param, grad element, element of out, elements, entry byte)``)."""
         plan_id = self._partials_ids.get(key)
         if plan_id is None:
+            # Node peers that reach a new plan with different gradients raise here, naming the call, rather
+            # than wait on each other's rounds.
+            self._agree("reduce_scatter_params_", agreement.call_desc("reduce_scatter_params_ (node partials)",
+                                                                      (grads,)))
             plan = self.ext.RsPlan(rounds=rounds(self.entry_bytes), pads=[],
                                    grad_dtype=[plans.DTYPE_CODES[g.dtype] for g in grads])
             plan_id = len(self._partials_ids)
@@ -406,12 +410,13 @@ class Arena:
     def bound_slot(self, outs: Sequence[torch.Tensor], world_size: int) -> int | None:
         """The slot in which every output of ``outs`` (1-D, of a ``world_size``-rank all-gather) lies at its
         param-major address, or None."""
-        slot = self.slot_of(outs[0]) if outs else None
+        placed = [o for o in outs if o.numel()]  # an empty output has no address (the extension's rule too)
+        slot = self.slot_of(placed[0]) if placed else None
         places = self._places(outs, world_size) if slot is not None else None
         if places is None or places[2] > self.slot_bytes:
             return None
         base = self.leases.held.data_ptr() + self._slot_base(slot)
-        return slot if all(o.data_ptr() == base + off for o, off in zip(outs, places[0])) else None
+        return slot if all(o.numel() == 0 or o.data_ptr() == base + off for o, off in zip(outs, places[0])) else None
 
     def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int, owners: Sequence = (),
                      world_size: int | None = None) -> None:

@@ -43,6 +43,9 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Are
     if node_group is None:  # only the node's ranks take part (no other rank of the job reaches this call)
         node_group = _NODE_GROUPS[node_ranks] = dist.new_group(list(node_ranks), backend="gloo",
                                                                use_local_synchronization=True)
+    if node_group.rank() != topo.local(group.rank()):  # the plans index the node's ranks by local rank
+        raise RuntimeError(f"tide.transport.nodes.enable: rank {node_group.rank()} of the node group is not local "
+                           f"rank {topo.local(group.rank())}")
     arena = _arena.enable(node_group, slot_bytes=slot_bytes, **kwargs)
     _NODE_ARENAS[ranks] = arena
     return arena
