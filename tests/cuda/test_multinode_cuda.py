@@ -115,7 +115,7 @@ def _check_node_arena(rank, world_size, seed, trials):
     assert node.counters()["ce_copies"] == copied and node._c.progress()["ag_uses"] == uses  # nothing issued
     # A partials plan whose own rounds write 8 elements, called with a shorter buffer or a gradient of the
     # wrong dtype: refused by the extension, naming the op and the argument, before any round is issued.
-    rounds = lambda entry_bytes: [[[(0, 0, 0, 8, 0)]], [[(0, 8, 0, 8, 0)]]]  # noqa: E731
+    rounds = [[[(0, 0, 0, 8, 0)]], [[(0, 8, 0, 8, 0)]]]
     grad, rounds_before = torch.randn(16, device=dev, dtype=torch.bfloat16), node._c.progress()["rs_rounds"]
     for grads, out, says in (([grad], torch.empty(4, device=dev), "the node partials must be"),
                              ([grad.float()], torch.empty(8, device=dev), "grads[0] must be")):

@@ -74,9 +74,7 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
     hooks moved it; with an arena, ``tide.stats()["wiring"]`` counts which."""
     torch.ops.tide.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group.group_name)
     if arena is not None:
-        # A node arena's slot (a group spanning nodes) is read by the multi-node op, which knows no arena.
-        from_slot = (arena.read_from_slots(grads) if arena.world_size != world_size
-                     else any(arena.slot_of(g) is not None for g in grads))
+        from_slot = any(arena.slot_of(g) is not None for g in grads)
         counters.count_wiring("rs:slot_reuse" if from_slot else "rs:in_place")
 
 

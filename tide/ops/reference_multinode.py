@@ -147,10 +147,9 @@ def _node_slot(outs, group: dist.ProcessGroup):
 def _node_partials(node, rs_key: tuple, k: int, rank: int, flat: list) -> dict:
     """Step ``k``'s node partials of this rank, summed on the node arena ``node`` from its node peers'
     contributions, pushed by copy engine into its staging ring: {dest: fp32 partial}."""
-    _, mine, total = multinode_plans.partials_plan(rs_key, k, rank, node.entry_bytes)
+    rounds, mine, total = multinode_plans.partials_plan(rs_key, k, rank, node.entry_bytes)
     out = torch.empty(total, dtype=torch.float32, device=flat[0].device)
-    node.reduce_partials((rs_key, k, tuple(g.dtype for g in flat)), flat, out,
-                         lambda entry_bytes: multinode_plans.partials_plan(rs_key, k, rank, entry_bytes)[0])
+    node.reduce_partials((rs_key, k, tuple(g.dtype for g in flat)), flat, out, rounds)
     counters.count_multinode("intra:copy_engine")
     return {d: out[off:off + n] for d, (off, n) in mine.items()}
 
@@ -219,6 +218,8 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
     for k, step in enumerate(steps):
         partials = _node_partials(node, key, k, rank, flat) if node is not None else None
         _reduce_scatter_step(step, flat, out, scale, accumulate, group, plan, partials)
+    if node is not None:  # gradients that Slot-Reuse put in its slots: read once the stream passes here
+        node.read_from_slots(grads)
     if not accumulate:
         for pad in layout.pad_ranges(rank):
             out[pad.param][pad.shard_offset:pad.shard_offset + pad.numel].zero_()
@@ -290,12 +291,10 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
             else:
                 to_send[d] = contribution(d)
             continue
-        if partials is None:
-            partial = empty(numel[d], torch.float32)
-            sums.sum_rows(list(partial.split(sizes[d])), staged[d], own_terms(d), me_local)
-        else:
-            partial = partials[d]
+        partial = empty(numel[d], torch.float32) if partials is None else partials[d]
         pieces = list(partial.split(sizes[d]))
+        if partials is None:
+            sums.sum_rows(pieces, staged[d], own_terms(d), me_local)
         if d == rank:
             own_partial = pieces
         else:

@@ -274,19 +274,19 @@ class Arena:
                 self.slots.used(slot, event)
         return bool(slots)
 
-    def reduce_partials(self, key, grads: Sequence[torch.Tensor], out: torch.Tensor, rounds) -> None:
+    def reduce_partials(self, key, grads: Sequence[torch.Tensor], out: torch.Tensor, rounds: list) -> None:
         """The node-local stage of a multi-node reduce-scatter step on this node arena
         (:mod:`tide.transport.nodes`): a TIDE-RS whose destinations are the node's ranks, each summing the
         node partials the Latin square gives it into ``out`` (fp32, unscaled, local rank order). ``key``
-        names the plan; ``rounds(entry_bytes)`` builds it the first time (``rounds[d][j]``: destination
-        d's j-th round of ``(param, grad element, element of out, elements, entry byte)``)."""
+        names the plan, given the first time as ``rounds`` (``rounds[d][j]``: destination d's j-th round
+        of ``(param, grad element, element of out, elements, entry byte)``, packed for ``entry_bytes``)."""
         plan_id = self._partials_ids.get(key)
         if plan_id is None:
             # Node peers that reach a new plan with different gradients raise here, naming the call, rather
             # than wait on each other's rounds.
             self._agree("reduce_scatter_params_", agreement.call_desc("reduce_scatter_params_ (node partials)",
                                                                       (grads,)))
-            plan = self.ext.RsPlan(rounds=rounds(self.entry_bytes), pads=[],
+            plan = self.ext.RsPlan(rounds=rounds, pads=[],
                                    grad_dtype=[plans.DTYPE_CODES[g.dtype] for g in grads])
             plan_id = len(self._partials_ids)
             self._c.add_partials_plan(id=plan_id, plan=plan)
