@@ -8,8 +8,9 @@ for. How it moves them depends on the group's backend for the tensors' device, r
 - ``p2p``: the backend moves the tensors themselves: NCCL for CUDA tensors (one GPU per rank), gloo for
   CPU tensors;
 - ``p2p_host_staged``: CUDA tensors on a gloo group (ranks sharing one GPU), whose send and receive move
-  host memory only: sends are copied to the host first, receives land in host buffers and are copied
-  into place after;
+  host memory only: a round's pieces for one peer are packed into one pinned host buffer (copied from the
+  GPU without a wait per piece, then one stream sync), sent as one message, and unpacked from the peer's
+  message by copies queued on the current stream, as gloo itself stages a CUDA collective;
 - ``nccl_direct``: CUDA tensors on an NCCL group whose ranks can all run them and did not set
   ``TIDE_MULTINODE_RAILS=p2p`` (the default ``auto``, or ``nccl``): each batch is one NCCL group issued
   from one extension call on a communicator of TIDE's own (``tide/transport/nccl_rails.py``).
@@ -93,14 +94,12 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
     device = (sends or recvs)[0][1][0].device
     how = implementation(group, device)
     counters.count_multinode(f"{leg}:{how}")
-    landed = []
     if how != "nccl_direct":  # torch's point-to-point ops take tensors: each span becomes its slice
         sends = [(peer, piece(*span)) for peer, span in sends]
         recvs = [(peer, piece(*span)) for peer, span in recvs]
     if how == "p2p_host_staged":
-        sends = [(peer, t.cpu()) for peer, t in sends]
-        landed = [(t, torch.empty(t.shape, dtype=t.dtype)) for _, t in recvs]
-        recvs = [(peer, host) for (peer, _), (_, host) in zip(recvs, landed)]
+        exchange_packed(group, sends, recvs)
+        return
     to, frm = defaultdict(list), defaultdict(list)
     for peer, what in sends:
         to[peer].append(what)
@@ -119,8 +118,45 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
         p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, group=group, group_peer=peer) for peer, t, send in ops]
         for work in dist.batch_isend_irecv(p2p):
             work.wait()
-    for target, host in landed:
-        target.copy_(host)
+
+
+def exchange_packed(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence) -> None:
+    """:func:`exchange` with one message per peer and direction: ``sends`` / ``recvs`` are ``(group peer,
+    1-D tensor)``, in the order both ends post them, any dtypes, all on one device. Each peer's pieces are
+    packed as bytes into one host buffer (pinned for GPU pieces: copied off the GPU without a wait per
+    piece, then one sync of the current stream), and a received buffer is unpacked into its pieces by
+    copies on the current stream (asynchronous from pinned memory, ordered before the stream's later
+    work)."""
+    if not sends and not recvs:
+        return
+    device = (sends or recvs)[0][1].device
+    pin = device.type == "cuda"
+    to, frm = defaultdict(list), defaultdict(list)
+    for peer, t in sends:
+        to[peer].append(t.view(torch.uint8))
+    for peer, t in recvs:
+        frm[peer].append(t.view(torch.uint8))
+    host = lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pin)  # noqa: E731
+    outgoing = {}
+    for peer, pieces in to.items():
+        buf, at = host(sum(p.numel() for p in pieces)), 0
+        for p in pieces:
+            buf[at:at + p.numel()].copy_(p, non_blocking=pin)
+            at += p.numel()
+        outgoing[peer] = buf
+    incoming = {peer: host(sum(p.numel() for p in pieces)) for peer, pieces in frm.items()}
+    if pin and outgoing:
+        torch.cuda.current_stream(device).synchronize()  # the packed bytes have landed
+    ops = [dist.P2POp(dist.isend, buf, group=group, group_peer=peer) for peer, buf in sorted(outgoing.items())]
+    ops += [dist.P2POp(dist.irecv, buf, group=group, group_peer=peer) for peer, buf in sorted(incoming.items())]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for peer, buf in incoming.items():
+        at = 0
+        for p in frm[peer]:
+            p.copy_(buf[at:at + p.numel()], non_blocking=pin)
+            at += p.numel()
 
 
 def piece(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
