@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
-from overlap_xgpu import GATE_CYCLES, GEMM_MKN  # noqa: E402
+from overlap_xgpu import GATE_CYCLES, GEMM_MKN, _per_call_ms  # noqa: E402
 
 ELEMENTS = 8 << 20  # 16 MiB of bf16 per source: one rank's shard of a 32 MiB reduce-scatter on 2 ranks
 # (threads per CTA, register cap, vectors per source in flight per thread, CTAs): today's TIDE-RS grid
@@ -84,17 +84,6 @@ std::vector<int64_t> sum2_shape(const torch::Tensor& a, const torch::Tensor& b, 
   TORCH_CHECK(false, "sm_room: no kernel for threads=", threads, " regs=", regs, " unroll=", unroll);
 }
 """
-
-
-def _per_call_ms(fn, calls: int, stream) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        a.record(stream)
-        for _ in range(calls):
-            fn()
-        b.record(stream)
-    b.synchronize()
-    return a.elapsed_time(b) / calls
 
 
 def _latency_mid_gemm(fn, gemm, main_stream, side, rng) -> float:
