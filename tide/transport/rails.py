@@ -88,7 +88,8 @@ def exchange(group: dist.ProcessGroup, sends: Sequence, recvs: Sequence, leg: st
     Batches hold at most :data:`MAX_OPS_PER_PEER` sends and receives per peer. Batch k carries the k-th
     slice of this rank's sends to each peer and receives from it. That peer's receives from this rank
     and sends to it follow the same order, so its batch k carries the matching slices: every send meets
-    its receive in the same batch on both ends."""
+    its receive in the same batch on both ends. Host-staged rounds are not batched: each peer's pieces go
+    as one packed message (:func:`exchange_packed`)."""
     if not sends and not recvs:
         return
     device = (sends or recvs)[0][1][0].device
