@@ -39,6 +39,26 @@ def _per_call_ms(fn, calls: int, stream) -> float:
     return a.elapsed_time(b) / calls
 
 
+def beside(fn, calls: int, gemm, gemms: int, main, side, line_up=lambda: None) -> tuple[float, float]:
+    """``calls`` calls of ``fn`` back to back on ``side`` beside ``gemms`` GEMMs on ``main``, both queued
+    behind one sleep kernel: (ms per GEMM, ms per call of ``fn``). ``line_up`` runs before the gate (the
+    ranks' barrier)."""
+    torch.cuda.synchronize()
+    line_up()
+    torch.cuda._sleep(GATE_CYCLES)
+    gate = main.record_event()
+    s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    side.wait_event(gate)
+    with torch.cuda.stream(side):
+        s0.record(side)
+        for _ in range(calls):
+            fn()
+        s1.record(side)
+    gemm_ms = _per_call_ms(gemm, gemms, main)
+    s1.synchronize()
+    return gemm_ms, s0.elapsed_time(s1) / calls
+
+
 def _capped_group(max_ctas: int):
     opts = dist.ProcessGroupNCCL.Options()
     if hasattr(opts.config, "max_ctas"):
@@ -101,22 +121,8 @@ def _rank(rank, world_size, reps):
         calls = torch.tensor([max(2, math.ceil(1.3 * gemms * gemm_alone / rs_alone))], device=dev)
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)
         calls = int(calls.item())
-        gemm_beside, rs_beside = [], []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            dist.barrier()
-            torch.cuda._sleep(GATE_CYCLES)
-            gate = main.record_event()
-            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            side.wait_event(gate)
-            with torch.cuda.stream(side):
-                s0.record(side)
-                for _ in range(calls):
-                    fn()
-                s1.record(side)
-            gemm_beside.append(_per_call_ms(gemm, gemms, main))
-            s1.synchronize()
-            rs_beside.append(s0.elapsed_time(s1) / calls)
+        gemm_beside, rs_beside = zip(*(beside(fn, calls, gemm, gemms, main, side, line_up=dist.barrier)
+                                       for _ in range(reps)))
         rows.append({"variant": name, "gemm_alone_ms": gemm_alone, "gemm_beside_ms": statistics.median(gemm_beside),
                      "rs_ms_alone": rs_alone, "rs_ms_beside": statistics.median(rs_beside), "rs_calls": calls})
     tide.transport.disable(gn)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
-from overlap_xgpu import GATE_CYCLES, GEMM_MKN, _per_call_ms  # noqa: E402
+from overlap_xgpu import GATE_CYCLES, GEMM_MKN, _per_call_ms, beside  # noqa: E402
 
 ELEMENTS = 8 << 20  # 16 MiB of bf16 per source: one rank's shard of a 32 MiB reduce-scatter on 2 ranks
 # (threads per CTA, register cap, vectors per source in flight per thread, CTAs): today's TIDE-RS grid
@@ -165,21 +165,7 @@ def main() -> None:
         alone = statistics.median(_per_call_ms(fn, 20, side) for _ in range(args.reps))
         latency = statistics.median(_latency_mid_gemm(fn, gemm, main_stream, side, rng) for _ in range(20))
         calls = max(2, int(1.3 * gemms * gemm_alone / alone))
-        gemm_beside, sum_beside = [], []
-        for _ in range(args.reps):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(GATE_CYCLES)
-            gate = main_stream.record_event()
-            side.wait_event(gate)
-            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(side):
-                s0.record(side)
-                for _ in range(calls):
-                    fn()
-                s1.record(side)
-            gemm_beside.append(_per_call_ms(gemm, gemms, main_stream))
-            s1.synchronize()
-            sum_beside.append(s0.elapsed_time(s1) / calls)
+        gemm_beside, sum_beside = zip(*(beside(fn, calls, gemm, gemms, main_stream, side) for _ in range(args.reps)))
         row = {"threads": threads, "reg_cap": regs, "regs": used_regs, "local_bytes": local_bytes, "unroll": unroll,
                "ctas": ctas, "sum_us_alone": alone * 1e3, "sum_us_beside": statistics.median(sum_beside) * 1e3,
                "sum_us_mid_gemm": latency * 1e3,
