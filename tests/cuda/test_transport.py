@@ -96,8 +96,8 @@ def test_bad_input_raises_naming_op_and_argument(ext):
         assert r["after_ok"], rank
 
 
-def test_tide_ag_launches_no_kernel_but_the_own_shard_cast(ext, tmp_path):
-    world_size = 2
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_tide_ag_launches_no_kernel_but_the_own_shard_cast(ext, tmp_path, world_size):
     results = _run(ranks.profile_zero_sm, world_size, str(tmp_path))
     for rank, r in enumerate(results):
         shared_gpu = r["gpus"] < world_size
