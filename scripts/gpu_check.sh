@@ -4,9 +4,8 @@
 #   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
 #     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
 #     tests_transport tests_fsdp_cuda tests_multinode tests_memory_model tests_faults fault_campaign kernels collectives
-#     collectives_multinode multinode_host timeline ce_patterns lease_probe (2+ GPUs) overlap sm_room host_time train_step_8b
-#     train_step_multinode (2+ GPUs)
-#     train_step_moe memory layout_conversion
+#     collectives_multinode multinode_host timeline ce_patterns lease_probe (2+ GPUs) overlap sm_room rs_ctas (2+ GPUs)
+#     host_time train_step_8b train_step_multinode (2+ GPUs) train_step_moe memory layout_conversion
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
 # the environment in $OUT/env.txt and the summary in $OUT/summary.txt ($OUT: the device tool's output
@@ -92,6 +91,7 @@ multinode_locals="1"; [ "$gpus" -ge 4 ] && multinode_locals="1 2 $((gpus / 2))"
 [ "$gpus" -ge 2 ] && stage lease_probe 90 $PY bench/lease_probe.py --out "$WORK/results"
 stage overlap 150 $PY bench/overlap.py "${overlap_args[@]}" --out "$WORK/results"
 stage sm_room 120 $PY bench/sm_room.py --out "$WORK/results"
+[ "$gpus" -ge 2 ] && stage rs_ctas 280 $PY bench/rs_ctas.py --out "$WORK/results"
 stage host_time 90 $PY bench/bench_host_time.py --iters 40 --out "$WORK/results"
 stage train_step_8b 280 $PY bench/train_step.py --preset llama8b --steps 10 --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage train_step_multinode 200 $PY bench/train_step.py --preset llama8b --tokens 1024,4096 \
