@@ -142,3 +142,18 @@ def test_each_destination_is_cut_on_its_own():
 def test_entry_not_a_multiple_of_the_alignment_is_refused():
     with pytest.raises(ValueError, match="multiple of 16"):
         plans.rs_plan_info([(25,), (16,)], [torch.float32] * 2, 1, 0, 100)
+
+
+@settings(max_examples=200, deadline=None)
+@given(mixed_cases())
+def test_an_entry_of_the_piece_bytes_carries_every_destination_in_one_round(case):
+    # What FSDP sizes the ring's entries by (tide/fsdp/wiring.py): the padded shards' bytes, aligned.
+    world_size, shapes, dtypes, _ = case
+    itemsizes = [d.itemsize for d in dtypes]
+    piece = plans.rs_piece_bytes([math.prod(_padded_shard(s, world_size)) for s in shapes], itemsizes)
+    entry = max(piece, plans.SPLIT_ELEMS * max(itemsizes))
+    rs = plans.rs_plan_info(shapes, dtypes, world_size, 0, entry)
+    assert all(len(r) <= 1 for r in rs.rounds), rs.rounds
+    # And no smaller entry does: destination 0 holds whole shards, which fill it to the byte.
+    if piece > entry - plans.ALIGN >= plans.SPLIT_ELEMS * max(itemsizes):
+        assert len(plans._pack(rs.layout.rs_chunks(0), itemsizes, entry - plans.ALIGN)) == 2

@@ -62,6 +62,13 @@ def slot_layout(fsdp_params, world_size: int):
                                    [group_dtype(p) for p in fsdp_params], world_size)
 
 
+def rs_piece_bytes(fsdp_params) -> int:
+    """One destination's bytes of the group's reduce-scatter in a staging entry (its padded shards, in
+    the dtype its gradients have: the gathered one)."""
+    return plans.rs_piece_bytes([p._sharded_param_data.numel() for p in fsdp_params],
+                                [group_dtype(p).itemsize for p in fsdp_params])
+
+
 def bindable(param_group) -> bool:
     """Groups whose unsharded params live only while their own module runs: FSDP modules with no FSDP
     module below them (blocks) that reshard after forward (``reshard_after_forward=True``/int). A parent
@@ -79,15 +86,19 @@ def _create_arena(group: dist.ProcessGroup, multinode: bool):
     rank's node (:mod:`tide.transport.nodes`); collective: every rank reaches its group's first TIDE
     collective at the same point of the step; never under graph capture: that call took the stock path
     before. Slots fit the largest :func:`bindable` group enabled on those ranks (all of ``group``'s ranks'
-    outputs); with none, the arena has no slots (reduce-scatters only)."""
+    outputs); with none, the arena has no slots (reduce-scatters only). The staging ring's entries fit
+    one round of the largest bindable group's reduce-scatter (with none, of the largest group's)."""
     W = group.size()
     key = group_key(group)
-    layouts = [slot_layout(g.fsdp_params, W) for g in enabled_groups(key)
-               if g.fsdp_params and bindable(g) and static_all_gather_reason(g.fsdp_params) is None]
+    groups = [g for g in enabled_groups(key) if g.fsdp_params]
+    bound = [g for g in groups if bindable(g) and static_all_gather_reason(g.fsdp_params) is None]
+    layouts = [slot_layout(g.fsdp_params, W) for g in bound]
     if multinode:
         arena = nodes.enable(group, slot_bytes=max([0] + [layout.slot_bytes for layout in layouts]))
     else:
-        arena = transport.enable(group, layouts=layouts)
+        # The staging ring fits one round of the blocks' reduce-scatters; the root's may take several.
+        pieces = [rs_piece_bytes(g.fsdp_params) for g in bound or groups]
+        arena = transport.enable(group, layouts=layouts, rs_piece_bytes=max(pieces, default=None))
     _CREATED[key] = group.group_name
     counters.count_wiring("arena:created")
     log.info("tide.fsdp: created %r for %d enabled param groups", arena, len(enabled_groups(key)))

@@ -17,9 +17,12 @@ offsets. Two regions per rank:
     ring_off + (s * W + q) * entry_bytes   reduce-scatter staging entry of ring slot s < R, contributor q
 
 Sizes: K = ``num_slots`` (default 2: FSDP2 holds the current and the prefetched block; 0 when no group
-is bound in slots), ``slot_bytes`` the largest group bound in a slot; the staging ring is
-``rs_ring_bytes`` in all (``TIDE_RS_RING_BYTES``, default 64 MiB, independent of the model), R =
-``ring_depth`` (``TIDE_RS_RING_DEPTH``, default 2) slots of W entries: at W = 2, 16 MiB entries, because
+is bound in slots), ``slot_bytes`` the largest group bound in a slot; the staging ring is at most
+``rs_ring_bytes`` in all (``TIDE_RS_RING_BYTES``, default 64 MiB), R = ``ring_depth``
+(``TIDE_RS_RING_DEPTH``, default 2) slots of W entries, each entry cut to ``rs_piece_bytes`` when the
+caller knows the reduce-scatters it serves (FSDP: its largest block's, one round per destination; a
+small model's ring is then no larger than its blocks need, and the root's once-a-step reduce-scatter
+may take several rounds). At W = 2 the default gives 16 MiB entries, because
 every round costs its push stream about 11 us beside its data (a stream-memop wait, then the ready-flag
 copy; bench/timeline.py, docs/performance.md), so fewer, larger rounds win from 256 MiB up (runs 54-56;
 the plans cut an op's rounds equal, :func:`tide.transport.plans.pack_rounds`). The arena alone leases its slots
@@ -69,7 +72,10 @@ class Arena:
         slot_bytes: bytes of one all-gather slot (the largest ``GroupLayout.slot_bytes`` bound in a slot);
             0 gives an arena without slots (reduce-scatters only; all-gathers take the reference path).
         num_slots: K, the all-gather slots.
-        rs_ring_bytes: bytes of the reduce-scatter staging ring (``TIDE_RS_RING_BYTES``).
+        rs_ring_bytes: bytes of the reduce-scatter staging ring at most (``TIDE_RS_RING_BYTES``).
+        rs_piece_bytes: one destination's bytes of the largest reduce-scatter the ring is for
+            (:func:`tide.transport.plans.rs_piece_bytes`): the entries are cut to it (None: not known,
+            the entries fill ``rs_ring_bytes``).
         ring_depth: R, staging slots per destination, each of W entries (``TIDE_RS_RING_DEPTH``): up to R
             rounds of a reduce-scatter are in flight.
         sum_ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
@@ -78,7 +84,7 @@ class Arena:
     """
 
     def __init__(self, group: dist.ProcessGroup, slot_bytes: int, *, num_slots: int = 2,
-                 rs_ring_bytes: int | None = None, ring_depth: int | None = None,
+                 rs_ring_bytes: int | None = None, rs_piece_bytes: int | None = None, ring_depth: int | None = None,
                  sum_ctas: int | None = None, cast_ctas: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
@@ -103,6 +109,8 @@ class Arena:
         if self.ring_depth < 1 or self.sum_ctas < 1 or self.cast_ctas < 1 or self.num_slots < 0:
             raise ValueError("tide.transport.Arena: ring_depth, sum_ctas and cast_ctas must be >= 1, num_slots >= 0")
         self.entry_bytes = max(4096, (ring // (self.ring_depth * W)) // 4096 * 4096)
+        if rs_piece_bytes:
+            self.entry_bytes = min(self.entry_bytes, align_up(rs_piece_bytes, 4096))
         layout = self.ext.arena_layout(num_slots=self.num_slots, ring_depth=self.ring_depth, world=W,
                                        slot_bytes=self.slot_bytes, entry_bytes=self.entry_bytes)
         self.flags_bytes, self.slots_off, self.data_bytes = layout["flags_bytes"], layout["slots_off"], layout["data_bytes"]

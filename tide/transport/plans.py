@@ -114,6 +114,13 @@ def _pack(chunks: Sequence, itemsizes: Sequence[int], capacity: int) -> list:
     return rounds
 
 
+def rs_piece_bytes(shard_numels: Sequence[int], itemsizes: Sequence[int]) -> int:
+    """The bytes one destination's pieces of a reduce-scatter take in a staging entry (each piece 16-B
+    aligned, as :func:`_pack` places them): padded shards of ``shard_numels`` elements of ``itemsizes``
+    bytes. An entry this large carries the op in one round per destination."""
+    return sum(align_up(n * size, ALIGN) for n, size in zip(shard_numels, itemsizes))
+
+
 def check_entry_bytes(itemsizes: Sequence[int], entry_bytes: int) -> None:
     if entry_bytes % ALIGN or (itemsizes and entry_bytes < SPLIT_ELEMS * max(itemsizes)):
         raise ValueError(f"tide.transport.plans: entry_bytes={entry_bytes} must be a multiple of {ALIGN} "
