@@ -32,7 +32,8 @@ def first_difference(a: str, b: str, context: int = 60) -> str:
 def exchange(store, prefix: str, rank: int, world_size: int, value: str, timeout_s: float, what: str) -> list[str]:
     """Publish ``value`` under ``prefix`` for ``rank`` and return every rank's value, in rank order; raises
     ``RuntimeError`` (the message starts with ``what``) when a peer has not published within ``timeout_s``.
-    One store round trip; the keys stay (a call site numbers its prefixes)."""
+    Three store requests whatever the world size (set, wait, one multi-get); the keys stay (a call site
+    numbers its prefixes)."""
     store.set(f"{prefix}/{rank}", value)
     keys = [f"{prefix}/{p}" for p in range(world_size)]
     try:
@@ -41,7 +42,8 @@ def exchange(store, prefix: str, rank: int, world_size: int, value: str, timeout
         missing = [p for p in range(world_size) if not store.check([keys[p]])]
         raise RuntimeError(f"{what}: rank(s) {missing} did not reach this call within {timeout_s:g} s (a peer "
                            f"died or issued fewer TIDE ops): {e}") from None
-    return [value if p == rank else store.get(keys[p]).decode() for p in range(world_size)]
+    theirs = iter(store.multi_get(keys[:rank] + keys[rank + 1:]))
+    return [value if p == rank else next(theirs).decode() for p in range(world_size)]
 
 
 def agree(store, prefix: str, rank: int, world_size: int, desc: str, timeout_s: float, what: str) -> None:
