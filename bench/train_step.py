@@ -112,6 +112,7 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
         for i in range(warmup):
             step(i)
         times, loss = [], None
+        leasing_s = -sum(a.leases.seconds for a in transport.arenas())
         for i in range(warmup, warmup + steps):
             torch.cuda.synchronize()
             dist.barrier()
@@ -119,6 +120,7 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
             loss = step(i)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+        leasing_s += sum(a.leases.seconds for a in transport.arenas())
         graphs = graph_instantiations(lambda: step(warmup + steps))
         arena_bytes = sum(a.symmetric_bytes for a in transport.arenas())  # outside the allocator's counters
         free, total = torch.cuda.mem_get_info(device)  # what the allocator cannot see: NCCL's communicators too
@@ -133,7 +135,9 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
                      # cumulative over this process's steps: about 2 leases a step, and maps only while the
                      # allocator moves a lease to new segments
                      "leases": sum(a.leases.count for a in transport.arenas()),
-                     "peer_maps": sum(a.leases.maps_opened for a in transport.arenas())})
+                     "peer_maps": sum(a.leases.maps_opened for a in transport.arenas()),
+                     # the measured steps' time in the data region's leases (the store exchange included)
+                     "lease_ms_per_step": leasing_s / steps * 1e3})
         if rank == 0:
             r = rows[-1]
             print(f"{variant:16s} {tokens:6d} tok/GPU  median {r['median_step_ms']:8.2f} ms  peak {r['peak_mib']:9.1f} MiB"

@@ -112,3 +112,18 @@ def test_an_export_failure_after_the_first_lease_is_an_error_naming_the_ranks():
     store.set("tide/test/lease2/2", f"{handle_of(2, 0).hex()}:0")
     with pytest.raises(RuntimeError, match=r"lease #2 .* rank\(s\) \[0\] cannot export the region: cannot share"):
         leases.acquire()
+
+
+def test_the_time_spent_leasing_includes_waiting_for_the_peers():
+    import threading
+
+    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
+    leases = make(store, ipc, bases, syncs)
+    late = threading.Timer(0.3, publish_peers, (store, 1, 0))  # the peers reach their lease 0.3 s later
+    late.start()
+    leases.acquire()
+    late.join()
+    assert 0.3 <= leases.seconds < 5.0, leases.seconds
+    held = leases.seconds
+    leases.acquire()  # held: no lease, no time
+    assert leases.seconds == held

@@ -30,6 +30,7 @@ tide/fsdp/wiring.py); the freed block then serves the activations.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -61,6 +62,7 @@ class Leases:
         self.mode = "allocator"  # or "symmetric (<why>)" once any rank's export failed
         self.count = 0  # leases taken, all ranks alike
         self.maps_opened = 0  # peer segments mapped so far (the allocator moved a lease when this grows)
+        self.seconds = 0.0  # wall time spent leasing so far (the exchange with the peers included)
         self._failed: str | None = None  # a lease failed: the ranks' lease numbers may differ from now on
         self._region: torch.Tensor | None = None
         self._streams: set[int] = set()  # ids of the streams recorded as users of the held region
@@ -79,11 +81,14 @@ class Leases:
             self._streams = set()
             if self._failed is not None:
                 raise RuntimeError(self._failed)
+            start = time.perf_counter()
             try:
                 self._lease()
             except Exception as e:
                 self._failed = f"{e} (the arena cannot lease again; disable it)"
                 raise
+            finally:
+                self.seconds += time.perf_counter() - start
         return self._region
 
     def first_use_on(self, stream_id: int) -> bool:
