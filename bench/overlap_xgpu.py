@@ -59,6 +59,23 @@ def beside(fn, calls: int, gemm, gemms: int, main, side, line_up=lambda: None) -
     return gemm_ms, s0.elapsed_time(s1) / calls
 
 
+GEMMS = 20  # GEMMs back to back per sample
+
+
+def one_wave_gemm(dev: torch.device, reps: int):
+    """The bench's one-wave bf16 GEMM (``GEMM_MKN``) on ``dev``, warmed up: ``(gemm, main, side, alone)``,
+    with the current stream as main, a high-priority side stream, and the median ms per GEMM of
+    ``reps`` samples of ``GEMMS`` back to back."""
+    M, K, N = GEMM_MKN
+    a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream(priority=-1)
+    gemm = lambda: torch.mm(a, b)  # noqa: E731
+    for _ in range(3):
+        gemm()
+    return gemm, main, side, statistics.median(_per_call_ms(gemm, GEMMS, main) for _ in range(reps))
+
+
 def _capped_group(max_ctas: int):
     opts = dist.ProcessGroupNCCL.Options()
     if hasattr(opts.config, "max_ctas"):
@@ -96,15 +113,7 @@ def _rank(rank, world_size, reps):
         "tide_rs": lambda: torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 1.0 / world_size, False,
                                                                  world_size, gn),
     }
-    M, K, N = GEMM_MKN
-    a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream(priority=-1)
-    gemm = lambda: torch.mm(a, b)  # noqa: E731
-    for _ in range(3):
-        gemm()
-    gemms = 20
-    gemm_alone = statistics.median(_per_call_ms(gemm, gemms, main) for _ in range(reps))
+    gemm, main, side, gemm_alone = one_wave_gemm(dev, reps)
     if rank == 0:
         print(f"overlap_xgpu: GEMM alone {gemm_alone:.3f} ms", flush=True)
     rows = []
@@ -118,10 +127,10 @@ def _rank(rank, world_size, reps):
         dist.barrier()
         rs_alone = statistics.median(_per_call_ms(fn, 10, side) for _ in range(reps))
         # Every rank must issue the same number of collectives: agree on the largest count.
-        calls = torch.tensor([max(2, math.ceil(1.3 * gemms * gemm_alone / rs_alone))], device=dev)
+        calls = torch.tensor([max(2, math.ceil(1.3 * GEMMS * gemm_alone / rs_alone))], device=dev)
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)
         calls = int(calls.item())
-        gemm_beside, rs_beside = zip(*(beside(fn, calls, gemm, gemms, main, side, line_up=dist.barrier)
+        gemm_beside, rs_beside = zip(*(beside(fn, calls, gemm, GEMMS, main, side, line_up=dist.barrier)
                                        for _ in range(reps)))
         rows.append({"variant": name, "gemm_alone_ms": gemm_alone, "gemm_beside_ms": statistics.median(gemm_beside),
                      "rs_ms_alone": rs_alone, "rs_ms_beside": statistics.median(rs_beside), "rs_calls": calls})

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
-from overlap_xgpu import GATE_CYCLES, GEMM_MKN, _per_call_ms, beside  # noqa: E402
+from overlap_xgpu import GATE_CYCLES, GEMM_MKN, GEMMS, _per_call_ms, beside, one_wave_gemm  # noqa: E402
 
 ELEMENTS = 8 << 20  # 16 MiB of bf16 per source: one rank's shard of a 32 MiB reduce-scatter on 2 ranks
 # (threads per CTA, register cap, vectors per source in flight per thread, CTAs): today's TIDE-RS grid
@@ -140,15 +140,8 @@ def main() -> None:
     out = torch.empty(ELEMENTS, device=dev)
     expect = a.float() + b.float()
     M, K, N = GEMM_MKN
-    ga = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-    gb = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
-    main_stream, side = torch.cuda.current_stream(), torch.cuda.Stream(priority=-1)
-    gemm = lambda: torch.mm(ga, gb)  # noqa: E731
-    for _ in range(3):
-        gemm()
+    gemm, main_stream, side, gemm_alone = one_wave_gemm(dev, args.reps)
     gemm_name = _gemm_kernel_name(gemm)
-    gemms = 20
-    gemm_alone = statistics.median(_per_call_ms(gemm, gemms, main_stream) for _ in range(args.reps))
     print(f"sm_room: GEMM {M}x{K}x{N} alone {gemm_alone * 1e3:.0f} us: {gemm_name}", flush=True)
     meta = run_meta(gpus=1, gemm_mkn="x".join(map(str, GEMM_MKN)), gemm_kernel=gemm_name)
     rng = random.Random(0)
@@ -164,8 +157,8 @@ def main() -> None:
             raise SystemExit(f"sm_room: the {threads}x{ctas} grid summed wrongly")
         alone = statistics.median(_per_call_ms(fn, 20, side) for _ in range(args.reps))
         latency = statistics.median(_latency_mid_gemm(fn, gemm, main_stream, side, rng) for _ in range(20))
-        calls = max(2, int(1.3 * gemms * gemm_alone / alone))
-        gemm_beside, sum_beside = zip(*(beside(fn, calls, gemm, gemms, main_stream, side) for _ in range(args.reps)))
+        calls = max(2, int(1.3 * GEMMS * gemm_alone / alone))
+        gemm_beside, sum_beside = zip(*(beside(fn, calls, gemm, GEMMS, main_stream, side) for _ in range(args.reps)))
         row = {"threads": threads, "reg_cap": regs, "regs": used_regs, "local_bytes": local_bytes, "unroll": unroll,
                "ctas": ctas, "sum_us_alone": alone * 1e3, "sum_us_beside": statistics.median(sum_beside) * 1e3,
                "sum_us_mid_gemm": latency * 1e3,
