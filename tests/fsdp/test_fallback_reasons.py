@@ -44,27 +44,27 @@ def _no_capture(monkeypatch):
 
 
 # contract: the CUDA contract's verdict for the group (as looked up once per group); ... = not looked up
-def _ag(params=None, group=None, async_op=False, device=CPU, comm="tide", extra=False, contract=...):
-    comm = TideAllGather(None) if comm == "tide" else comm
+def _ag(params=None, group=None, async_op=False, device=CPU, comm="tide", contract=..., output_fn=None):
+    param_group = types.SimpleNamespace(_all_gather_output_fn=output_fn) if output_fn is not None else None
+    comm = TideAllGather(None, param_group) if comm == "tide" else comm
     if contract is not ...:
         comm.contract = (contract,)
-    return fallbacks.all_gather_reason(params or [_param()], group or _Group(), async_op, device, comm, extra)
+    return fallbacks.all_gather_reason(params or [_param()], group or _Group(), async_op, device, comm)
 
 
 def _rs(params=None, grads=None, group=None, reduce_dtype=torch.float32, device=CPU, all_reduce_group=None,
-        hook=None, comm="tide", extra=False, contract=...):
+        hook=None, comm="tide", contract=..., custom_input_fn=False):
     comm = TideReduceScatter(None, "in_place") if comm == "tide" else comm
     if contract is not ...:
         comm.contract = (contract,)
     grads = grads if grads is not None else [torch.randn(4, 2).bfloat16()]
     return fallbacks.reduce_reason(params or [_param()], grads, group or _Group(), comm, reduce_dtype, device,
-                                   all_reduce_group, hook, extra)
+                                   all_reduce_group, hook, custom_input_fn)
 
 
 CASES = {
     # reason: (all-gather call or None, reduce-scatter call or None), each made to take that path
     "not_enabled": (lambda: _ag(comm=object()), lambda: _rs(comm=object())),
-    "unknown_args": (lambda: _ag(extra=True), lambda: _rs(extra=True)),
     "async_op": (lambda: _ag(async_op=True), None),
     "world_size_1": (lambda: _ag(group=_Group(1)), lambda: _rs(group=_Group(1))),
     "compute_capability": (lambda: _ag(device=CUDA, contract=fallbacks.contract_reason(8, ["h", "h"])),
@@ -72,6 +72,8 @@ CASES = {
     "nvlink_domain": (lambda: _ag(device=CUDA, contract=fallbacks.contract_reason(9, ["h1", "h2"])),
                       lambda: _rs(device=CUDA, contract=fallbacks.contract_reason(9, ["h"] * 9))),
     "post_forward_mesh": (lambda: _ag(params=[_param(sharded_state=ShardedState.SHARDED_POST_FORWARD)]), None),
+    "keep_unsharded_storage": (lambda: _ag(params=[_param(), _param(keep_unsharded_storage=True)]), None),
+    "all_gather_output_fn": (lambda: _ag(output_fn=lambda params, result, world_size: None), None),
     "shard_dim": (lambda: _ag(params=[_param(fsdp_placement=types.SimpleNamespace(dim=1))]),
                   lambda: _rs(params=[_param(fsdp_placement=types.SimpleNamespace(dim=1))])),
     "cpu_offload": (lambda: _ag(params=[_param(offload_to_cpu=True)]), lambda: _rs(params=[_param(offload_to_cpu=True)])),
@@ -81,9 +83,9 @@ CASES = {
     "mixed_param_dtypes": (lambda: _ag(params=[_param(), _param(param_dtype=torch.float16)]), None),
     "unsupported_dtype": (lambda: _ag(params=[_param(param_dtype=torch.int8)]),
                           lambda: _rs(grads=[torch.ones(4, 2, dtype=torch.int32)], reduce_dtype=torch.float32)),
-    "mixed_grad_dtypes": (None, lambda: _rs(grads=[torch.randn(2).bfloat16(), torch.randn(2)])),
     "noncontiguous_grad": (None, lambda: _rs(grads=[torch.randn(3, 4).bfloat16().t()])),
     "reduce_dtype": (None, lambda: _rs(reduce_dtype=torch.bfloat16)),
+    "reduce_scatter_input_fn": (None, lambda: _rs(custom_input_fn=True)),
     "hsdp": (None, lambda: _rs(all_reduce_group=_Group(2))),
     "all_reduce_hook": (None, lambda: _rs(hook=lambda g: g)),
     "arena_busy": (lambda: fallbacks.arena_reason("busy"), None),
@@ -104,6 +106,11 @@ def test_reason_is_triggered(reason):
 
 def test_supported_calls_take_tide():
     assert _ag() is None and _rs() is None
+    # torch 2.15 with bf16 params and an fp32 reduce: norm weights' fp32 grads beside bf16 ones.
+    assert _rs(grads=[torch.randn(4, 2).bfloat16(), torch.randn(4)]) is None
+    # bf16 grads with no reduce dtype reduce in bf16 (stock's), fp32 ones beside them do not change that.
+    assert _rs(grads=[torch.randn(4), torch.randn(4, 2).bfloat16()], reduce_dtype=None) == "reduce_dtype"
+    assert _ag(params=[_param(keep_unsharded_storage=False)]) is None
     verdict = fallbacks.contract_reason(9, ["h"] * 8)  # Hopper, 8 GPUs on one host
     assert verdict is None and _ag(device=CUDA, contract=verdict) is None and _rs(device=CUDA, contract=verdict) is None
     assert fallbacks.arena_reason("bound") is None and fallbacks.arena_reason("direct") is None
@@ -128,7 +135,7 @@ def test_cuda_graph_capture(monkeypatch):
 def test_static_reason_is_remembered_per_params_list():
     comm = TideAllGather(None)
     params = [_param()]
-    assert fallbacks.all_gather_reason(params, _Group(), False, CPU, comm, False) is None
+    assert fallbacks.all_gather_reason(params, _Group(), False, CPU, comm) is None
     params[0].param_dtype = torch.int8  # fixed after lazy init: the verdict for this list is kept
-    assert fallbacks.all_gather_reason(params, _Group(), False, CPU, comm, False) is None
-    assert fallbacks.all_gather_reason(list(params), _Group(), False, CPU, comm, False) == "unsupported_dtype"
+    assert fallbacks.all_gather_reason(params, _Group(), False, CPU, comm) is None
+    assert fallbacks.all_gather_reason(list(params), _Group(), False, CPU, comm) == "unsupported_dtype"

@@ -36,13 +36,6 @@ def test_fallback_two_ranks(two_ranks, case, all_gather, reduce_scatter):
         assert_parity(r, workers.LOSS_ATOL_FP32)
 
 
-def test_unknown_args_go_to_the_original(two_ranks):
-    for rank_result in two_ranks:
-        r = rank_result["unknown_args"]
-        assert r["error"] is not None and "future_flag" in r["error"]
-        assert r["stats"]["all_gather"] == {"stock:unknown_args": 1}
-
-
 @pytest.mark.parametrize("case, all_gather, reduce_scatter", [
     # HSDP gathers over the shard group (TIDE) but reduces with an all-reduce (stock).
     ("hsdp", {"tide"}, {"stock:hsdp"}),

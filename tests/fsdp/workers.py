@@ -168,24 +168,6 @@ def _frozen_bf16_param(model):
     model.layers[0].register_parameter("frozen_bf16", frozen)
 
 
-def _unknown_args(cfg, rank) -> dict:
-    """A newer FSDP passing an extra argument: the wrapper hands it, untouched, to the original
-    function (here the stock one, which rejects it) and counts stock:unknown_args."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
-
-    model, _, _ = _train(cfg, rank, use_tide=True, steps=1)
-    group = tide.fsdp.param_groups(model)[0]
-    stream = torch.cpu.current_stream()
-    tide.reset_stats()
-    try:
-        _pg.foreach_all_gather(group.fsdp_params, group._all_gather_process_group, False, stream, stream,
-                               group.device, group._all_gather_comm, future_flag=True)
-        error = None
-    except TypeError as e:
-        error = str(e)
-    return {"error": error, "stats": tide.stats()["fsdp"]}
-
-
 def fallbacks_2(rank: int, world_size: int) -> dict:
     """Fallback cases on 2 ranks: each trains stock and TIDE-enabled; the reasons come from stats()."""
     torch.set_num_threads(1)
@@ -195,7 +177,6 @@ def fallbacks_2(rank: int, world_size: int) -> dict:
         "cpu_offload": _pair(tiny, rank, steps=3, offload_policy=CPUOffloadPolicy(pin_memory=False)),
         "async_op": _pair(tiny, rank, steps=3, stock_setup=_async_unshard, tide_setup=_async_unshard),
         "mixed_param_dtypes": _pair(tiny, rank, steps=3, before_shard=_frozen_bf16_param),
-        "unknown_args": _unknown_args(tiny, rank),
     }
 
 
@@ -277,3 +258,110 @@ def release_points(rank: int, world_size: int) -> dict:
     wiring.release_at_backward_end()
     counts["outside_backward"] = len(calls) - before
     return counts
+
+
+# ------------------------------------------------------------------------------------------ torch releases
+def untested_signature(rank: int, world_size: int) -> dict:
+    """A torch whose ``foreach_reduce`` gained a parameter no seam wrapper knows (set up in this fresh
+    process before TIDE installs): every collective takes stock, counted with the reason."""
+    import functools
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+
+    torch.set_num_threads(1)
+    real = _fsdp_collectives.foreach_reduce
+    params = list(inspect.signature(real).parameters.values())
+
+    @functools.wraps(real)
+    def foreach_reduce(*args, future_flag=None, **kwargs):
+        return real(*args, **kwargs)
+    future = inspect.Parameter("future_flag", inspect.Parameter.KEYWORD_ONLY, default=None)
+    foreach_reduce.__signature__ = inspect.Signature(params + [future])
+    _fsdp_collectives.foreach_reduce = _fsdp_param_group.foreach_reduce = foreach_reduce
+    names = [p.name for p in params]
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    expected = ", ".join(names[:len(names) - len(keyword_only)] + ["*"] + keyword_only + ["future_flag"])
+    tiny = PRESETS["tiny"]
+    pair = _pair(tiny, rank, steps=3, mp=BF16)
+    return {"stats": pair["tide"]["stats"], "losses": pair["tide"]["losses"], "stock_losses": pair["stock"]["losses"],
+            "expected_params": expected}
+
+
+def newer_torch(rank: int, world_size: int) -> dict:
+    """A torch newer than the tested range whose signatures match: one warning, then TIDE."""
+    import warnings
+
+    torch.set_num_threads(1)
+    torch.__version__ = "2.99.0"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, run = _train(PRESETS["tiny"], rank, use_tide=True, steps=2, mp=BF16)
+        _train(PRESETS["tiny"], rank, use_tide=True, steps=1, mp=BF16)
+    return {"stats": run["stats"], "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}
+
+
+def grad_dtypes(rank: int, world_size: int) -> dict:
+    """bf16 params with an fp32 reduce, and one fp32 weight whose ``grad_dtype`` is bf16 (torch 2.15+:
+    its sharded gradient is kept in bf16). Records the gradient dtypes each TIDE reduce saw, and the final
+    sharded gradients' dtypes and values, for stock and TIDE."""
+    from tide.fsdp import seam
+
+    torch.set_num_threads(1)
+    seen = []
+    reduce = seam.reduce_scatter_into_shards
+
+    def recording(grads, *args, **kwargs):
+        seen.append(sorted({str(g.dtype) for g in grads}))
+        return reduce(grads, *args, **kwargs)
+    seam.reduce_scatter_into_shards = recording
+
+    def bf16_grad(model):
+        if hasattr(torch.Tensor, "grad_dtype"):
+            model.layers[0].mlp.w1.weight.grad_dtype = torch.bfloat16
+    out = {}
+    for use_tide in (False, True):
+        model = fsdp_model(PRESETS["tiny"], device="cpu", mp_policy=BF16, use_tide=use_tide, before_shard=bf16_grad)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tide.reset_stats()
+        losses = [train_step(model, optim, PRESETS["tiny"], step, rank).item() for step in range(3)]
+        tokens, targets = batch(PRESETS["tiny"], 3, rank)
+        loss_fn(model(tokens), targets).backward()
+        out["tide" if use_tide else "stock"] = {
+            "losses": losses, "stats": tide.stats()["fsdp"],
+            "grads": [(str(p.grad.dtype), p.grad.full_tensor().float().numpy().copy()) for p in model.parameters()]}
+    out["seen"] = seen
+    return out
+
+
+def slot_reuse_decisions(rank: int, world_size: int) -> dict:
+    """Whether the Slot-Reuse hook would move each finished gradient (the decision before it looks for a
+    slot, which only a CUDA arena has): yes in a plain bf16 step, no in the reducing micro-batch after a
+    no_sync one, where the gradient carries earlier micro-batches."""
+    from tide.fsdp import hooks
+
+    torch.set_num_threads(1)
+    cfg = PRESETS["tiny"]
+    model = fsdp_model(cfg, device="cpu", mp_policy=BF16, use_tide=True, rs_mode="slot_reuse")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, optim, cfg, 0, rank)  # lazy init: the unsharded params exist from here on
+    decisions = []
+    for group in tide.fsdp.param_groups(model):
+        for fp in group.fsdp_params:
+            fp._unsharded_param.register_post_accumulate_grad_hook(
+                lambda param, g=group, fp=fp: decisions.append(hooks.movable(g, fp, param)))
+    train_step(model, optim, cfg, 1, rank)
+    plain = list(decisions)
+    decisions.clear()
+    train_step(model, optim, cfg, 2, rank, accum=2, no_sync=True)
+    return {"plain": plain, "no_sync": decisions}
+
+
+def keep_unsharded_storage(rank: int, world_size: int) -> dict:
+    """torch 2.15+: blocks that keep their unsharded storage across reshard gather on stock."""
+    torch.set_num_threads(1)
+
+    def keep(model):
+        for layer in model.layers:
+            layer.set_keep_unsharded_storage(True)
+    return _pair(PRESETS["tiny"], rank, steps=3, mp=BF16, stock_setup=keep, tide_setup=keep)

@@ -58,15 +58,15 @@ def _groups_and_leaf(module: nn.Module) -> list:
     return out
 
 
-def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
-           transport: str | None = None, local_world_size: int | None = None) -> nn.Module:
+def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | None = None,
+           local_world_size: int | None = None) -> nn.Module:
     """Opt every FSDP2 module in ``module``'s tree (all its param groups) into TIDE; returns ``module``.
 
     ``rs_mode``: ``"in_place"`` or ``"slot_reuse"`` (how the CUDA transport stages the reduce-scatter; the
     reference backend treats both alike). Slot-Reuse moves each gradient of a slot-bound group into the
     slot region of its own parameter as soon as autograd has finished it (a post-accumulate-grad hook),
     so the group's gradients need no allocator memory; it assumes backward reads no parameter after its
-    gradient is complete (autograd's in-place check raises if one does). ``force``: allow a torch version outside the tested set.
+    gradient is complete (autograd's in-place check raises if one does).
     ``transport``: ``"auto"`` (default, or ``TIDE_FSDP_TRANSPORT``): on CUDA the CUDA transport's arena of
     each set of ranks is created (collectively) at their first TIDE collective, after FSDP's
     lazy init, and all-gather outputs are bound in its slots; ``"reference"``: no arena, the ops' reference
@@ -78,18 +78,18 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
     ``stock:nvlink_domain``). With several ranks per node, each node's ranks share a node arena
     (``tide.transport.nodes``) whose slots hold the blocks' outputs and whose copy engines carry the
     intra-node legs. Every rank must pass the same value.
+    Torch releases: the seam picks its wrappers by the signatures of the FSDP2 functions it replaces
+    (``tide.fsdp.compat``). Outside the tested releases it warns once and runs where they match; where
+    they do not, every call takes stock FSDP2 as ``stock:untested_torch:<what differed>``.
     Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
     path's comms.
     """
     _check_module("tide.fsdp.enable", module)
     if rs_mode not in RS_MODES:
         raise ValueError(f"tide.fsdp.enable: rs_mode must be one of {RS_MODES}, got {rs_mode!r}")
-    if not isinstance(force, bool):
-        raise TypeError(f"tide.fsdp.enable: force must be True or False, got {force!r}")
     transport = transport or default_transport()
     if transport not in TRANSPORTS:
         raise ValueError(f"tide.fsdp.enable: transport must be one of {TRANSPORTS}, got {transport!r}")
-    compat.check_torch_version("tide.fsdp.enable", force)
     if local_world_size is not None:
         topology.set_local_world_size(local_world_size, "tide.fsdp.enable")
     groups = _groups_and_leaf(module)
@@ -98,7 +98,8 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", force: bool = False,
             f"tide.fsdp.enable: module ({type(module).__name__}) contains no FSDP2 module with parameters; "
             "call torch.distributed.fsdp.fully_shard on it (or its submodules) first"
         )
-    seam.install()
+    if seam.install() is None:
+        compat.warn_untested_once("tide.fsdp.enable")
     for g, leaf in groups:
         if isinstance(g._all_gather_comm, TideAllGather):
             g._reduce_scatter_comm.rs_mode = rs_mode

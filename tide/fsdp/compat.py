@@ -1,27 +1,41 @@
-"""Torch-version shims for the FSDP2 seam: accepted torch 2.11 and 2.13 (``TESTED_TORCH``, the releases
-it is tested on: 2.11 on the GPU machine, 2.13 in CI; pyproject.toml allows the same).
+"""What differs between torch releases for the FSDP2 seam, decided by shape, never by a version table.
 
-Differences handled here (from the FSDP2 sources of those versions):
-* param groups: 2.13+ ``FSDPState._fsdp_param_groups`` (a list); 2.11 ``_fsdp_param_group`` (one or None);
-* ``foreach_reduce`` returns 6 values on 2.11 and 7 on 2.13+ (``post_reduce_stream`` at index 2);
+The seam replaces three private functions of ``_fsdp_collectives``. It offers one small wrapper per
+signature those functions have had (``tide.fsdp.seam.SHAPES``); :func:`choose_wrappers` takes, for each
+function, the wrapper whose parameters (names, order, kinds) are exactly the stock function's. When one
+of the three has a signature no wrapper knows, TIDE takes no call at all: the seam installs pass-through
+wrappers that count every collective as ``stock:untested_torch:<what differed>`` (logged once), so a
+torch upgrade never breaks the user's training.
+
+Shapes seen so far (torch 2.11 to 2.15):
+
+* ``foreach_reduce``: through 2.14 it takes the group's ``orig_dtype``; 2.15 drops it, casts each reduced
+  gradient to its param's ``sharded_grad_dtype`` and adds a keyword-only ``prepare_reduce_scatter_inputs``.
+  It returns 6 values on 2.11-2.12 and 7 from 2.13 (``post_reduce_stream`` at index 2): read from its
+  return annotation.
+* ``foreach_all_gather_copy_out``: 2.15 adds a keyword-only ``all_gather_output_fn``.
+* Param groups: ``FSDPState._fsdp_param_groups`` (a list, 2.13+) or ``_fsdp_param_group`` (one or None).
+* Gradients accumulated without a reduce: through 2.14 FSDP moves them to ``unsharded_accumulated_grad``;
+  from 2.15 they stay in the leaf's ``grad`` (that name is a property reading it).
 * 2.11 traceable FSDP2 (compiled autograd) is detected with ``_fsdp_common.compiled_autograd_enabled``.
-
-The seam's wrappers take FSDP2's arguments by position, so :func:`check_signatures` compares their
-parameter names with the stock functions' at install: a reordering upstream fails loudly instead of
-binding arguments wrong.
 """
 from __future__ import annotations
 
 import inspect
-import os
+import logging
 import re
 import typing
+import warnings
 
 import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_common
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
-TESTED_TORCH = ((2, 11), (2, 13))
-FORCE_ENV = "TIDE_FORCE_TORCH_VERSION"
+log = logging.getLogger("tide.fsdp")
+
+# The releases the seam is tested on (CI runs tests/fsdp on each minor). A newer one whose signatures
+# match still runs TIDE, after a one-time warning naming it.
+TESTED_TORCH = ((2, 11), (2, 15))
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
@@ -32,15 +46,69 @@ def torch_version(version: str | None = None) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def check_torch_version(fn: str, force: bool, version: str | None = None) -> None:
-    """Raise unless the torch version is tested, ``force`` is set or ``TIDE_FORCE_TORCH_VERSION=1``."""
-    if torch_version(version) in TESTED_TORCH or force or os.environ.get(FORCE_ENV) == "1":
+def is_tested(version: str | None = None) -> bool:
+    low, high = TESTED_TORCH
+    return low <= torch_version(version) <= high
+
+
+def _shape(fn) -> list[tuple[str, str]]:
+    return [(p.name, p.kind.name) for p in inspect.signature(fn).parameters.values()]
+
+
+def _describe(shape: list[tuple[str, str]]) -> str:
+    out, star = [], False
+    for name, kind in shape:
+        if kind == "KEYWORD_ONLY" and not star:
+            out.append("*")
+            star = True
+        out.append(name)
+    return ", ".join(out)
+
+
+def choose_wrappers(shapes: dict[str, list], stock=_fsdp_collectives) -> tuple[dict | None, str | None]:
+    """For each function name in ``shapes``, the candidate wrapper whose signature is the stock
+    function's; returns ``(wrappers, None)``, or ``(None, reason)`` naming the first function no
+    candidate fits (``"<name>(<its parameters>)"``)."""
+    chosen = {}
+    for name, candidates in shapes.items():
+        theirs = _shape(getattr(stock, name))
+        match = next((w for w in candidates if _shape(w) == theirs), None)
+        if match is None:
+            return None, f"{name}({_describe(theirs)})"
+        chosen[name] = match
+    if reduce_arity(stock) is None:
+        return None, "foreach_reduce returns " + str(inspect.signature(stock.foreach_reduce).return_annotation)
+    return chosen, None
+
+
+def reduce_arity(stock=_fsdp_collectives) -> int | None:
+    """How many values ``foreach_reduce`` returns (6 or 7), from its return annotation; None if unknown."""
+    n = len(typing.get_args(inspect.signature(stock.foreach_reduce).return_annotation))
+    return n if n in (6, 7) else None
+
+
+REDUCE_ARITY = reduce_arity()
+
+
+def reduce_result(keep_alive, rs_event, rs_stream, post_event) -> tuple:
+    """``foreach_reduce``'s return value for this torch (no all-reduce, no partial output)."""
+    if REDUCE_ARITY == 7:
+        return keep_alive, rs_event, rs_stream, post_event, None, None, None
+    return keep_alive, rs_event, post_event, None, None, None
+
+
+_warned: set = set()
+
+
+def warn_untested_once(fn: str) -> None:
+    """One warning per process when TIDE runs on a torch newer (or older) than the tested range."""
+    if is_tested() or torch.__version__ in _warned:
         return
-    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
-    raise RuntimeError(
-        f"{fn}: torch {version or torch.__version__} is not a tested version for the FSDP2 seam (tested: {tested}); "
-        f"the private FSDP2 functions it replaces may differ. Pass force=True or set {FORCE_ENV}=1 to try anyway."
-    )
+    _warned.add(torch.__version__)
+    low, high = TESTED_TORCH
+    warnings.warn(f"{fn}: torch {torch.__version__} is outside the releases TIDE's FSDP2 seam is tested on "
+                  f"({low[0]}.{low[1]} to {high[0]}.{high[1]}); its FSDP2 signatures match, so TIDE runs",
+                  RuntimeWarning, stacklevel=3)
 
 
 def param_groups(state) -> list:
@@ -52,16 +120,23 @@ def param_groups(state) -> list:
     return [] if group is None else [group]
 
 
-def _reduce_arity() -> int:
-    # The stock function's return annotation names every element on the tested versions.
-    ann = inspect.signature(_fsdp_collectives.foreach_reduce).return_annotation
-    n = len(typing.get_args(ann))
-    if n in (6, 7):
-        return n
-    return 6 if torch_version() < (2, 12) else 7
+# From 2.15 the leaf's grad holds gradients accumulated without a reduce; the old attribute reads it.
+_ACCUMULATES_IN_LEAF = isinstance(inspect.getattr_static(FSDPParam, "unsharded_accumulated_grad", None), property)
 
 
-REDUCE_ARITY = _reduce_arity()
+def holds_unreduced_accumulation(fsdp_param) -> bool:
+    """Whether an earlier backward left a gradient outside the leaf's ``grad`` that this reduce adds."""
+    return not _ACCUMULATES_IN_LEAF and fsdp_param.unsharded_accumulated_grad is not None
+
+
+def reduce_dtype(fsdp_param) -> torch.dtype | None:
+    """The dtype FSDP reduces this param's gradient in, None meaning the gradient's own: 2.15's
+    ``unsharded_grad_dtype`` (the mixed-precision reduce dtype, else the original param dtype), else the
+    param's ``reduce_dtype`` (None when it equals the param dtype)."""
+    if hasattr(type(fsdp_param), "unsharded_grad_dtype"):
+        return fsdp_param.unsharded_grad_dtype
+    return fsdp_param.reduce_dtype
+
 
 _compiled_autograd_enabled = getattr(_fsdp_common, "compiled_autograd_enabled", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
@@ -76,24 +151,3 @@ def is_tracing() -> bool:
 
 def functorch_active() -> bool:
     return _functorch_active is not None and bool(_functorch_active())
-
-
-def reduce_result(keep_alive, rs_event, rs_stream, post_event) -> tuple:
-    """``foreach_reduce``'s return value for this torch (no all-reduce, no partial output)."""
-    if REDUCE_ARITY == 7:
-        return keep_alive, rs_event, rs_stream, post_event, None, None, None
-    return keep_alive, rs_event, post_event, None, None, None
-
-
-def check_signatures(wrappers: dict, fn: str = "tide.fsdp.enable") -> None:
-    """Raise unless every wrapper's named positional parameters are the stock ``_fsdp_collectives``
-    function's, in order (the wrapper may name fewer: a newer FSDP2's extra arguments reach it in
-    ``*args`` / ``**kwargs`` and send that call to stock)."""
-    for name, wrapper in wrappers.items():
-        stock = list(inspect.signature(getattr(_fsdp_collectives, name)).parameters)
-        ours = [p.name for p in inspect.signature(wrapper).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if stock[:len(ours)] != ours:
-            raise RuntimeError(
-                f"{fn}: torch {torch.__version__}'s FSDP2 {name} takes ({', '.join(stock)}), but TIDE's seam expects "
-                f"({', '.join(ours)}); this torch is not supported")

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide import topology
@@ -24,11 +25,16 @@ from tide.meta.multinode import Topology
 
 # Every reason a call takes the stock path.
 REASONS = (
-    "not_enabled", "unknown_args", "cuda_graph_capture", "compiling", "functorch", "async_op",
-    "world_size_1", "compute_capability", "nvlink_domain", "post_forward_mesh", "shard_dim", "cpu_offload",
-    "all_gather_extension", "dtensor_param", "mixed_param_dtypes", "mixed_grad_dtypes", "unsupported_dtype",
-    "reduce_dtype", "hsdp", "all_reduce_hook", "noncontiguous_grad", "arena_busy",
+    "not_enabled", "cuda_graph_capture", "compiling", "functorch", "async_op", "world_size_1",
+    "compute_capability", "nvlink_domain", "post_forward_mesh", "keep_unsharded_storage", "all_gather_output_fn",
+    "shard_dim", "cpu_offload", "all_gather_extension", "dtensor_param", "mixed_param_dtypes", "unsupported_dtype",
+    "reduce_dtype", "reduce_scatter_input_fn", "hsdp", "all_reduce_hook", "noncontiguous_grad", "arena_busy",
 )
+# Besides these, on a torch whose FSDP2 signatures no seam wrapper fits, every call takes stock as
+# "untested_torch:<the function and its parameters>" (tide.fsdp.compat).
+
+# torch 2.15's default all-gather output function (None before): a group with another one keeps stock's.
+_DEFAULT_OUTPUT_FN = getattr(_fsdp_collectives, "_default_all_gather_output_fn", None)
 
 # The CUDA contract: Hopper (compute capability 9.0) or newer, and one NVLink domain: at most 8 GPUs,
 # all on one host.
@@ -134,19 +140,17 @@ def static_all_gather_reason(fsdp_params) -> str | None:
     return None
 
 
-def _call_reason(extra: bool, comm, marker: type, device: torch.device) -> str | None:
-    """The reasons both call kinds check first: arguments TIDE does not know, a group not opted in (its
-    comm is not TIDE's ``marker``), then :func:`common_reason`."""
-    if extra:
-        return "unknown_args"
+def _call_reason(comm, marker: type, device: torch.device) -> str | None:
+    """The reasons both call kinds check first: a group not opted in (its comm is not TIDE's
+    ``marker``), then :func:`common_reason`."""
     if not isinstance(comm, marker):
         return "not_enabled"
     return common_reason(device)
 
 
-def all_gather_reason(fsdp_params, group, async_op, device, comm, extra: bool) -> str | None:
+def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
     """Why this ``foreach_all_gather`` call must take the stock path, or None for TIDE."""
-    if (reason := _call_reason(extra, comm, TideAllGather, device)) is not None:
+    if (reason := _call_reason(comm, TideAllGather, device)) is not None:
         return reason
     if async_op:
         return "async_op"
@@ -157,6 +161,10 @@ def all_gather_reason(fsdp_params, group, async_op, device, comm, extra: bool) -
     for p in fsdp_params:
         if p.sharded_state != ShardedState.SHARDED:
             return "post_forward_mesh"
+        if getattr(p, "keep_unsharded_storage", False):  # torch 2.15+: outputs live across reshard
+            return "keep_unsharded_storage"
+    if getattr(comm.param_group, "_all_gather_output_fn", _DEFAULT_OUTPUT_FN) is not _DEFAULT_OUTPUT_FN:
+        return "all_gather_output_fn"
     if comm.static_reason is None or comm.static_reason[0] is not fsdp_params:
         comm.static_reason = (fsdp_params, static_all_gather_reason(fsdp_params))
     return comm.static_reason[1]
@@ -169,10 +177,14 @@ def arena_reason(plan_mode: str) -> str | None:
 
 
 def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, all_reduce_group, all_reduce_hook,
-                  extra: bool) -> str | None:
-    """Why this ``foreach_reduce`` call must take the stock path, or None for TIDE."""
-    if (reason := _call_reason(extra, comm, TideReduceScatter, device)) is not None:
+                  custom_input_fn: bool = False) -> str | None:
+    """Why this ``foreach_reduce`` call must take the stock path, or None for TIDE. Gradients of several
+    dtypes in one group (torch 2.15: fp32 norm weights beside bf16 ones) are TIDE's: each is summed in
+    fp32."""
+    if (reason := _call_reason(comm, TideReduceScatter, device)) is not None:
         return reason
+    if custom_input_fn:
+        return "reduce_scatter_input_fn"
     if rs_group is None or rs_group.size() == 1:
         return "world_size_1"
     if (reason := _device_reason(device, rs_group, comm)) is not None:
@@ -181,17 +193,14 @@ def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, all_
         return "hsdp"
     if all_reduce_hook is not None:
         return "all_reduce_hook"
-    grad_dtype = grads[0].dtype
     for g in grads:
-        if g.dtype != grad_dtype:
-            return "mixed_grad_dtypes"  # stock raises its own uniform-dtype error
         if not g.is_contiguous():
             return "noncontiguous_grad"
-    if grad_dtype not in FLOAT_DTYPES:
-        return "unsupported_dtype"
-    # TIDE sums in fp32 into fp32 shards; a bf16/fp16 reduce (and fp16's pre/post-divide) stays stock.
-    if (reduce_dtype or grad_dtype) != torch.float32:
-        return "reduce_dtype"
+        if g.dtype not in FLOAT_DTYPES:
+            return "unsupported_dtype"
+        # TIDE sums in fp32 into fp32 shards; a bf16/fp16 reduce (and fp16's pre/post-divide) stays stock.
+        if (reduce_dtype or g.dtype) != torch.float32:
+            return "reduce_dtype"
     checked = comm.checked_params
     for p in fsdp_params:
         if id(p) not in checked:

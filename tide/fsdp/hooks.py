@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tide import counters
+from tide.fsdp import compat
 from tide.fsdp.comms import TideReduceScatter
 from tide.transport import nodes
 
@@ -46,15 +47,9 @@ def grad_into_slot(param_group, fsdp_param, param) -> None:
     overwritten before the second region recomputes, so use non-reentrant checkpointing (torch's
     default) or In-Place with it.
     """
-    grad = param.grad
-    comm = param_group._reduce_scatter_comm
-    reduce_dtype = getattr(getattr(param_group, "mp_policy", None), "reduce_dtype", None)
-    if (grad is None or not isinstance(comm, TideReduceScatter) or comm.rs_mode != "slot_reuse"
-            or (reduce_dtype or grad.dtype) != torch.float32  # TIDE reduces into fp32 only; others stay stock
-            or not param_group.reduce_grads or not param_group.reshard_after_backward
-            or fsdp_param.unsharded_accumulated_grad is not None or grad.dtype != param.dtype
-            or grad.shape != param.shape or not grad.is_contiguous() or torch.cuda.is_current_stream_capturing()):
+    if not movable(param_group, fsdp_param, param):
         return
+    grad = param.grad
     arena = nodes.serving(param_group._all_gather_process_group.group_name)
     out = fsdp_param.all_gather_outputs[0] if fsdp_param.all_gather_outputs else None
     if arena is None or out is None or out.untyped_storage().nbytes() == 0 or grad.data_ptr() == out.data_ptr():
@@ -66,3 +61,18 @@ def grad_into_slot(param_group, fsdp_param, param) -> None:
         param.detach().copy_(grad)
     param.grad = place
     counters.count_wiring("rs:grad_into_slot")
+
+
+def movable(param_group, fsdp_param, param) -> bool:
+    """Whether ``param``'s finished gradient may move into a slot (if the group has one): see
+    :func:`grad_into_slot`."""
+    grad = param.grad
+    comm = param_group._reduce_scatter_comm
+    return not (
+        grad is None or not isinstance(comm, TideReduceScatter) or comm.rs_mode != "slot_reuse"
+        # TIDE reduces into fp32 only; others stay stock
+        or (compat.reduce_dtype(fsdp_param) or grad.dtype) != torch.float32
+        or not param_group.reduce_grads or not param_group.reshard_after_backward
+        or compat.holds_unreduced_accumulation(fsdp_param) or grad.dtype != param.dtype
+        or grad.shape != param.shape or not grad.is_contiguous()
+        or (grad.is_cuda and torch.cuda.is_current_stream_capturing()))

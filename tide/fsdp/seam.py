@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import _get_device_handle
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
 
@@ -126,13 +127,14 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     return TideAllGatherResult(outs[0].new_empty(0), event, None, [], [], [])
 
 
-def _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size: int) -> list[torch.Tensor] | None:
+def _accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size: int) -> list[torch.Tensor] | None:
     """The existing sharded grads' local tensors when the op can add straight into them, else None.
 
     Decided identically on every rank (all ranks must issue the same collectives): every param already
-    has an fp32 DTensor grad and shards evenly, so no rank's local grad is shorter than its padded shard.
+    has an fp32 DTensor grad, is reduced into fp32 and shards evenly, so no rank's local grad is shorter
+    than its padded shard.
     """
-    if orig_dtype not in (None, torch.float32):
+    if any(d not in (None, torch.float32) for d in grad_dtypes):
         return None
     locals_ = []
     for p, g in zip(fsdp_params, grads):
@@ -146,7 +148,26 @@ def _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size: int) -> li
     return locals_
 
 
-def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, device, divide_factor, arena=None):
+def _cast_runs(flat: torch.Tensor, fsdp_params, offsets, grad_dtypes) -> list[torch.Tensor]:
+    """Each param's unpadded reduced shard in its gradient dtype: one cast per run of neighbouring
+    params with the same dtype (as stock casts its reduce output), views of ``flat`` where no cast is
+    needed."""
+    out, i, n = [], 0, len(fsdp_params)
+    while i < n:
+        dtype, j = grad_dtypes[i], i
+        while j < n and grad_dtypes[j] == dtype:
+            j += 1
+        end = offsets[j] if j < n else flat.numel()
+        run = flat.narrow(0, offsets[i], end - offsets[i])
+        cast = _to_dtype_if_needed(run, dtype)
+        for p, o in zip(fsdp_params[i:j], offsets[i:j]):
+            out.append(torch.as_strided(cast, size=p.sharded_size, stride=p.contiguous_sharded_stride,
+                                        storage_offset=cast.storage_offset() + o - offsets[i]))
+        i = j
+    return out
+
+
+def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes, device, divide_factor, arena=None):
     handle = _get_device_handle(device.type)
     world_size = rs_group.size()
     # With an fp32 reduce and no all-reduce group, every branch of FSDP's _get_gradient_divide_factors
@@ -161,7 +182,7 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, 
         arena.region()
     rs_stream.wait_stream(handle.current_stream())
     with handle.stream(rs_stream):
-        in_place = _accumulates_in_place(fsdp_params, grads, orig_dtype, world_size)
+        in_place = _accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size)
         if in_place is not None:
             reduce_scatter_into_shards(grads, in_place, scale, True, world_size, rs_group, arena)
             rs_event = rs_stream.record_event()
@@ -178,14 +199,13 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, 
                       for p, o in zip(fsdp_params, offsets)]
             reduce_scatter_into_shards(grads, shards, scale, False, world_size, rs_group, arena)
             rs_event = rs_stream.record_event()
-            # Stock epilogue: cast to the orig dtype, view each unpadded shard, accumulate or assign.
-            output = _to_dtype_if_needed(flat, orig_dtype)
-            for p, shard, o in zip(fsdp_params, shards, offsets):
-                if output is flat and p.sharded_size == p.padded_sharded_param_size:
-                    new_grad = shard  # already the unpadded shard's view: saves a view op per param
-                else:
-                    new_grad = torch.as_strided(output, size=p.sharded_size, stride=p.contiguous_sharded_stride,
-                                                storage_offset=o)
+            # Stock epilogue: cast to each gradient dtype, view each unpadded shard, accumulate or assign.
+            if all(d in (None, torch.float32) for d in grad_dtypes) and all(
+                    p.sharded_size == p.padded_sharded_param_size for p in fsdp_params):
+                new_grads = shards  # already the unpadded shards' views: saves a view op per param
+            else:
+                new_grads = _cast_runs(flat, fsdp_params, offsets, grad_dtypes)
+            for p, new_grad in zip(fsdp_params, new_grads):
                 if p.sharded_param.grad is not None:
                     p.sharded_param.grad._local_tensor += new_grad
                 else:
@@ -198,14 +218,18 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, 
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
+# FSDP2 calls the three functions by position; each has one wrapper per signature it has had
+# (tide.fsdp.compat.choose_wrappers picks the one that is exactly the stock function's).
 _ORIG: dict[str, object] = {}
+_DEFAULT_OUTPUT_FN = getattr(_fsdp_collectives, "_default_all_gather_output_fn", None)
+_DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input_fn", None)
 
 
 @torch.no_grad()
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
-                       all_gather_comm, *args, **kwargs):
+                       all_gather_comm):
     WATCHDOG.check()
-    reason = all_gather_reason(fsdp_params, group, async_op, device, all_gather_comm, bool(args or kwargs))
+    reason = all_gather_reason(fsdp_params, group, async_op, device, all_gather_comm)
     arena, plan = None, ("none", None)
     if reason is None:
         arena = wiring.arena_for(group, device, all_gather_comm.transport)
@@ -214,7 +238,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
     counters.count_fsdp("all_gather", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
         return _ORIG["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
-                                           all_gather_stream, device, all_gather_comm, *args, **kwargs)
+                                           all_gather_stream, device, all_gather_comm)
     if arena is not None:
         wiring.release_at_backward_end()
     result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena, plan)
@@ -224,38 +248,82 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
     return result
 
 
+def _wait_tide_all_gather(all_gather_result) -> None:
+    device = all_gather_result.all_gather_output.device
+    _get_device_handle(device.type).current_stream().wait_event(all_gather_result.all_gather_event)
+
+
 @torch.no_grad()
-def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **kwargs):
-    # Dispatch on the result type, so a stock all-gather always meets the stock copy-out.
-    if isinstance(all_gather_result, TideAllGatherResult) and not args and not kwargs:
-        device = all_gather_result.all_gather_output.device
-        _get_device_handle(device.type).current_stream().wait_event(all_gather_result.all_gather_event)
-        return None
-    return _ORIG["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group, *args, **kwargs)
+def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
+    """torch 2.11-2.14. Dispatches on the result type, so a stock all-gather always meets the stock
+    copy-out."""
+    if isinstance(all_gather_result, TideAllGatherResult):
+        return _wait_tide_all_gather(all_gather_result)
+    return _ORIG["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group)
+
+
+@torch.no_grad()
+def foreach_all_gather_copy_out_with_output_fn(all_gather_result, fsdp_params, group, *,
+                                               all_gather_output_fn=_DEFAULT_OUTPUT_FN):
+    """torch 2.15+: the copy-out is handed the group's output function (a group with a custom one never
+    took TIDE's all-gather: ``fallbacks.all_gather_reason``)."""
+    if isinstance(all_gather_result, TideAllGatherResult):
+        return _wait_tide_all_gather(all_gather_result)
+    return _ORIG["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group,
+                                                all_gather_output_fn=all_gather_output_fn)
+
+
+def _reduce(stock, fsdp_params, unsharded_grads, group, stream, comm, reduce_dtype, device, divide_factor,
+            all_reduce_group, all_reduce_hook, grad_dtypes, custom_input_fn: bool):
+    """Both ``foreach_reduce`` shapes: TIDE's reduce, or ``stock()`` for the reason it records."""
+    WATCHDOG.check()
+    reason = reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device, all_reduce_group,
+                           all_reduce_hook, custom_input_fn)
+    counters.count_fsdp("reduce_scatter", reason, reason is None and topology.is_multinode(topology.of_group(group)))
+    if reason is not None:
+        out = stock()
+        _order_slot_after_stock_reduce(fsdp_params, comm, group, stream)
+        return out
+    arena = wiring.arena_for(group, device, getattr(comm, "transport", "auto"))
+    if arena is not None:
+        wiring.release_at_backward_end()
+    return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena)
 
 
 @torch.no_grad()
 def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
                    reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
                    all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
-                   force_sum_reduction_for_comms=False, *args, **kwargs):
-    WATCHDOG.check()
-    reason = reduce_reason(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_comm, reduce_dtype,
-                           device, all_reduce_group, all_reduce_hook, bool(args or kwargs))
-    counters.count_fsdp("reduce_scatter", reason,
-                        reason is None and topology.is_multinode(topology.of_group(reduce_scatter_group)))
-    if reason is not None:
-        out = _ORIG["foreach_reduce"](
+                   force_sum_reduction_for_comms=False):
+    """torch 2.11-2.14: the group's reduced gradients are cast to one ``orig_dtype``."""
+    def stock():
+        return _ORIG["foreach_reduce"](
             fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
             orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
-            all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms, *args, **kwargs)
-        _order_slot_after_stock_reduce(fsdp_params, reduce_scatter_comm, reduce_scatter_group, reduce_scatter_stream)
-        return out
-    arena = wiring.arena_for(reduce_scatter_group, device, getattr(reduce_scatter_comm, "transport", "auto"))
-    if arena is not None:
-        wiring.release_at_backward_end()
-    return _tide_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, orig_dtype, device,
-                        gradient_divide_factor, arena)
+            all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms)
+    return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
+                   all_reduce_hook, [orig_dtype] * len(fsdp_params), False)
+
+
+@torch.no_grad()
+def foreach_reduce_per_param_dtype(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor,
+                                   all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
+                                   all_reduce_hook, force_sum_reduction_for_comms=False, *,
+                                   prepare_reduce_scatter_inputs=_DEFAULT_RS_INPUT_FN):
+    """torch 2.15+: each reduced gradient is cast to its param's ``sharded_grad_dtype``; a group with a
+    custom ``prepare_reduce_scatter_inputs`` takes stock."""
+    def stock():
+        return _ORIG["foreach_reduce"](
+            fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
+            reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream, all_reduce_grads,
+            partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms,
+            prepare_reduce_scatter_inputs=prepare_reduce_scatter_inputs)
+    return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
+                   all_reduce_hook, [p.sharded_grad_dtype for p in fsdp_params],
+                   prepare_reduce_scatter_inputs is not _DEFAULT_RS_INPUT_FN)
 
 
 def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
@@ -270,20 +338,41 @@ def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
         arena.slots.used(own, stream.record_event())
 
 
-_WRAPPERS = {
-    "foreach_all_gather": foreach_all_gather,
-    "foreach_all_gather_copy_out": foreach_all_gather_copy_out,
-    "foreach_reduce": foreach_reduce,
+SHAPES = {
+    "foreach_all_gather": [foreach_all_gather],
+    "foreach_all_gather_copy_out": [foreach_all_gather_copy_out, foreach_all_gather_copy_out_with_output_fn],
+    "foreach_reduce": [foreach_reduce, foreach_reduce_per_param_dtype],
 }
 
 
-def install() -> None:
+def _untested(name: str, reason: str, counted: str | None):
+    """A pass-through to the original ``name`` that counts each call as ``stock:<reason>``."""
+    original = getattr(_pg, name)
+
+    def passthrough(*args, **kwargs):
+        if counted is not None:
+            counters.count_fsdp(counted, reason)
+        return original(*args, **kwargs)
+    return passthrough
+
+
+def install() -> str | None:
     """Rebind the three functions in ``_fsdp_param_group`` once, keeping whatever was bound before as the
-    stock path. Later calls change nothing: a patcher installed after TIDE chains to TIDE's wrapper, and
+    stock path; returns None, or the ``untested_torch:...`` reason every call then takes stock for.
+    Later calls change nothing: a patcher installed after TIDE chains to TIDE's wrapper, and
     re-capturing it as "stock" would make the two call each other forever."""
+    global untested_reason
     if _ORIG:
-        return
-    compat.check_signatures(_WRAPPERS)
-    for name, wrapper in _WRAPPERS.items():
+        return untested_reason
+    wrappers, differed = compat.choose_wrappers(SHAPES)
+    if wrappers is None:
+        untested_reason = f"untested_torch:{differed}"
+        counted = {"foreach_all_gather": "all_gather", "foreach_reduce": "reduce_scatter"}
+        wrappers = {name: _untested(name, untested_reason, counted.get(name)) for name in SHAPES}
+    for name, wrapper in wrappers.items():
         _ORIG[name] = getattr(_pg, name)
         setattr(_pg, name, wrapper)
+    return untested_reason
+
+
+untested_reason: str | None = None  # once installed: why every call takes stock on this torch, or None
