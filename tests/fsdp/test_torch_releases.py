@@ -42,8 +42,9 @@ def test_a_bf16_grad_dtype_keeps_its_sharded_grad_in_bf16(grad_dtype_run):
 
 def test_the_slot_reuse_hook_moves_finished_grads_and_keeps_accumulating_ones():
     for r in run_ranks(workers.slot_reuse_decisions, 2, timeout=180):
-        assert len(r["plain"]) > 0 and all(r["plain"]), r["plain"]
-        assert len(r["no_sync"]) > 0 and not any(r["no_sync"]), r["no_sync"]
+        assert any(moved for moved, _ in r["plain"]), r["plain"]
+        assert all(moved == same_dtype for moved, same_dtype in r["plain"]), r["plain"]
+        assert len(r["no_sync"]) > 0 and not any(moved for moved, _ in r["no_sync"]), r["no_sync"]
 
 
 @pytest.mark.skipif(not ON_2_15, reason="torch 2.15+: FSDPModule.set_keep_unsharded_storage")

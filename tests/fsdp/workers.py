@@ -29,7 +29,9 @@ GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
 LOSS_ATOL_FP32, LOSS_ATOL_BF16 = 1e-5, 1e-3
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-COPY_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
+# FSDP2's layout-conversion ops by role (torch 2.15 packs gradients with chunk_cat_mixed_dtype).
+COPY_OPS = {"fsdp::all_gather_copy_in": "all_gather_copy_in", "fsdp::split_with_sizes_copy": "all_gather_copy_out",
+            "fsdp::chunk_cat": "reduce_scatter_copy_in", "fsdp::chunk_cat_mixed_dtype": "reduce_scatter_copy_in"}
 
 
 class CopyOpCounter(TorchDispatchMode):
@@ -37,12 +39,12 @@ class CopyOpCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.counts = dict.fromkeys(COPY_OPS, 0)
+        self.counts = dict.fromkeys(COPY_OPS.values(), 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name in self.counts:
-            self.counts[name] += 1
+        role = COPY_OPS.get(func._schema.name)
+        if role is not None:
+            self.counts[role] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -322,7 +324,8 @@ def grad_dtypes(rank: int, world_size: int) -> dict:
     out = {}
     for use_tide in (False, True):
         model = fsdp_model(PRESETS["tiny"], device="cpu", mp_policy=BF16, use_tide=use_tide, before_shard=bf16_grad)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        # SGD: AdamW's foreach step refuses a bf16 gradient on an fp32 parameter (stock alike).
+        optim = torch.optim.SGD(model.parameters(), lr=1e-2)
         tide.reset_stats()
         losses = [train_step(model, optim, PRESETS["tiny"], step, rank).item() for step in range(3)]
         tokens, targets = batch(PRESETS["tiny"], 3, rank)
@@ -336,8 +339,9 @@ def grad_dtypes(rank: int, world_size: int) -> dict:
 
 def slot_reuse_decisions(rank: int, world_size: int) -> dict:
     """Whether the Slot-Reuse hook would move each finished gradient (the decision before it looks for a
-    slot, which only a CUDA arena has): yes in a plain bf16 step, no in the reducing micro-batch after a
-    no_sync one, where the gradient carries earlier micro-batches."""
+    slot, which only a CUDA arena has), with whether the gradient has its parameter's dtype (torch 2.15
+    gives norm weights fp32 gradients, which stay where they are): yes for those in a plain bf16 step, no
+    in the reducing micro-batch after a no_sync one, where the gradient carries earlier micro-batches."""
     from tide.fsdp import hooks
 
     torch.set_num_threads(1)
@@ -349,7 +353,8 @@ def slot_reuse_decisions(rank: int, world_size: int) -> dict:
     for group in tide.fsdp.param_groups(model):
         for fp in group.fsdp_params:
             fp._unsharded_param.register_post_accumulate_grad_hook(
-                lambda param, g=group, fp=fp: decisions.append(hooks.movable(g, fp, param)))
+                lambda param, g=group, fp=fp: decisions.append(
+                    (hooks.movable(g, fp, param), param.grad.dtype == param.dtype)))
     train_step(model, optim, cfg, 1, rank)
     plain = list(decisions)
     decisions.clear()
