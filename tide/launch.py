@@ -81,7 +81,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, results, pg_timeout_s):
+def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, results, pg_timeout_s, release):
     import faulthandler
 
     faulthandler.enable()  # a rank killed by a signal prints its Python stack on stderr
@@ -103,6 +103,9 @@ def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, resu
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
+        # Rank 0 hosts the store: leaving before the parent has every rank's result would pull it from
+        # under a peer still reading it (an exchange's last get, say).
+        release.wait(pg_timeout_s)
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -152,13 +155,13 @@ def run_ranks(
                              "(ranks can share a GPU over gloo)")
         env = {**CUDA_RANK_ENV, **(env or {})}
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, release = ctx.Queue(), ctx.Event()
     port = free_port()
     pg_timeout_s = max(10, int(timeout))
     procs = [
         ctx.Process(target=_rank_main, daemon=True,
                     args=(r, world_size, port, backend, device_type, dict(env or {}), fn, args, results,
-                          pg_timeout_s))
+                          pg_timeout_s, release))
         for r in range(world_size)
     ]
     for p in procs:
@@ -182,6 +185,7 @@ def run_ranks(
                 raise RankError(f"rank {rank} of {world_size} failed:\n{payload}")
             outs[rank] = payload
     finally:
+        release.set()
         for p in procs:
             p.join(timeout=30 if len(outs) == world_size else 0.1)
         _kill(procs)
@@ -216,11 +220,11 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, back
     if device_type == "cuda":
         env = {**CUDA_RANK_ENV, **(env or {})}
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, release = ctx.Queue(), ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world_size, port, backend, device_type, dict(env or {}), fn, args, results,
-                               pg_timeout))
+                               pg_timeout, release))
              for r in range(world_size)]
     start, start_wall = time.monotonic(), time.time()
 
@@ -239,6 +243,7 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, back
             for r, p in enumerate(procs):
                 if r not in outcomes and p.exitcode is not None:
                     outcomes[r] = outcome(r, "exited", p.exitcode)
+    release.set()
     for r, p in enumerate(procs):
         if r not in outcomes:
             outcomes[r] = outcome(r, "hung", None)
