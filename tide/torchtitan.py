@@ -16,24 +16,21 @@ registered: they shard without FSDP2's ``fully_shard``.
 torchtitan 0.3.x (``--module/--config``): this module is the config module; ``--config`` names the
 upstream config function, which is called and returned with its ``model_spec.parallelize_fn`` wrapped::
 
-    torchrun --nproc-per-node 8 -m torchtitan.train --module tide.torchtitan --config llama3_8b \\
-        --parallelism.spmd_backend partial_dtensor
+    torchrun --nproc-per-node 8 -m torchtitan.train --module tide.torchtitan --config llama3_8b
 
 ``--config NAME`` is looked up in the ``config_registry`` of every model of ``torchtitan.models``
 (``llama3_8b`` is ``--module llama3 --config llama3_8b`` with TIDE); ``--config MODULE.FUNCTION`` takes
 ``FUNCTION`` of ``MODULE``, where ``MODULE`` is what upstream's ``--module`` takes (a torchtitan short
 name such as ``llama3`` or ``graph_trainer.llama3``, or any importable module, with or without its
-``.config_registry``). Every other flag stays as upstream's. Add ``--parallelism.spmd_backend
-partial_dtensor``: under 0.3's default backend, ``spmd_types``, FSDP2 keeps every parameter as a DTensor
-on the SPMD mesh, and TIDE's seam sends such groups' collectives to stock FSDP2 (``stock:dtensor_param``
-in ``tide.stats()``; logged as a warning). With data parallelism alone both backends train alike.
+``.config_registry``). Every other flag stays as upstream's. Both SPMD backends run on TIDE: under 0.3's
+default, ``spmd_types``, FSDP2 keeps every parameter as a DTensor on the SPMD mesh, which TIDE serves
+while every axis of that mesh is data parallel (``partial_dtensor`` gives it plain DTensor FSDP2).
 
 Options, environment variables read at ``parallelize_fn`` time (every rank must set them alike; a bad
 value raises ``ValueError`` naming the variable, already when this module is imported):
 
 * ``TIDE_RS_MODE``: ``in_place`` (default) or ``slot_reuse`` (``enable``'s ``rs_mode``);
 * ``TIDE_FSDP_TRANSPORT``: ``auto`` (default) or ``reference`` (``enable``'s ``transport``);
-* ``TIDE_FORCE_TORCH_VERSION=1``: a torch outside the tested set (``enable``'s ``force``).
 
 Why after ``parallelize_fn``: torchtitan's model converters run before it, when no FSDP2 module exists
 yet; ``parallelize_fn`` applies ``fully_shard`` (with pipeline parallelism, once per stage: each stage is
@@ -79,10 +76,6 @@ def _enable(model) -> None:
     groups = tide.fsdp.param_groups(model)
     log.info("TIDE enabled on %d FSDP2 param groups of %s (rs_mode=%s, transport=%s)",
              len(groups), type(model).__name__, opts["rs_mode"], opts["transport"])
-    if any(getattr(g.mesh_info, "is_spmd_mesh", False) for g in groups):
-        log.warning("FSDP2 keeps these parameters as DTensors on the SPMD mesh (torchtitan's spmd_types backend), "
-                    "whose collectives TIDE's seam leaves to stock FSDP2 (tide.stats(): stock:dtensor_param); "
-                    "--parallelism.spmd_backend partial_dtensor runs them on TIDE")
 
 
 def wrap(parallelize_fn):

@@ -16,7 +16,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 def _param(**kw):
     p = types.SimpleNamespace(fsdp_placement=types.SimpleNamespace(dim=0), offload_to_cpu=False, is_dtensor=False,
                               _sharded_local_tensor=torch.empty(1), param_dtype=torch.bfloat16,
-                              orig_dtype=torch.float32, sharded_state=ShardedState.SHARDED)
+                              orig_dtype=torch.float32, sharded_state=ShardedState.SHARDED,
+                              mesh_info=types.SimpleNamespace(is_spmd_mesh=False))
     for k, v in kw.items():
         setattr(p, k, v)
     return p
@@ -111,6 +112,17 @@ def test_supported_calls_take_tide():
     # bf16 grads with no reduce dtype reduce in bf16 (stock's), fp32 ones beside them do not change that.
     assert _rs(grads=[torch.randn(4), torch.randn(4, 2).bfloat16()], reduce_dtype=None) == "reduce_dtype"
     assert _ag(params=[_param(keep_unsharded_storage=False)]) is None
+
+
+def _spmd_param(mesh_dims: int, dp_dims: int):
+    """A DTensor param of ``fully_shard(dp_mesh_dims=...)`` (torch 2.14+) on an SPMD mesh."""
+    return _param(is_dtensor=True, mesh_info=types.SimpleNamespace(is_spmd_mesh=True),
+                  _spmd_mesh=types.SimpleNamespace(ndim=mesh_dims), _dp_dim_indices=frozenset(range(dp_dims)))
+
+
+def test_spmd_data_parallel_params_take_tide_and_tp_axes_do_not():
+    assert _ag(params=[_spmd_param(1, 1)]) is None and _rs(params=[_spmd_param(2, 2)]) is None
+    assert _ag(params=[_spmd_param(2, 1)]) == "dtensor_param" and _rs(params=[_spmd_param(2, 1)]) == "dtensor_param"
     verdict = fallbacks.contract_reason(9, ["h"] * 8)  # Hopper, 8 GPUs on one host
     assert verdict is None and _ag(device=CUDA, contract=verdict) is None and _rs(device=CUDA, contract=verdict) is None
     assert fallbacks.arena_reason("bound") is None and fallbacks.arena_reason("direct") is None

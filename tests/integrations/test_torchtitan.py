@@ -71,12 +71,11 @@ def test_integration_probe(runs):
 
 
 @pytest.mark.skipif(VERSION < (0, 3), reason="torchtitan 0.3's spmd_types backend")
-def test_spmd_types_backend_takes_stock(root, runs):
-    """0.3's default backend: FSDP2 keeps the parameters as DTensors on the SPMD mesh, which TIDE's seam
-    sends to stock FSDP2. If the seam learns to run them, make this test ask for TIDE (and update the
-    warning in tide/torchtitan.py and its docstring)."""
+def test_spmd_types_backend_takes_tide(root, runs):
+    """0.3's default backend: FSDP2 keeps the parameters as DTensors on the SPMD mesh, all of whose axes
+    are data parallel here, which TIDE serves."""
     spmd = train(root, "spmd_types", True, spmd_backend="spmd_types")
     for rank, (stock, tide) in enumerate(zip(runs["stock"], spmd)):
         assert tide["metrics"] == stock["metrics"], f"rank {rank}"  # data parallel only: the backends train alike
         for kind in KINDS:
-            assert set(tide["fsdp"][kind]) == {"stock:dtensor_param"}, (rank, tide["fsdp"])
+            assert set(tide["fsdp"][kind]) == {"tide"}, (rank, tide["fsdp"])

@@ -118,9 +118,17 @@ def param_reason(p) -> str | None:
         return "shard_dim"
     if p.offload_to_cpu:
         return "cpu_offload"
-    if p.is_dtensor:
+    if p.is_dtensor and not _data_parallel_spmd(p):
         return "dtensor_param"
     return None
+
+
+def _data_parallel_spmd(p) -> bool:
+    """torch 2.14+ ``fully_shard(dp_mesh_dims=...)`` (torchtitan's ``spmd_types`` backend) makes every
+    parameter a DTensor on the SPMD mesh; when every axis of that mesh is data parallel, its local tensor
+    is the plain dim-0 shard TIDE serves (TP/EP axes keep ``dtensor_param``)."""
+    return (getattr(p.mesh_info, "is_spmd_mesh", False)
+            and len(getattr(p, "_dp_dim_indices", ())) == p._spmd_mesh.ndim)
 
 
 def static_all_gather_reason(fsdp_params) -> str | None:
