@@ -111,10 +111,10 @@ def _graph_capture_predicates(rank: int) -> dict:
         try:
             x.add_(1)
             ag = fallbacks.all_gather_reason(g.fsdp_params, g._all_gather_process_group, False, g.device,
-                                             g._all_gather_comm, False)
+                                             g._all_gather_comm)
             grads = [torch.empty(p._orig_size, device=dev, dtype=torch.bfloat16) for p in g.fsdp_params]
             rs = fallbacks.reduce_reason(g.fsdp_params, grads, g._reduce_scatter_process_group,
-                                         g._reduce_scatter_comm, torch.float32, g.device, None, None, False)
+                                         g._reduce_scatter_comm, torch.float32, g.device, None, None)
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
