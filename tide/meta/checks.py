@@ -1,14 +1,18 @@
 """Argument checks shared by the fake and the real kernels of every ``tide`` op.
 
-Every message starts with ``tide.<op>:`` and names the offending argument, so a bad call fails
-at once, on every rank alike, before any collective is issued (a rank that raised after its peers
-entered a collective would leave them hanging).
+Every message starts with ``tide.<op>:`` and names the offending argument. A bad call fails before
+any collective is issued, and on every rank alike even when only one rank's input is bad: the reference
+backend runs these checks first, carries each rank's outcome in the call's fingerprint and raises on
+every rank when any rank failed (``tide/ops/calls.py``), so no rank is left waiting for a call its peer
+refused. (The CUDA transport has no per-call exchange: there a rank's bad input raises on that rank.)
 """
 from __future__ import annotations
 
-from typing import Sequence
+import bisect
+from typing import Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from tide.meta.layout import rows_and_row_numel, shard_rows
 
@@ -112,3 +116,79 @@ def check_reduce_scatter(op, inputs, out_dtype, world_size) -> None:
         if x.dim() == 0 or x.shape[0] % world_size != 0:
             _fail(op, f"inputs[{i}] has shape {_shape(x)}; its dim 0 must be a multiple of "
                       f"world_size={world_size} (a padded unsharded tensor)")
+
+
+def check_no_grad(op: str, named_lists: Sequence[tuple[str, Sequence[torch.Tensor]]]) -> None:
+    """The mutating ops are not differentiable: under grad mode no argument may require grad (autograd
+    would refuse the write into an output that does, after the collective, and silently drop an input's
+    gradient). Under ``torch.no_grad()`` such tensors are fine (an in-place write into a parameter)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, tensors in named_lists:
+        for i, t in enumerate(tensors):
+            if t.requires_grad:
+                _fail(op, f"{name}[{i}] requires grad, and the op is not differentiable: pass a tensor that does "
+                          f"not (detach it), or call under torch.no_grad(); the functional tide.all_gather / "
+                          f"tide.reduce_scatter are differentiable")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` a contiguous tensor occupies, or None when it has none."""
+    n = t.numel()
+    if n == 0:
+        return None
+    start = t.data_ptr()
+    return start, start + n * t.element_size()
+
+
+def check_no_overlap(op: str, outputs: Sequence[tuple[str, Sequence[torch.Tensor]]],
+                     inputs: Sequence[tuple[str, Sequence[torch.Tensor]]] = (),
+                     may_alias: Callable[[int, int], bool] | None = None) -> None:
+    """No output overlaps another output, and no input overlaps an output (``may_alias(i, j)`` true
+    allows input j exactly where it lies inside output i: the in-place cases). Compared by the byte ranges
+    of the tensors (contiguous, checked before), sorted: O(n log n) in the number of tensors, no data read.
+    Tensors without storage (fake, meta) are not compared."""
+    if any(t.device.type == "meta" or _is_fake(t) for _, ts in (*outputs, *inputs) for t in ts):
+        return
+    spans = []
+    for name, tensors in outputs:
+        for i, t in enumerate(tensors):
+            s = _span(t)
+            if s is not None:
+                spans.append((s[0], s[1], f"{name}[{i}]", i))
+    spans.sort()
+    for (a0, a1, a_name, _), (b0, b1, b_name, _) in zip(spans, spans[1:]):
+        if b0 < a1:
+            _fail(op, f"{b_name} overlaps {a_name} (bytes [{b0:#x}, {b1:#x}) and [{a0:#x}, {a1:#x})): every "
+                      f"output needs memory of its own")
+    # Outputs are disjoint now: an input overlaps the one starting last before its end, or none.
+    starts = [s[0] for s in spans]
+    for name, tensors in inputs:
+        for j, t in enumerate(tensors):
+            s = _span(t)
+            if s is None:
+                continue
+            k = bisect.bisect_left(starts, s[1]) - 1
+            if k < 0 or spans[k][1] <= s[0]:
+                continue
+            o0, o1, o_name, i = spans[k]
+            if may_alias is not None and may_alias(i, j) and o0 <= s[0] and s[1] <= o1:
+                continue
+            _fail(op, f"{name}[{j}] overlaps {o_name} (bytes [{s[0]:#x}, {s[1]:#x}) and [{o0:#x}, {o1:#x})): "
+                      f"an input may not lie in an output it is not allowed to alias")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+def all_gather_own_rows(shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                        rank: int) -> Callable[[int, int], bool]:
+    """The all-gather's in-place case: ``shards[i]`` may be exactly rank ``rank``'s rows of ``outs[i]`` in
+    ``outs[i]``'s dtype (NCCL's in-place all-gather; the op's copy of the own shard is then a no-op)."""
+    def allowed(i: int, j: int) -> bool:
+        if i != j:
+            return False
+        s, o = shards[j], outs[i]
+        return s.dtype == o.dtype and s.data_ptr() == o.data_ptr() + rank * s.numel() * s.element_size()
+    return allowed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tide import counters, topology
+from tide.meta import checks
 from tide.ops import reference
 from tide.transport import arena as _arena
 from tide.transport.watchdog import WATCHDOG
@@ -39,6 +40,8 @@ def _arena_for(op: str, group_name: str, world_size: int):
 
 def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
+    if torch.is_grad_enabled():  # FSDP2 calls under no_grad: nothing to look at on its path
+        checks.check_no_grad(op, (("shards", shards), ("outs", outs)))
     a = _arena_for(op, group_name, world_size)
     if a is not None:
         if a.all_gather_into_params(shards, outs) == "tide":
@@ -50,6 +53,8 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
 
 def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name) -> None:
     op = "reduce_scatter_params_"
+    if torch.is_grad_enabled():
+        checks.check_no_grad(op, (("grads", grads), ("shard_grads", shard_grads)))
     a = _arena_for(op, group_name, world_size)
     if a is None:
         reference.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)

@@ -8,11 +8,13 @@ from tide.meta import checks
 @torch.library.register_fake("tide::all_gather_into_params_")
 def all_gather_into_params_fake(shards, outs, world_size, group_name):
     checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, world_size)
+    checks.check_no_grad("all_gather_into_params_", (("shards", shards), ("outs", outs)))
 
 
 @torch.library.register_fake("tide::reduce_scatter_params_")
 def reduce_scatter_params_fake(grads, shard_grads, scale, accumulate, world_size, group_name):
     checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, world_size)
+    checks.check_no_grad("reduce_scatter_params_", (("grads", grads), ("shard_grads", shard_grads)))
 
 
 @torch.library.register_fake("tide::all_gather")
