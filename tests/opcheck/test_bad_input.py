@@ -146,3 +146,117 @@ def test_typed_wrappers_call_the_ops(group_name):
     assert torch.equal(gathered, shard)
     (reduced,) = tide.ops.reduce_scatter([grad], group, scale=2.0, out_dtype=torch.float32)
     assert reduced.dtype == torch.float32 and torch.equal(reduced, grad.float() * 2)
+
+
+def _views(buf, *spans):
+    """Views of ``buf`` (1-D) as ``(start, shape)`` pairs: outputs that share memory."""
+    return [buf[start:start + torch.Size(shape).numel()].view(shape) for start, shape in spans]
+
+
+# Outputs that overlap each other or an input (the ops would return wrong data): refused in eager by their
+# byte ranges. (Fake tensors have no memory: the fake kernels do not compare them.) W = 1.
+OVERLAPS = {
+    "ag_outs_alias": (ops.all_gather_into_params_, lambda g, b: ([_f32(2, 3), _f32(2, 3)], _views(b, (0, (2, 3)), (0, (2, 3))), 1, g),
+                      r"tide\.all_gather_into_params_: outs\[1\] overlaps outs\[0\]"),
+    "ag_outs_overlap_partly": (ops.all_gather_into_params_,
+                               lambda g, b: ([_f32(2, 3), _f32(4)], _views(b, (0, (2, 3)), (5, (4,))), 1, g),
+                               r"tide\.all_gather_into_params_: outs\[1\] overlaps outs\[0\]"),
+    "ag_out_over_another_params_shard": (ops.all_gather_into_params_,
+                                         lambda g, b: ([_f32(2, 3), b[4:8]], [b[:6].view(2, 3), _f32(4)], 1, g),
+                                         r"tide\.all_gather_into_params_: shards\[1\] overlaps outs\[0\]"),
+    "ag_shard_off_its_own_rows": (ops.all_gather_into_params_,
+                                  lambda g, b: ([b[1:7].view(2, 3)], [b[:6].view(2, 3)], 1, g),
+                                  r"tide\.all_gather_into_params_: shards\[0\] overlaps outs\[0\]"),
+    "rs_shard_grads_alias": (ops.reduce_scatter_params_,
+                             lambda g, b: ([_bf16(2, 3), _bf16(2, 3)], _views(b, (0, (2, 3)), (0, (2, 3))), 1.0, False, 1, g),
+                             r"tide\.reduce_scatter_params_: shard_grads\[1\] overlaps shard_grads\[0\]"),
+    "rs_shard_grads_overlap_partly": (ops.reduce_scatter_params_,
+                                      lambda g, b: ([_bf16(2, 3), _bf16(4)], _views(b, (0, (2, 3)), (3, (4,))), 1.0, True, 1, g),
+                                      r"tide\.reduce_scatter_params_: shard_grads\[1\] overlaps shard_grads\[0\]"),
+    "rs_shard_grad_over_a_grad": (ops.reduce_scatter_params_,
+                                  lambda g, b: ([b[:6].view(2, 3), _f32(4)], [b[2:8].view(2, 3), _f32(4)], 1.0, False, 1, g),
+                                  r"tide\.reduce_scatter_params_: grads\[0\] overlaps shard_grads\[0\]"),
+    "rs_shard_grad_is_its_grad": (ops.reduce_scatter_params_,
+                                  lambda g, b: ([b[:6].view(2, 3)], [b[:6].view(2, 3)], 1.0, True, 1, g),
+                                  r"tide\.reduce_scatter_params_: grads\[0\] overlaps shard_grads\[0\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERLAPS))
+def test_overlapping_outputs_are_rejected(case, group_name):
+    op, build, pattern = OVERLAPS[case]
+    buf = torch.zeros(64)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=pattern):
+        op(*build(group_name, buf))
+    assert torch.equal(buf, before), "nothing may be written before the check"
+
+
+def test_the_in_place_all_gather_is_allowed(group_name):
+    """A shard that is exactly its own rows of its output (NCCL's in-place all-gather) is the documented
+    in-place case: accepted, and the result is the gather."""
+    out = torch.randn(3, 2)
+    want = out.clone()
+    ops.all_gather_into_params_([out[0:3]], [out], 1, group_name)
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match=r"shards\[0\] overlaps outs\[0\]"):  # the same bytes in another dtype
+        big = torch.zeros(4)
+        ops.all_gather_into_params_([big[:2]], [big.view(torch.bfloat16)[:2]], 1, group_name)
+
+
+def test_accumulate_reads_and_writes_its_own_shard_grads(group_name):
+    """accumulate=True reads and writes shard_grads in place (the documented in-place case of the
+    reduce-scatter): allowed."""
+    grad, sg = _bf16(2, 3), torch.ones(2, 3)
+    ops.reduce_scatter_params_([grad], [sg], 1.0, True, 1, group_name)
+    assert torch.equal(sg, 1 + grad.float())
+
+
+REQUIRES_GRAD = {
+    "ag_out": (ops.all_gather_into_params_, lambda g: ([_f32(2, 3)], [_f32(2, 3).requires_grad_()], 1, g),
+               r"tide\.all_gather_into_params_: outs\[0\] requires grad"),
+    "ag_shard": (ops.all_gather_into_params_, lambda g: ([_f32(2, 3).requires_grad_()], [_f32(2, 3)], 1, g),
+                 r"tide\.all_gather_into_params_: shards\[0\] requires grad"),
+    "rs_grad": (ops.reduce_scatter_params_, lambda g: ([_f32(2, 3).requires_grad_()], [_f32(2, 3)], 1.0, False, 1, g),
+                r"tide\.reduce_scatter_params_: grads\[0\] requires grad"),
+    "rs_shard_grad": (ops.reduce_scatter_params_,
+                      lambda g: ([_bf16(2, 3)], [_f32(2, 3).requires_grad_()], 1.0, False, 1, g),
+                      r"tide\.reduce_scatter_params_: shard_grads\[0\] requires grad"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REQUIRES_GRAD))
+def test_requires_grad_arguments_of_the_mutating_ops_are_rejected(case, group_name):
+    op, build, pattern = REQUIRES_GRAD[case]
+    with pytest.raises(ValueError, match=pattern):
+        op(*build(group_name))
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match=pattern):
+        op(*build("no-group-needed-for-shape-checks"))
+    with torch.no_grad():  # no autograd record, nothing to refuse: an in-place write, as into a parameter
+        op(*build(group_name))
+
+
+def test_group_none_is_the_default_group(group_name):
+    shard, out = _f32(3, 2), torch.empty(3, 2)
+    tide.ops.all_gather_into_params([shard], [out])
+    assert torch.equal(out, shard)
+    (gathered,) = tide.ops.all_gather([shard])
+    assert torch.equal(gathered, shard)
+    sg = torch.empty(3, 2)
+    tide.ops.reduce_scatter_params([shard], [sg], scale=2.0)
+    assert torch.equal(sg, 2 * shard)
+    (reduced,) = tide.ops.reduce_scatter([shard])
+    assert torch.equal(reduced, shard)
+    with pytest.raises(TypeError, match=r"tide\.all_gather_into_params: group must be a torch\.distributed\.ProcessGroup"):
+        tide.ops.all_gather_into_params([shard], [out], group_name)
+
+
+def test_group_none_without_a_default_group_names_the_op():
+    import subprocess
+    import sys
+
+    code = ("import torch, tide\n"
+            "try:\n    tide.ops.all_gather([torch.ones(2)])\n"
+            "except ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "tide.all_gather: group=None means the default process group" in out, out

@@ -51,21 +51,37 @@ for _name in ("all_gather_into_params_", "reduce_scatter_params_"):
 
 
 # A call without any tensor (empty lists) reaches no backend kernel: the dispatcher runs these catch-alls,
-# whose checks raise the tide.<op> error ("<list> is empty") the other kernels' checks would.
+# whose checks raise the tide.<op> error ("<list> is empty") the other kernels' checks would, on every rank
+# of a group with CPU collectives (the refusal goes through the call's exchange, tide/ops/calls.py).
+def _refuse(op, check, group_name, world_size, tensor_lists):
+    try:
+        check()
+    except (ValueError, TypeError) as e:
+        from tide.ops import calls
+
+        calls.refuse(op, group_name, world_size, tensor_lists, e)
+
+
 def _ag_into_params_without_tensors(shards, outs, world_size, group_name):
-    checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, world_size)
+    op = "all_gather_into_params_"
+    _refuse(op, lambda: checks.check_all_gather_into_params(op, shards, outs, world_size), group_name, world_size,
+            (shards, outs))
 
 
 def _rs_params_without_tensors(grads, shard_grads, scale, accumulate, world_size, group_name):
-    checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, world_size)
+    op = "reduce_scatter_params_"
+    _refuse(op, lambda: checks.check_reduce_scatter_params(op, grads, shard_grads, world_size), group_name,
+            world_size, (grads, shard_grads))
 
 
 def _ag_without_tensors(shards, world_size, group_name):
-    checks.check_all_gather("all_gather", shards, world_size)
+    _refuse("all_gather", lambda: checks.check_all_gather("all_gather", shards, world_size), group_name,
+            world_size, (shards,))
 
 
 def _rs_without_tensors(inputs, scale, out_dtype, world_size, group_name):
-    checks.check_reduce_scatter("reduce_scatter", inputs, out_dtype, world_size)
+    _refuse("reduce_scatter", lambda: checks.check_reduce_scatter("reduce_scatter", inputs, out_dtype, world_size),
+            group_name, world_size, (inputs,))
 
 
 for _name, _kernel in (("all_gather_into_params_", _ag_into_params_without_tensors),
