@@ -10,6 +10,12 @@ watchdog takes as its own, as in a real job. ``--device cpu`` exercises the refe
 ``--device cuda`` the CUDA transport (ranks share one GPU or take one each). ``--kinds TEXT`` runs only
 the kinds whose name contains TEXT; ``faults_runs.csv`` says how each surviving rank ended.
 
+``--campaign`` (CPU) runs :func:`tide.faults.campaign` instead: ``--runs`` runs at 2, 3 and 4 ranks in
+turn, each of ``--rounds`` rounds of random faults on fresh groups (one rank's bad input, a stall, skipped
+calls and steps, two threads on a group) and a kill, ``TIDE_TIMEOUT_S`` = ``--timeout``; it writes
+``faults_campaign.csv`` (one row per run: rounds, hangs, wrong results, late or non-TIDE errors, the
+slowest survivor's seconds from a fault to its error) and prints a SUMMARY line.
+
 Writes ``faults.csv`` (``scenario, runs, hangs, median_s_to_error, max_s_to_error, gpus, date`` plus
 failures and the device), ``faults_runs.csv`` (one row per run) and ``faults.png`` under ``--out``, and
 prints one line per run as it ends. ``--parallel N`` runs N at a time (their ranks share the machine;
@@ -110,6 +116,37 @@ def plot(rows: list[dict], path: Path, timeout: float) -> None:
     fig.savefig(path, dpi=120)
 
 
+def campaign_runs(runs: int, rounds: int, timeout: float, seed: int, out: Path) -> int:
+    """The CPU campaign (``--campaign``): one row per run, a SUMMARY line; 0 when every run was clean."""
+    import time
+
+    meta = run_meta(gpus=0, timeout_s=timeout)
+    rows = []
+    for i in range(runs):
+        world_size, run_seed = (2, 3, 4)[i % 3], seed + i
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            fault_file = str(Path(tmp) / "fault")
+            outcomes = run_ranks_outcomes(faults.campaign, world_size, run_seed, rounds, fault_file,
+                                          timeout=rounds * (timeout + 10) + 60, pg_timeout=max(30.0, 3 * timeout),
+                                          env={"TIDE_TIMEOUT_S": str(timeout)})
+            v = faults.judge_campaign(outcomes, fault_file, timeout + 15)
+        row = {"world_size": world_size, "seed": run_seed, "rounds": v["rounds"], "hangs": len(v["hung"]),
+               "wrong": len(v["wrong"]), "late": len(v["late"]), "not_tide": len(v["not_tide"]),
+               "failed_ranks": len(v["failed_ranks"]), "worst_s_to_error": round(v["worst_s"], 2),
+               "wall_s": round(time.monotonic() - start, 1), "timeout_s": timeout, "date": meta["date"],
+               "torch": meta["torch"]}
+        rows.append(row)
+        print(f"run {i + 1}/{runs} W={world_size} seed={run_seed}: {row}", flush=True)
+    write_csv(out / "faults_campaign.csv", rows)
+    bad = sum(r["hangs"] + r["wrong"] + r["late"] + r["not_tide"] + r["failed_ranks"] for r in rows)
+    print(f"SUMMARY fault_campaign cpu campaign: {len(rows)} runs, {sum(r['rounds'] for r in rows)} rounds, "
+          f"{sum(r['hangs'] for r in rows)} hangs, {sum(r['wrong'] for r in rows)} wrong results, "
+          f"{sum(r['late'] for r in rows)} late, {sum(r['not_tide'] for r in rows)} non-TIDE errors, slowest "
+          f"{max(r['worst_s_to_error'] for r in rows)} s from a fault to an error (bound {timeout + 15:g} s)")
+    return 0 if bad == 0 else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
@@ -120,7 +157,13 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default="", help="only the kinds whose name (e.g. 'fsdp:dies_in_all_gather:slot_reuse') "
                    "contains this text")
     p.add_argument("--out", type=Path, default=default_out())
+    p.add_argument("--campaign", action="store_true", help="CPU: tide.faults.campaign runs at 2-4 ranks (see above)")
+    p.add_argument("--rounds", type=int, default=8, help="--campaign: soft-fault rounds per run (then a kill)")
     args = p.parse_args(argv)
+    if args.campaign:
+        if args.device != "cpu":
+            p.error("--campaign runs on CPU (--device cpu)")
+        return campaign_runs(args.runs, args.rounds, args.timeout, args.seed, args.out)
     kinds = [k for k in KINDS if args.kinds in ":".join(filter(None, k))]
     if not kinds:
         p.error(f"--kinds {args.kinds!r} matches none of {[':'.join(filter(None, k)) for k in KINDS]}")

@@ -63,15 +63,18 @@ def fsdp_model(cfg: LlamaConfig, *, device, mp_policy: MixedPrecisionPolicy | No
 def train_step(model, optim, cfg: LlamaConfig, step: int, rank: int, *, accum: int = 1, no_sync: bool = False,
                device="cpu", batch_size: int = 2, seq_len: int | None = None) -> torch.Tensor:
     """One optimizer step over ``accum`` micro-batches of ``batch_size`` x ``seq_len`` tokens (with
-    ``no_sync``: only the last reduces). Returns this rank's loss (mean over micro-batches), detached."""
+    ``no_sync``: only the last reduces). Returns this rank's loss (mean over micro-batches), detached.
+    The step is declared to TIDE (``tide.call_identity(step=...)``): a rank that skipped a step raises on
+    every rank at its next TIDE call instead of pairing that step's collectives with its peers' (CPU)."""
     total = torch.zeros((), device=device)
-    for a in range(accum):
-        if no_sync:
-            model.set_requires_gradient_sync(a == accum - 1)
-        tokens, targets = batch(cfg, step * accum + a, rank, batch_size, device=device, seq_len=seq_len)
-        loss = loss_fn(model(tokens), targets) / accum
-        loss.backward()
-        total += loss.detach()
+    with tide.call_identity(step=step):
+        for a in range(accum):
+            if no_sync:
+                model.set_requires_gradient_sync(a == accum - 1)
+            tokens, targets = batch(cfg, step * accum + a, rank, batch_size, device=device, seq_len=seq_len)
+            loss = loss_fn(model(tokens), targets) / accum
+            loss.backward()
+            total += loss.detach()
     optim.step()
     optim.zero_grad(set_to_none=True)
     return total
