@@ -1,29 +1,14 @@
 """FSDP2 training on TIDE's reference backend (CPU, gloo) with one rank out of step: every rank raises at
 the next TIDE call, naming both sides' calls in words (the step ``tide.train`` declares; the module, phase
 and count the FSDP2 seam declares), instead of pairing one module's or step's collectives with another's.
-
-``test_a_rank_that_skips_a_modules_call_names_both_modules`` needs the seam to declare each call's module
-(``tide.meta.call_site.call_identity`` in ``tide/fsdp/seam.py``): without it the skipped module's
-collectives pair silently with the next module's (they have the same layout), and the test is expected to
-fail (xfail) until the seam does.
 """
 from __future__ import annotations
-
-import inspect
-
-import pytest
 
 from tide import faults
 from tide.launch import run_ranks_outcomes
 
 PG_TIMEOUT_S = 30.0
 ENV = {"TIDE_TIMEOUT_S": "5"}
-
-
-def _seam_declares_identity() -> bool:
-    from tide.fsdp import seam
-
-    return "call_identity" in inspect.getsource(seam)
 
 
 def test_a_rank_that_skips_a_step_raises_on_every_rank(tmp_path):
@@ -61,8 +46,6 @@ def _skips_a_module(rank, world_size, fault_file):
     return "finished"
 
 
-@pytest.mark.xfail(not _seam_declares_identity(), strict=False,
-                   reason="tide/fsdp/seam.py does not declare each call's module yet (/work/seam_identity.patch)")
 def test_a_rank_that_skips_a_modules_call_names_both_modules(tmp_path):
     fault_file = str(tmp_path / "fault")
     outcomes = run_ranks_outcomes(_skips_a_module, 2, fault_file, timeout=120, pg_timeout=PG_TIMEOUT_S, env=ENV)

@@ -21,17 +21,20 @@ may rebind them, as ``bench/fsdp_host_overhead.py`` does to time them): :func:`b
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
-from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState, _to_dtype_if_needed
 
 from tide import counters, topology
 from tide.fsdp import compat, hooks, wiring
 from tide.fsdp.comms import TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
+from tide.meta.call_site import call_identity
 from tide.transport import nodes
 from tide.transport.watchdog import WATCHDOG
 
@@ -224,6 +227,24 @@ _ORIG: dict[str, object] = {}
 _DEFAULT_OUTPUT_FN = getattr(_fsdp_collectives, "_default_all_gather_output_fn", None)
 _DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input_fn", None)
 
+# What each TIDE collective is in the program, declared to the ops (tide.meta.call_site): the module's FQN,
+# the phase and the module's count of such calls (all-gathers, reduce-scatters) in that phase. Ranks that
+# skipped or reordered a module's call then raise on every rank, naming both modules, instead of pairing
+# it with another module's call of the same layout (the reference backend compares them; the CUDA path
+# does not). A step declared around the training step (tide.train does) nests outside.
+_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParamGroup -> {(op, phase): calls}
+_group_of_comm: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # its TideReduceScatter -> weakref(group)
+
+
+def _identity(param_group, op: str, phase: str) -> call_identity:
+    """The identity of ``param_group``'s next TIDE ``op`` in ``phase`` (its count of those); none for an
+    unknown group."""
+    if param_group is None:
+        return call_identity()
+    counts = _calls.setdefault(param_group, {})
+    count = counts[op, phase] = counts.get((op, phase), 0) + 1
+    return call_identity(fqn=param_group._module_fqn or "", phase=phase, count=count)
+
 
 @torch.no_grad()
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
@@ -241,8 +262,12 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
                                            all_gather_stream, device, all_gather_comm)
     if arena is not None:
         wiring.release_at_backward_end()
-    result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena, plan)
     param_group = all_gather_comm.param_group
+    _group_of_comm[param_group._reduce_scatter_comm] = weakref.ref(param_group)
+    phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
+    with _identity(param_group, "all_gather", phase):
+        result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena,
+                                  plan)
     if plan[0] == "bound" and getattr(param_group._reduce_scatter_comm, "rs_mode", None) == "slot_reuse":
         hooks.install(param_group)
     return result
@@ -287,7 +312,9 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, comm, reduce_dty
     arena = wiring.arena_for(group, device, getattr(comm, "transport", "auto"))
     if arena is not None:
         wiring.release_at_backward_end()
-    return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena)
+    ref = _group_of_comm.get(comm)  # the group is known once it all-gathered on TIDE
+    with _identity(ref() if ref is not None else None, "reduce_scatter", "backward"):
+        return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena)
 
 
 @torch.no_grad()
