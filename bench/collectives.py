@@ -32,9 +32,8 @@ busbw as nccl-tests defines it: ``S / t * (W-1)/W`` where S is the all-gather's 
 and the reduce-scatter's input bytes per rank (bf16 grads; the fp32 variants move 2x the bytes for the
 same S). t is the time per call of ``inner`` calls back to back, as nccl-tests times a collective: 50
 calls at 1 MiB down to 8 from 32 MiB, so the ranks' skew after a barrier and the first call's start are
-amortised. Until run 56 it went down to 2 from 256 MiB, where the first call weighs half: in run 56's
-bench/timeline.py TIDE-AG took 419 us per call over 3 calls after a barrier, and 371 us from one call's
-start to the next. t is the slowest rank's median over ``--reps``. SM time: the summed duration of non-memcpy/memset GPU kernels
+amortised. With 2 calls from 256 MiB the first call would weigh half: on 2 x H200, bench/timeline.py's
+TIDE-AG took 419 us per call over 3 calls after a barrier, and 371 us from one call's start to the next. t is the slowest rank's median over ``--reps``. SM time: the summed duration of non-memcpy/memset GPU kernels
 one call launches (torch.profiler). Host time (``host_us``): the slowest rank's median time to issue one
 call in those loops; where it reaches t, the host sets the pace, not the GPU. Writes ``collectives.csv``
 and ``.png`` under ``--out``.
@@ -94,7 +93,7 @@ _profiler_started = False
 def line_up() -> None:
     """Every rank idle, its profiler started once, and past a barrier before one profiled call: otherwise
     a kernel that waits for a peer (NCCL's) counts the peer's lateness, or the peer's profiler start-up,
-    as its own time (run 56: 1.4 s of "SM time" at 1 MiB in the first profiled call)."""
+    as its own time (1.4 s of "SM time" at 1 MiB in a first profiled call on 2 x H200)."""
     global _profiler_started
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,8 +1,8 @@
 """What every benchmark script shares: CUDA timing, run metadata, the CSV writer and the plot backend.
 
 Benchmarks write under ``--out``, by default ``bench/out/`` (ignored by git): the committed results in
-``bench/results/`` are copied there from a recorded GPU run (docs/gpu_runs.md), never overwritten by a
-local run.
+``bench/results/`` (each benchmark's current CSV/PNG, reproduced as docs/gpu_runs.md says) are copied
+there by hand, never overwritten by a local run.
 """
 from __future__ import annotations
 

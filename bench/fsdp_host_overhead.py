@@ -20,7 +20,7 @@ time (robust when 2 ranks share 2 cores and a rank gets descheduled), ``host wal
 On CPU the TIDE collective is the reference backend (one gloo call per parameter), so only ``host``
 compares like with like.
 
-Writes bench/results/fsdp_host_overhead.csv and .png and prints the table.
+Writes under ``--out`` (default bench/out/): fsdp_host_overhead.csv and .png and prints the table.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ done straight into each parameter's final rows. Each op is FSDP2's own, timed wi
 buffers one rank of a W-rank group holds.
 
 Per step = layers x (2 unshards: forward, and backward re-gather with reshard_after_forward=True,
-+ 1 reduce). Writes bench/results/layout_conversion.csv and .png.
++ 1 reduce). Writes under ``--out`` (default bench/out/): layout_conversion.csv and .png.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Lease probe (issue 10, item 5): can an all-gather slot be leased from the caching allocator for one
+"""Lease probe: can an all-gather slot be leased from the caching allocator for one
 phase of a step, and written there by a peer's copy engine?
 
-docs/design.md ("The leased data region") took its design from these answers (GPU run 42, which ran
-the probe's own ctypes IPC calls; it now uses the extension's). Two ranks, one GPU each. Each phase,
+docs/design.md ("The leased data region") took its design from these answers (first with the
+probe's own ctypes IPC calls; it now uses the extension's). Two ranks, one GPU each. Each phase,
 every rank allocates a slot from torch's caching allocator, exports the allocator segment that holds
 it with legacy CUDA IPC (the extension's ``ipc_export``, as the arena's leases do: torch does not learn
 that the block is shared, so freeing it never parks it in torch's IPC limbo), names handle and offset

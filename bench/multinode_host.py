@@ -1,4 +1,4 @@
-"""Where a multi-node op's host time goes (issue 13): every Python function on its path, timed.
+"""Where a multi-node op's host time goes: every Python function on its path, timed.
 
     python bench/multinode_host.py [--device cpu|cuda] [--ranks 2] [--local-world-size 1] [--mib 1] [--reps 50]
 
@@ -11,8 +11,8 @@ Each function of the path (:data:`TIMED`) is wrapped in a timer that knows which
 so every call splits into self times: what a function spent outside the timed functions it called. The
 op call's own self time is the dispatcher and whatever is not timed. Per call, on rank 0, after warm-up:
 each function's calls, inclusive and self time (a wrapper costs 0.4 us per call on the CPU machine of
-docs/performance.md). GPU run 86 found the all-gather's slice per piece this way (docs/performance.md,
-"Fourteenth session").
+docs/performance.md). The all-gather's slice per piece, since removed, was found this way (figures:
+docs/performance.md, "Across nodes").
 
 Writes ``multinode_host.csv`` and ``.png`` under ``--out`` and prints one ``SUMMARY`` line.
 """

@@ -1,6 +1,6 @@
-"""TIDE-RS's summing grid, 16 CTAs against one per SM: the evidence issue 10's items 3 and 7 ask for.
+"""TIDE-RS's summing grid, 16 CTAs against one per SM: the evidence two targets ask for.
 
-Item 3 asks TIDE-RS to sum on at most 16 CTAs; item 7 asks it to slow a one-wave GEMM by <= 3 % while
+One target asks TIDE-RS to sum on at most 16 CTAs; another asks it to slow a one-wave GEMM by <= 3 % while
 its time beside the GEMM stays <= 1.5x NCCL bf16's time alone. A one-wave GEMM holds every SM, so a
 summing grid waits for its wave to end and then delays the next GEMM's CTAs on the SMs it takes: the
 shortest burst over every SM delays it least (``sm_room.py``). This script measures both settings of

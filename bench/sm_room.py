@@ -1,6 +1,6 @@
 """Is there room on an SM beside a one-wave GEMM? A summing grid's shape against the GEMM's wave.
 
-The cross-GPU overlap target (issue 10, item 7) asks TIDE-RS to slow a one-wave GEMM by <= 3 % while
+The cross-GPU overlap target asks TIDE-RS to slow a one-wave GEMM by <= 3 % while
 taking <= 1.5x NCCL's time alone. A summing CTA that cannot be resident beside a GEMM CTA either waits
 for the wave to end (its time beside grows by up to a GEMM) or, once resident, pushes GEMM tiles into a
 second wave. A CTA small enough to fit in what the GEMM's CTA leaves of an SM (registers, threads,
@@ -9,8 +9,8 @@ bf16 sources into fp32) with grids of several shapes (threads per CTA, register 
 beside the overlap bench's GEMM (``overlap_xgpu.GEMM_MKN``), and reports for each shape: its time alone;
 its time per call back to back beside 20 GEMMs (the overlap bench's method, whose calls outlast the
 GEMMs); one call issued at a random point of a GEMM, to its end (about its time alone when it fits
-beside the GEMM's CTAs, about one GEMM more when it waits for them); and the GEMM's slowdown. GPU run
-100's answers: docs/performance.md, "Overlap across GPUs". Writes ``sm_room.csv`` and ``.png``.
+beside the GEMM's CTAs, about one GEMM more when it waits for them); and the GEMM's slowdown. Its
+answers: docs/performance.md, "SM room beside a one-wave GEMM". Writes ``sm_room.csv`` and ``.png``.
 """
 from __future__ import annotations
 

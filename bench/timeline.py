@@ -16,7 +16,7 @@ The profiler adds a little per event; ``time per call`` is also measured unprofi
 ``--calls`` calls, median of ``--reps``), as bench/collectives.py measures it.
 
 Settings run in order, each in an arena of its own (``setting``: its index). A process's first arena
-pushed 8 % slower than later ones of the same setting (GPU run 61); ``--warmup-s`` first keeps both GPUs
+pushed 8 % slower than later ones of the same setting (2 x H200); ``--warmup-s`` first keeps both GPUs
 busy that long (NCCL all-reduces over NVLink and bf16 matmuls), to tell time from arena order.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps, warmup_s):
             for _ in range(2):
                 fn()
             unprofiled_ms, _ = median_times(fn, reps, calls)  # one more warm-up call, then the samples
-            line_up()  # the profiler started once per process (run 56: 55 ms in the first AG), a barrier
+            line_up()  # the profiler started once per process (55 ms in a first AG on 2 x H200), a barrier
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(calls):
                     fn()

@@ -22,7 +22,7 @@ emulates nodes of L ranks (``TIDE_CUDA_MULTINODE=1``: TIDE's variants run the mu
 round point-to-point; stock is unchanged) and writes ``<name>_multinode.csv``: the schedule's cost on
 these GPUs, not what it gains across real nodes. ``--segments`` records the caching allocator's history on
 rank 0 (slower) and writes ``<name>_segments.csv``: per variant, the segments the allocator created, summed by
-the Python frame that asked for each (where reserved memory goes; GPU run 79 found three causes with it).
+the Python frame that asked for each (where reserved memory goes; it found three causes of the multi-node step's reserved memory).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Error and warning messages of the CUDA extension stream no number through an ostream.
 
 On the GPU machine (torch 2.11) a number formatted by an ostream inside the extension crashed the
-process in libstdc++'s locale code (docs/gpu_runs.md, runs 11-14; pytorch/pytorch#109923), so every
+process in libstdc++'s locale code (pytorch/pytorch#109923), so every
 message argument of TORCH_CHECK / TORCH_WARN in csrc/ must be a string: a literal, ``num(...)``
 (std::to_string), or one of the string-valued names and calls below. This test reads the sources.
 """

@@ -1,7 +1,7 @@
-"""bench_memory.py's report (plot + SUMMARY line) from rows, on CPU: the GPU run only supplies the rows.
+"""bench_memory.py's report (plot + SUMMARY line) from rows, on CPU: the GPU only supplies the rows.
 
 A variant may be missing for some dims (stock beyond ``--stock-max-dim``) or for all of them (the memory
-model test runs TIDE only); run 15 crashed there after every measurement had been taken.
+model test runs TIDE only); the report once crashed there after every measurement had been taken.
 """
 import importlib.util
 from pathlib import Path

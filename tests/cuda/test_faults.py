@@ -37,7 +37,7 @@ def _assert_error_or_report(outcomes, err: str, *, peer_died: bool) -> None:
     """Rank 0 raised (the watchdog's error at its next op, a plan agreement's, or its process group's), or
     the watchdog ended it after writing its report to stderr: what rank 0 issued, and peer 1 named by its
     flag words or, where a launch holds the driver and keeps them unreadable (FSDP2 keeps launching behind
-    a stalled all-gather, GPU run 34), by the issued board with its process's state."""
+    a stalled all-gather), by the issued board with its process's state."""
     rank0 = outcomes[0]
     if rank0.status != "exited":
         assert rank0.status == "error", rank0

@@ -35,7 +35,7 @@ def _backend(world_size: int) -> str:
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
 
 
-# 2 x 4 and 4 x 2 need one GPU per rank (issue 14's 8-GPU machine): 8 ranks sharing fewer GPUs over gloo
+# 2 x 4 and 4 x 2 need one GPU per rank (an 8-GPU machine): 8 ranks sharing fewer GPUs over gloo
 # add nothing to 2 x 2's coverage and take minutes.
 @pytest.mark.parametrize("nodes,local", [(2, 1), (2, 2), (2, 4), (4, 2)])
 def test_ops_run_the_multinode_schedule_bit_exact(nodes, local):

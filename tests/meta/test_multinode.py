@@ -56,7 +56,7 @@ def test_all_gather_writes_every_element_once_from_data_already_there(num_nodes,
     for r in range(W):
         for p in layout.params:
             assert (written[r][p.index] == 1).all(), f"rank {r} param {p.index}: not written exactly once"
-    # Rails: every rank sends the same rail bytes (shards are equally sized); the paced steps stay in budget.
+    # Rails: every rank sends the same rail bytes (shards are equally sized); the paced steps stay within their bound.
     assert len(set(rail_bytes.tolist())) == 1
     for step in steps:
         per_src = {}

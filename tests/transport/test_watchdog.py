@@ -134,8 +134,8 @@ def test_timeout_is_the_groups_unless_tide_timeout_s_says_otherwise(monkeypatch)
 
 @pytest.mark.parametrize("returns", ["an_op", "nothing_issued", "raises"])
 def test_an_op_is_watched_from_before_its_call_returns(monkeypatch, returns):
-    """A launch can block inside the extension (a stream queue full behind a dead peer's flags, GPU run
-    35): the arena tracks each op before calling in, pending while the call runs, then by its completion
+    """A launch can block inside the extension (a stream queue full behind a dead peer's
+    flags, seen on 2 x H200): the arena tracks each op before calling in, pending while the call runs, then by its completion
     word (an op that issued nothing, or raised, is complete at once)."""
     from types import SimpleNamespace
 

@@ -40,7 +40,7 @@ from typing import Iterator
 
 from tide.meta.layout import GroupLayout
 
-# 128 MiB: every step costs the host a fixed share (GPU runs 59-62, 2 x 1 emulated: a 256 MiB all-gather in 1.45
+# 128 MiB: every step costs the host a fixed share (measured on 2 x H200 as 2 x 1 emulated: a 256 MiB all-gather in 1.45
 # ms against 3.4 at 8 MiB, a reduce-scatter in 3.6 against 9.8; the 8B FSDP2 step at 1K tokens/GPU +5 % over
 # stock against +38 % at 32 MiB). The staging per step grows with it (docs/design.md, "Across nodes").
 DEFAULT_PACE_BYTES = 128 << 20
