@@ -10,7 +10,7 @@ watchdog takes as its own, as in a real job. ``--device cpu`` exercises the refe
 ``--device cuda`` the CUDA transport (ranks share one GPU or take one each). ``--kinds TEXT`` runs only
 the kinds whose name contains TEXT; ``faults_runs.csv`` says how each surviving rank ended.
 
-``--campaign`` (CPU) runs :func:`tide.faults.campaign` instead: ``--runs`` runs at 2, 3 and 4 ranks in
+``--campaign`` (CPU) runs :func:`tide.fault_campaign.campaign` instead: ``--runs`` runs at 2, 3 and 4 ranks in
 turn, each of ``--rounds`` rounds of random faults on fresh groups (one rank's bad input, a stall, skipped
 calls and steps, two threads on a group) and a kill, ``TIDE_TIMEOUT_S`` = ``--timeout``; it writes
 ``faults_campaign.csv`` (one row per run: rounds, hangs, wrong results, late or non-TIDE errors, the
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
-from tide import faults  # noqa: E402
+from tide import fault_campaign, faults  # noqa: E402
 from tide.launch import run_ranks_outcomes  # noqa: E402
 
 KINDS = [("ops", s, None) for s in faults.OP_SCENARIOS] + [
@@ -127,10 +127,10 @@ def campaign_runs(runs: int, rounds: int, timeout: float, seed: int, out: Path) 
         start = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
             fault_file = str(Path(tmp) / "fault")
-            outcomes = run_ranks_outcomes(faults.campaign, world_size, run_seed, rounds, fault_file,
+            outcomes = run_ranks_outcomes(fault_campaign.campaign, world_size, run_seed, rounds, fault_file,
                                           timeout=rounds * (timeout + 10) + 60, pg_timeout=max(30.0, 3 * timeout),
                                           env={"TIDE_TIMEOUT_S": str(timeout)})
-            v = faults.judge_campaign(outcomes, fault_file, timeout + 15)
+            v = fault_campaign.judge_campaign(outcomes, fault_file, timeout + 15)
         row = {"world_size": world_size, "seed": run_seed, "rounds": v["rounds"], "hangs": len(v["hung"]),
                "wrong": len(v["wrong"]), "late": len(v["late"]), "not_tide": len(v["not_tide"]),
                "failed_ranks": len(v["failed_ranks"]), "worst_s_to_error": round(v["worst_s"], 2),
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default="", help="only the kinds whose name (e.g. 'fsdp:dies_in_all_gather:slot_reuse') "
                    "contains this text")
     p.add_argument("--out", type=Path, default=default_out())
-    p.add_argument("--campaign", action="store_true", help="CPU: tide.faults.campaign runs at 2-4 ranks (see above)")
+    p.add_argument("--campaign", action="store_true", help="CPU: tide.fault_campaign.campaign runs at 2-4 ranks (see above)")
     p.add_argument("--rounds", type=int, default=8, help="--campaign: soft-fault rounds per run (then a kill)")
     args = p.parse_args(argv)
     if args.campaign:

@@ -39,7 +39,7 @@ TIMED = (
     ("tide.ops.reference", "all_gather_into_params_"),
     ("tide.ops.reference", "reduce_scatter_params_"),
     ("tide.ops.reference", "resolve_group"),
-    ("tide.ops.calls", "_exchange"),
+    ("tide.ops.call_exchange", "exchange"),
     ("tide.meta.checks", "check_all_gather_into_params"),
     ("tide.meta.checks", "check_reduce_scatter_params"),
     ("tide.topology", "of_group"),
