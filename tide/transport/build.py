@@ -84,7 +84,7 @@ def load(verbose: bool | None = None):
         from torch.utils import cpp_extension
 
         if verbose is None:
-            verbose = os.environ.get("TIDE_BUILD_VERBOSE", "0") == "1"
+            verbose = knobs.flag("TIDE_BUILD_VERBOSE")
         if not _cached(cpp_extension):
             print(f"tide.transport: building the CUDA extension from {CSRC} (about 30 s, once per source change)",
                   file=sys.stderr, flush=True)
