@@ -9,7 +9,7 @@
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
 # the environment in $OUT/env.txt and the summary in $OUT/summary.txt ($OUT: the device tool's output
-# folder, or ./out).
+# folder, or ./out). A stage is ok, SKIPPED (every test skipped), TIMEOUT or FAIL (scripts/stage_status.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -46,9 +46,12 @@ stage() {  # stage NAME TIMEOUT_S CMD...
   [ $limit -gt $left ] && limit=$left
   timeout "$limit" "$@" >"$WORK/logs/$name.log" 2>&1
   local rc=$?
-  [ $rc = 0 ] || failed=1
-  summary+=("$(printf '%-18s %-7s %4ss' "$name" "$([ $rc = 0 ] && echo ok || { [ $rc = 124 ] && echo TIMEOUT || echo "FAIL($rc)"; })" $((SECONDS - t0)))")
-  return $rc
+  # ok only when something ran and nothing failed: a pytest stage whose every test skipped is SKIPPED
+  local status
+  status=$($PY scripts/stage_status.py $rc "$WORK/logs/$name.log") || status="FAIL($rc)"
+  case $status in ok|SKIPPED) ;; *) failed=1 ;; esac
+  summary+=("$(printf '%-18s %-7s %4ss' "$name" "$status" $((SECONDS - t0)))")
+  [ "$status" = ok ]
 }
 
 {

@@ -6,8 +6,9 @@
   TIDE-AG), ``ag:direct`` (a group not bound in slots, gathered in place by the op's reference backend),
   ``rs:in_place`` / ``rs:slot_reuse`` (reduce-scatters; Slot-Reuse when the group's gradients were read
   from its slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved), ``arena:created``;
-- ``ops``: calls of the ``torch.ops.tide`` ops on CUDA, ``"<op>:tide"`` (the transport),
-  ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``;
+- ``ops``: calls of the mutating ``torch.ops.tide`` ops (the functional pair calls them), ``"<op>:tide"``
+  (the CUDA transport), ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``
+  (the reference backend; reason ``cpu`` for every other CPU call);
 - ``multinode``: point-to-point rounds of the multi-node schedule per leg and implementation
   (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/transport/rails.py``), and its sums by
   implementation (``"sum:kernel"``, ``"sum:torch"``: ``tide/ops/sums.py``);
@@ -54,7 +55,7 @@ def count_wiring(key: str, n: int = 1) -> None:
 
 
 def count_op(op: str, reason: str | None = None, multinode: bool = False) -> None:
-    """One call of ``torch.ops.tide.<op>`` on CUDA: on the transport (``reason`` None), on the multi-node
+    """One call of ``torch.ops.tide.<op>``: on the CUDA transport (``reason`` None), on the multi-node
     schedule (``multinode``: a group spanning nodes), or on its reference for ``reason``."""
     path = f"{op}:tide_multinode" if multinode else f"{op}:tide" if reason is None else f"{op}:stock:{reason}"
     _ops[path] += 1

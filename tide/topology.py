@@ -12,11 +12,11 @@ the single-node schedule.
 """
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch.distributed as dist
 
+from tide import knobs
 from tide.meta.multinode import Topology
 
 _local_world_size: int | None = None
@@ -38,11 +38,7 @@ def local_world_size() -> int | None:
     """Ranks per node: the value set, else ``LOCAL_WORLD_SIZE``, else None (one node)."""
     if _local_world_size is not None:
         return _local_world_size
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    try:
-        return int(value) if value else None
-    except ValueError:
-        raise ValueError(f"tide.topology: LOCAL_WORLD_SIZE must be an integer, got {value!r}") from None
+    return knobs.positive_int("LOCAL_WORLD_SIZE", None)
 
 
 def of_ranks(ranks: Sequence[int], local_size: int | None) -> Topology | None:

@@ -44,11 +44,11 @@ import dataclasses
 import functools
 import importlib
 import logging
-import os
 
 import torch.nn as nn
 
 import tide.fsdp
+from tide import knobs
 
 __all__ = ["PREFIX", "RS_MODE_ENV", "options", "wrap", "register", "with_tide"]
 
@@ -60,9 +60,7 @@ log = logging.getLogger(__name__)
 
 def options() -> dict:
     """``enable``'s options from the environment: ``rs_mode`` and ``transport``."""
-    rs_mode = os.environ.get(RS_MODE_ENV, "") or "in_place"
-    if rs_mode not in tide.fsdp.RS_MODES:
-        raise ValueError(f"tide.torchtitan: {RS_MODE_ENV} must be one of {tide.fsdp.RS_MODES}, got {rs_mode!r}")
+    rs_mode = knobs.choice(RS_MODE_ENV, tide.fsdp.RS_MODES, "in_place")
     return {"rs_mode": rs_mode, "transport": tide.fsdp.default_transport()}
 
 

@@ -12,7 +12,9 @@ import os
 import sys
 import time
 
-ENABLED = os.environ.get("TIDE_TRACE", "") == "1"
+from tide import knobs
+
+ENABLED = knobs.flag("TIDE_TRACE")
 LATE_S = 1.0  # an op still pending this long after its issue gets a line
 _T0 = time.monotonic()
 

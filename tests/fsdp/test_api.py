@@ -124,7 +124,7 @@ def _facts(rank, world_size, flags):
     os.environ["TIDE_CUDA_MULTINODE"] = flags[rank]
     try:
         return fallbacks.group_facts(dist.group.WORLD)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         return str(e)
 
 
@@ -138,6 +138,12 @@ def test_group_facts_come_from_every_rank():
 def test_ranks_that_disagree_on_tide_cuda_multinode_all_raise():
     for answer in run_ranks(_facts, 3, ["1", "", "1"]):
         assert "disagree on TIDE_CUDA_MULTINODE (set on group ranks [0, 2])" in answer, answer
+
+
+def test_an_invalid_tide_cuda_multinode_raises_on_every_rank():
+    own, peers = "tide: TIDE_CUDA_MULTINODE must be 0 or 1, got 'yes'", "group ranks [1] of group"
+    answers = run_ranks(_facts, 3, ["1", "yes", "1"])
+    assert own in answers[1] and all(peers in a for a in answers[::2]), answers
 
 
 def test_import_tide_exposes_fsdp_and_ops():

@@ -226,6 +226,14 @@ def test_the_pace_sets_the_rail_steps_and_every_rank_must_set_the_same():
     assert all(isinstance(m, str) and PACE in m for m in mixed), mixed
 
 
+def test_an_invalid_setting_on_one_rank_raises_on_every_rank_naming_it():
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    answers = run_ranks(_with_settings, 4, [{}, {PACE: "abc"}, {RAILS: "ring"}, {}], env=env, timeout=120)
+    for answer in answers:
+        assert f"rank 1: tide: {PACE} must be an integer >= 1, got 'abc'" in answer, answers
+        assert f"rank 2: tide: {RAILS} must be one of ('auto', 'p2p', 'nccl'), got 'ring'" in answer, answers
+
+
 def test_the_rails_setting_is_agreed_and_direct_nccl_needs_an_nccl_group():
     """``TIDE_MULTINODE_RAILS=nccl`` or ``auto`` on a gloo group leaves the rails on p2p on every rank (with
     the same result); ranks that ask for different rails all raise, naming the setting (unset is ``auto``);

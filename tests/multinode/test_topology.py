@@ -32,7 +32,7 @@ def test_local_world_size_from_override_then_environment(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert topology.local_world_size() is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be an integer, got 'two'"):
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be an integer >= 1, got 'two'"):
         topology.local_world_size()
 
 

@@ -260,3 +260,33 @@ def test_group_none_without_a_default_group_names_the_op():
             "except ValueError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "tide.all_gather: group=None means the default process group" in out, out
+
+
+# One Tensor where a list of tensors is expected: list() of it would make each row a tensor.
+ONE_TENSOR_CALLS = {
+    ("all_gather_into_params", "shards"): lambda t: tide.ops.all_gather_into_params(t, [t]),
+    ("all_gather_into_params", "outs"): lambda t: tide.ops.all_gather_into_params([t], t),
+    ("reduce_scatter_params", "grads"): lambda t: tide.ops.reduce_scatter_params(t, [t]),
+    ("reduce_scatter_params", "shard_grads"): lambda t: tide.ops.reduce_scatter_params([t], t),
+    ("all_gather", "shards"): lambda t: tide.ops.all_gather(t),
+    ("reduce_scatter", "inputs"): lambda t: tide.ops.reduce_scatter(t),
+}
+
+
+@pytest.mark.parametrize("op, arg", sorted(ONE_TENSOR_CALLS))
+def test_one_tensor_for_a_list_names_the_op_and_the_argument(op, arg, group_name):
+    with pytest.raises(TypeError, match=rf"tide\.{op}: {arg} must be a list of tensors, got one Tensor of shape \(3, 2\)"):
+        ONE_TENSOR_CALLS[op, arg](_f32(3, 2))
+
+
+@pytest.mark.parametrize("op, args", [
+    ("all_gather_into_params_", lambda t, g: (t, [t], 1, g)),
+    ("reduce_scatter_params_", lambda t, g: ([t], t, 1.0, False, 1, g)),
+    ("all_gather", lambda t, g: (t, 1, g)),
+    ("reduce_scatter", lambda t, g: (t, 1.0, None, 1, g)),
+])
+def test_the_ops_refuse_one_tensor_for_a_list(op, args, group_name):
+    """The dispatcher's schema check refuses it before any kernel (torch's RuntimeError, naming both)."""
+    t = _f32(3, 2)
+    with pytest.raises(RuntimeError, match=rf"tide::{op}\(\) Expected a value of type 'List\[Tensor\]' for argument"):
+        getattr(ops, op)(*args(t, group_name))

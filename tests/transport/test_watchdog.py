@@ -128,7 +128,7 @@ def test_timeout_is_the_groups_unless_tide_timeout_s_says_otherwise(monkeypatch)
     assert watchdog.timeout_for(None) == 2.5
     for bad in ("0", "-3", "soon"):
         monkeypatch.setenv("TIDE_TIMEOUT_S", bad)
-        with pytest.raises(ValueError, match="TIDE_TIMEOUT_S must be a number of seconds > 0"):
+        with pytest.raises(ValueError, match="TIDE_TIMEOUT_S must be a number > 0"):
             watchdog.timeout_for(None)
 
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-import os
 
-from tide import topology
+from tide import knobs, topology
 from tide.fsdp import compat, hooks, seam, wiring
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 from tide.transport import rails
@@ -29,10 +28,7 @@ TRANSPORT_ENV = "TIDE_FSDP_TRANSPORT"
 
 
 def default_transport() -> str:
-    value = os.environ.get(TRANSPORT_ENV, "auto") or "auto"
-    if value not in TRANSPORTS:
-        raise ValueError(f"tide.fsdp: {TRANSPORT_ENV} must be one of {TRANSPORTS}, got {value!r}")
-    return value
+    return knobs.choice(TRANSPORT_ENV, TRANSPORTS, "auto")
 
 
 def _check_module(fn: str, module) -> None:

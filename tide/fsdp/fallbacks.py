@@ -8,7 +8,6 @@ its marker comm.
 """
 from __future__ import annotations
 
-import os
 import socket
 from typing import Sequence
 
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-from tide import topology
+from tide import knobs, topology
 from tide.fsdp import compat
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 from tide.meta.checks import FLOAT_DTYPES
@@ -81,7 +80,7 @@ def contract_reason(compute_capability_major: int, hosts: Sequence[str], nodes: 
 
 def serve_multinode_on_cuda() -> bool:
     """``TIDE_CUDA_MULTINODE=1``: FSDP2 groups spanning nodes run the multi-node schedule on CUDA too."""
-    return os.environ.get("TIDE_CUDA_MULTINODE", "") == "1"
+    return knobs.flag("TIDE_CUDA_MULTINODE")
 
 
 def group_facts(group) -> tuple[list[str], bool]:
@@ -89,11 +88,21 @@ def group_facts(group) -> tuple[list[str], bool]:
     CUDA, exchanged once through the default store (no device collective: a CUDA collective on ranks that
     share a GPU may not be possible). Every rank asks at its group's first TIDE collective, the same point
     of FSDP's schedule on all of them. Ranks whose ``TIDE_CUDA_MULTINODE`` differ would take different
-    paths and wait for each other forever: that raises on every rank instead."""
+    paths and wait for each other forever: that raises on every rank instead, as does an invalid value."""
     store = dist.distributed_c10d._get_default_store()
     prefix = f"tide/hosts/{group.group_name}/"
-    store.set(prefix + str(dist.get_rank()), f"{int(serve_multinode_on_cuda())} {socket.gethostname()}")
+    try:
+        mine, invalid = str(int(serve_multinode_on_cuda())), None
+    except ValueError as e:  # published first: the peers raise too instead of waiting for this rank
+        mine, invalid = "invalid", e
+    store.set(prefix + str(dist.get_rank()), f"{mine} {socket.gethostname()}")
     facts = [store.get(prefix + str(r)).decode().split(" ", 1) for r in dist.get_process_group_ranks(group)]
+    if invalid is not None:
+        raise invalid
+    bad = [i for i, (f, _) in enumerate(facts) if f == "invalid"]
+    if bad:
+        raise ValueError(f"tide.fsdp: group ranks {bad} of group {group.group_name!r} set TIDE_CUDA_MULTINODE to an "
+                         "invalid value (accepted: 0 or 1)")
     flags = {flag for flag, _ in facts}
     if len(flags) > 1:
         raise RuntimeError(f"tide.fsdp: the ranks of group {group.group_name!r} disagree on TIDE_CUDA_MULTINODE "

@@ -28,12 +28,22 @@ def _group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
                          f"(call torch.distributed.init_process_group first)") from e
 
 
+def _tensor_list(op: str, arg: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as a list; a single Tensor is refused (``list()`` of it would make each row a tensor)."""
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"tide.{op}: {arg} must be a list of tensors, got one Tensor of shape "
+                        f"{tuple(tensors.shape)} (pass [{arg}] for a single tensor)")
+    return list(tensors)
+
+
 def all_gather_into_params(shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                            group: dist.ProcessGroup | None = None) -> None:
     """Every rank's ``shards[i]`` into its rows of ``outs[i]``, cast to ``outs[i]``'s dtype on the way.
     On CUDA with outputs bound in an arena slot this is TIDE-AG (copy engines); else the reference."""
-    group = _group("all_gather_into_params", group)
-    torch.ops.tide.all_gather_into_params_(list(shards), list(outs), group.size(), group.group_name)
+    op = "all_gather_into_params"
+    shards, outs = _tensor_list(op, "shards", shards), _tensor_list(op, "outs", outs)
+    group = _group(op, group)
+    torch.ops.tide.all_gather_into_params_(shards, outs, group.size(), group.group_name)
 
 
 def reduce_scatter_params(grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor],
@@ -42,20 +52,24 @@ def reduce_scatter_params(grads: Sequence[torch.Tensor], shard_grads: Sequence[t
     """This rank's rows of ``scale * sum over ranks of grads[i]``, summed in fp32 in rank order (across
     nodes: node partials first, see the schemas), written (or added, ``accumulate``) into the fp32
     ``shard_grads[i]``; padding rows are zero."""
-    group = _group("reduce_scatter_params", group)
-    torch.ops.tide.reduce_scatter_params_(list(grads), list(shard_grads), float(scale), bool(accumulate),
-                                          group.size(), group.group_name)
+    op = "reduce_scatter_params"
+    grads, shard_grads = _tensor_list(op, "grads", grads), _tensor_list(op, "shard_grads", shard_grads)
+    group = _group(op, group)
+    torch.ops.tide.reduce_scatter_params_(grads, shard_grads, float(scale), bool(accumulate), group.size(),
+                                          group.group_name)
 
 
 def all_gather(shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """The gathered tensors ``(W*c_i, *rest)`` of ``shards``; differentiable (its backward reduce-scatters)."""
+    shards = _tensor_list("all_gather", "shards", shards)
     group = _group("all_gather", group)
-    return torch.ops.tide.all_gather(list(shards), group.size(), group.group_name)
+    return torch.ops.tide.all_gather(shards, group.size(), group.group_name)
 
 
 def reduce_scatter(inputs: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, *, scale: float = 1.0,
                    out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """This rank's shards ``(c_i, *rest)`` of ``scale * sum over ranks of inputs[i]`` (fp32 sum), in
     ``out_dtype`` (default: each input's); differentiable (its backward all-gathers)."""
+    inputs = _tensor_list("reduce_scatter", "inputs", inputs)
     group = _group("reduce_scatter", group)
-    return torch.ops.tide.reduce_scatter(list(inputs), float(scale), out_dtype, group.size(), group.group_name)
+    return torch.ops.tide.reduce_scatter(inputs, float(scale), out_dtype, group.size(), group.group_name)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tide import topology
+from tide import counters, topology
 from tide.meta import checks
 from tide.meta.layout import rank_row_range, rows_and_row_numel
 from tide.ops import calls, reference_multinode, sums
@@ -41,6 +41,17 @@ def resolve_group(op: str, group_name: str, world_size: int) -> dist.ProcessGrou
     return group
 
 
+def _count_cpu_call(op: str, tensor: torch.Tensor, topo) -> None:
+    """Count a CPU call as ``tide/ops/cuda.py`` counts a CUDA one (which counted before calling here):
+    the multi-node schedule, else the reference for reason ``cpu``."""
+    if tensor.is_cuda:
+        return
+    if topology.is_multinode(topo):
+        counters.count_op(op, multinode=True)
+    else:
+        counters.count_op(op, "cpu")
+
+
 def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
     with calls.agreed(op, group_name, world_size, (shards, outs), (("outs", outs),), (("shards", shards),),
@@ -49,6 +60,7 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
                       lambda rank: checks.all_gather_own_rows(shards, outs, rank)) as call:
         group = call.group
         topo = topology.of_group(group)
+        _count_cpu_call(op, shards[0], topo)
         if topology.is_multinode(topo):
             reference_multinode.all_gather(shards, outs, group, topo)
             return
@@ -72,6 +84,7 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
                       lambda group: (accumulate, topology.of_group(group))) as call:
         group = call.group
         topo = topology.of_group(group)
+        _count_cpu_call(op, grads[0], topo)
         if topology.is_multinode(topo):
             reference_multinode.reduce_scatter(grads, shard_grads, scale, accumulate, group, topo)
             return

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass
 from functools import reduce
@@ -42,7 +41,7 @@ from functools import reduce
 import torch
 import torch.distributed as dist
 
-from tide import counters
+from tide import counters, knobs
 from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES
 from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topology
 from tide.ops import multinode_plans, sums
@@ -84,13 +83,17 @@ def _agree(group: dist.ProcessGroup) -> Settings:
     name = group.group_name
     _agreements[name] += 1
     prefix = f"tide/multinode/{name}/{_agreements[name]}"
-    pace = os.environ.get(PACE_ENV) or str(DEFAULT_PACE_BYTES)
-    want = os.environ.get(rails.RAILS_ENV) or "auto"
     problems = []  # published, not raised here: every rank names them instead of waiting for this one
-    if not pace.isdigit() or int(pace) < 1:
-        problems.append(f"{PACE_ENV}={pace!r} is not a positive number of bytes")
-    if want not in ("auto", "p2p", "nccl"):
-        problems.append(f"{rails.RAILS_ENV}={want!r}: expected 'auto', 'p2p' or 'nccl'")
+    try:
+        pace = knobs.positive_int(PACE_ENV, DEFAULT_PACE_BYTES)
+    except ValueError as e:
+        pace = None
+        problems.append(str(e))
+    try:
+        want = knobs.choice(rails.RAILS_ENV, rails.RAILS_CHOICES, "auto")
+    except ValueError as e:
+        want = None
+        problems.append(str(e))
     why_not = ""
     if want != "p2p" and not problems:
         why_not = ("the group is not an NCCL group (ranks sharing GPUs)" if "nccl" not in dist.get_backend(group)

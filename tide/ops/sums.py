@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Sequence
 
 import torch
 
-from tide import counters
+from tide import counters, knobs
 from tide.transport.arena import DEFAULT_SUM_CTAS
 
 log = logging.getLogger("tide")
@@ -65,7 +64,7 @@ def _kernel():
     the CUDA extension cannot be built here (logged once)."""
     from tide.transport import build
 
-    ctas = int(os.environ.get("TIDE_RS_CTAS") or DEFAULT_SUM_CTAS)
+    ctas = knobs.positive_int("TIDE_RS_CTAS", DEFAULT_SUM_CTAS)
     try:
         return functools.partial(build.load().sum_rows, ctas=ctas)
     except Exception as e:  # no nvcc, a failed build: the reference computes the same bits, slower

@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from tide import topology
+from tide import knobs, topology
 from tide.meta import checks
 from tide.meta.layout import GroupLayout, align_up
 from tide.transport import agreement, board, flag_report, plans, watchdog
@@ -57,11 +56,6 @@ CAST_CTAS_PER_SM = 4
 _ARENAS: dict[tuple, "Arena"] = {}  # global ranks, in group-rank order -> arena
 _RANKS: dict[str, tuple] = {}  # process-group name -> its ranks (resolved once)
 _GENERATIONS: dict[tuple, int] = {}  # global ranks -> arenas created for them (names their store keys)
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return default if value in (None, "") else int(value)
 
 
 class Arena:
@@ -101,11 +95,11 @@ class Arena:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.slot_bytes = align_up(int(slot_bytes), 4096)
         self.num_slots = num_slots if self.slot_bytes > 0 else 0
-        self.ring_depth = ring_depth or _env_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
-        self.sum_ctas = sum_ctas or _env_int("TIDE_RS_CTAS", DEFAULT_SUM_CTAS)
-        ring = rs_ring_bytes or _env_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
+        self.ring_depth = ring_depth or knobs.positive_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
+        self.sum_ctas = sum_ctas or knobs.positive_int("TIDE_RS_CTAS", DEFAULT_SUM_CTAS)
+        ring = rs_ring_bytes or knobs.positive_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.cast_ctas = cast_ctas or _env_int("TIDE_AG_CAST_CTAS", CAST_CTAS_PER_SM * sms)
+        self.cast_ctas = cast_ctas or knobs.positive_int("TIDE_AG_CAST_CTAS", CAST_CTAS_PER_SM * sms)
         if self.ring_depth < 1 or self.sum_ctas < 1 or self.cast_ctas < 1 or self.num_slots < 0:
             raise ValueError("tide.transport.Arena: ring_depth, sum_ctas and cast_ctas must be >= 1, num_slots >= 0")
         self.entry_bytes = max(4096, (ring // (self.ring_depth * W)) // 4096 * 4096)

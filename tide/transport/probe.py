@@ -3,14 +3,15 @@ loaded NCCL version. They use ``cuda-bindings`` and ``nccl4py`` when installed (
 report ``None`` for what they cannot tell. Nothing here creates a multicast object."""
 from __future__ import annotations
 
-import os
 
 import torch
+
+from tide import knobs
 
 
 def multicast_allowed() -> bool:
     """Multicast (NVLS) code may run only with ``TIDE_ALLOW_MULTICAST=1``; TIDE ships none yet."""
-    return os.environ.get("TIDE_ALLOW_MULTICAST", "0") == "1"
+    return knobs.flag("TIDE_ALLOW_MULTICAST")
 
 
 def nccl_version() -> tuple | None:

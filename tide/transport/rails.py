@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tide import counters
 
 RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "auto" (default: direct NCCL where every rank can run them), "p2p" or "nccl"
+RAILS_CHOICES = ("auto", "p2p", "nccl")
 _direct: dict = {}  # process-group name -> (the group, its DirectRails: tide/transport/nccl_rails.py)
 _openings: Counter = Counter()  # process-group name -> direct rails opened so far (numbers their store keys)
 

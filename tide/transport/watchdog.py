@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from tide import trace
+from tide import knobs, trace
 
 EXIT_CODE = 124
 BACKSTOP_EXIT_CODE = 1  # faulthandler's exit status, when the watchdog's own thread could not run
@@ -193,14 +193,8 @@ class Completion:
 
 def timeout_for(group) -> float:
     """Seconds a TIDE op of ``group`` may take: ``TIDE_TIMEOUT_S``, else the group's own timeout."""
-    value = os.environ.get("TIDE_TIMEOUT_S", "")
-    if value:
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = -1.0
-        if not seconds > 0:
-            raise ValueError(f"tide: TIDE_TIMEOUT_S must be a number of seconds > 0, got {value!r}")
+    seconds = knobs.positive_float("TIDE_TIMEOUT_S", None)
+    if seconds is not None:
         return seconds
     import torch
     import torch.distributed as dist
