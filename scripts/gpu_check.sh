@@ -32,17 +32,18 @@ while [ $# -gt 0 ]; do
   shift
 done
 gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
-# Whole-run budget (the device tool stops a command at 600 s): a stage gets at most what is left, and
-# is skipped (and reported) when under 20 s remain, so the archives and the summary are always written.
-budget=${GPU_CHECK_BUDGET_S:-560}
+# Whole-run time limit (GPU_CHECK_LIMIT_S; machines that stop a command at 600 s keep the default): a stage
+# gets at most what is left, and is skipped (and reported) when under 20 s remain, so the archives and the
+# summary are always written.
+time_limit=${GPU_CHECK_LIMIT_S:-560}
 declare -a summary
 failed=0
 stage() {  # stage NAME TIMEOUT_S CMD...
   local name=$1 limit=$2; shift 2
   if [ -n "$only" ] && [ "$name" != build ] && [[ "$only" != *",$name,"* ]]; then return 0; fi
   if [ $quick = 1 ] && [[ "$name" != build && "$name" != tests_* ]]; then return 0; fi
-  local t0=$SECONDS left=$((budget - SECONDS - 10))
-  if [ $left -lt 20 ]; then summary+=("$(printf '%-18s %-7s' "$name" SKIPPED) (run budget spent)"); failed=1; return 1; fi
+  local t0=$SECONDS left=$((time_limit - SECONDS - 10))
+  if [ $left -lt 20 ]; then summary+=("$(printf '%-18s %-7s' "$name" SKIPPED) (time limit reached)"); failed=1; return 1; fi
   [ $limit -gt $left ] && limit=$left
   timeout "$limit" "$@" >"$WORK/logs/$name.log" 2>&1
   local rc=$?
@@ -68,7 +69,7 @@ PY
 
 overlap_args=(--reps 10)
 [ "$gpus" -ge 2 ] && overlap_args+=(--xgpu)
-# Stages in priority order, each capped; what the run budget cannot fit is skipped and reported.
+# Stages in priority order, each capped; what the time limit cannot fit is skipped and reported.
 stage build 240 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
 stage tests_transport 200 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
   --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py \
