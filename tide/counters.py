@@ -54,10 +54,16 @@ def count_wiring(key: str, n: int = 1) -> None:
         trace.event(f"wiring {key}" + (f" x{n}" if n != 1 else ""))
 
 
-def count_op(op: str, reason: str | None = None, multinode: bool = False) -> None:
+def count_op(op: str, reason: str | None = None, multinode: bool = False, reference: bool = False) -> None:
     """One call of ``torch.ops.tide.<op>``: on the CUDA transport (``reason`` None), on the multi-node
-    schedule (``multinode``: a group spanning nodes), or on its reference for ``reason``."""
-    path = f"{op}:tide_multinode" if multinode else f"{op}:tide" if reason is None else f"{op}:stock:{reason}"
+    schedule (``multinode``: a group spanning nodes), on the reference backend by choice (``reference``: CPU
+    tensors), or on the reference for ``reason`` (a CUDA call the transport cannot take)."""
+    if multinode:
+        path = f"{op}:tide_multinode"
+    elif reference:
+        path = f"{op}:reference"
+    else:
+        path = f"{op}:tide" if reason is None else f"{op}:stock:{reason}"
     _ops[path] += 1
     if trace.ENABLED:
         trace.event(f"op {path}")

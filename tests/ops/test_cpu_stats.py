@@ -1,5 +1,5 @@
 """``tide.stats()["ops"]`` counts CPU calls as it counts CUDA ones: every mutating op call, the functional
-pair's included (they call the mutating ops), under reason ``cpu`` (``tide_multinode`` for a group
+pair's included (they call the mutating ops), as ``<op>:reference`` (``tide_multinode`` for a group
 spanning nodes); a call refused by its checks counts nothing."""
 import torch
 
@@ -36,7 +36,7 @@ def _multinode_call(rank, world_size):
 
 
 def test_cpu_calls_are_counted():
-    expected = {"all_gather_into_params_:stock:cpu": 2, "reduce_scatter_params_:stock:cpu": 2}
+    expected = {"all_gather_into_params_:reference": 2, "reduce_scatter_params_:reference": 2}
     for counted, after_refusal in run_ranks(_calls, 2, timeout=120):
         assert counted == expected and after_refusal == expected, (counted, after_refusal)
 

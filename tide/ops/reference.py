@@ -43,13 +43,13 @@ def resolve_group(op: str, group_name: str, world_size: int) -> dist.ProcessGrou
 
 def _count_cpu_call(op: str, tensor: torch.Tensor, topo) -> None:
     """Count a CPU call as ``tide/ops/cuda.py`` counts a CUDA one (which counted before calling here):
-    the multi-node schedule, else the reference for reason ``cpu``."""
+    the multi-node schedule, else the reference backend."""
     if tensor.is_cuda:
         return
     if topology.is_multinode(topo):
         counters.count_op(op, multinode=True)
     else:
-        counters.count_op(op, "cpu")
+        counters.count_op(op, reference=True)
 
 
 def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
