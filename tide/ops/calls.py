@@ -67,8 +67,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group, _world
 
 from tide import procfs, trace
 from tide.meta import call_site, checks
-from tide.transport.agreement import call_desc, first_difference
-from tide.transport.watchdog import TideTimeoutError, timeout_for
+from tide.agreement import call_desc, first_difference
+from tide.timeouts import TideTimeoutError, timeout_for
 
 POLL_S = 0.25  # how often the watcher looks at exchanges in progress (a dead peer is named within this)
 BACKSTOP_S = 5.0  # a wait's own bound past the timeout, should the watcher not run

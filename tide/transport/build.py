@@ -30,6 +30,9 @@ SOURCES = (
     "transport/ipc.cpp",
     "transport/nccl_p2p.cpp",
     "transport/arena.cpp",
+    "transport/all_gather.cpp",
+    "transport/reduce_scatter.cpp",
+    "transport/node_leg.cpp",
     "transport/bindings.cpp",
 )
 CUDA_FLAGS = [

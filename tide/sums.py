@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from tide import counters
-from tide.transport.arena import DEFAULT_SUM_CTAS
+from tide.meta.plans import DEFAULT_SUM_CTAS
 
 log = logging.getLogger("tide")
 

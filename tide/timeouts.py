@@ -1,0 +1,33 @@
+"""How long a TIDE call may wait, one rule for every backend: ``TIDE_TIMEOUT_S``, else the process group's
+own timeout; and the error a call that waited longer raises (the CUDA watchdog's report, or the CPU
+call agreement's: tide/transport/watchdog.py, tide/ops/calls.py).
+"""
+from __future__ import annotations
+
+import os
+
+
+class TideTimeoutError(RuntimeError):
+    """A TIDE op did not complete within its timeout (the watchdog's report is the message)."""
+
+
+def timeout_for(group) -> float:
+    """Seconds a TIDE op of ``group`` may take: ``TIDE_TIMEOUT_S``, else the group's own timeout."""
+    value = os.environ.get("TIDE_TIMEOUT_S", "")
+    if value:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise ValueError(f"tide: TIDE_TIMEOUT_S must be a number of seconds > 0, got {value!r}")
+        return seconds
+    import torch
+    import torch.distributed as dist
+
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend(group)).total_seconds()
