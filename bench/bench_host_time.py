@@ -82,7 +82,8 @@ def tide_times(world_size: int, iters: int) -> dict:
     import tide  # noqa: F401
     from tide import transport
     from tide.ops import cuda as tide_cuda
-    from tide.transport import plans
+    from tide.meta import plans
+    from tide.transport import all_gather
 
     group = dist.group.WORLD
     name = group.group_name
@@ -118,7 +119,7 @@ def tide_times(world_size: int, iters: int) -> dict:
     fns = {"ag_bind": ag_bind, "ag_op_only": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size,
                                                                                             name),
            "ag_kernel": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name),
-           "ag_arena": lambda: arena.all_gather_into_params(shards, views[0]),
+           "ag_arena": lambda: all_gather.all_gather_into_params(arena, shards, views[0]),
            "dispatch_only": lambda: no_op(shards, views[0], world_size, name),
            "rs_in_place": rs, "rs_in_place_fresh": rs_fresh, "rs_slot_reuse": lambda: rs(in_slot)}
     res = {}

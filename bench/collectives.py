@@ -19,7 +19,7 @@ the message size S. Variants, per message size:
 - ``--local-world-size L`` (L < ranks): nodes of L ranks **emulated** on this machine, the multi-node
   schedule against NCCL on the same ranks: ``tide_ag_multinode`` / ``tide_rs_multinode`` (the ops with no
   arena: recursive doubling on the rails, fp32 node partials, every round point-to-point,
-  ``tide/transport/rails.py``) and, with one GPU per rank, ``nccl_ag`` / ``nccl_rs_bf16``. The "rails"
+  ``tide/multinode/rails.py``) and, with one GPU per rank, ``nccl_ag`` / ``nccl_rs_bf16``. The "rails"
   here are NVLink (or one GPU), not a network: this shows the schedule's cost and correctness on GPUs,
   not what it gains across real nodes. The schedule's settings come from the environment
   (``TIDE_MULTINODE_PACE_BYTES``, ``TIDE_MULTINODE_RAILS``) and are the CSV's ``pace_bytes`` and ``rails``
@@ -256,8 +256,8 @@ def _rank_multinode(rank, world_size, sizes_mib, reps, one_gpu_per_rank):
         rows += _measure(variants, size, reps)
         for name in ("tide_ag_multinode", "tide_rs_multinode"):  # every rank calls: they are collectives
             profiled += profile_rows(variants[name][0], name, size)
-    from tide.ops.reference_multinode import settings as multinode_settings
-    from tide.transport.rails import implementation
+    from tide.multinode.rails import implementation
+    from tide.multinode.settings import agreed as multinode_settings
 
     agreed = {"pace_bytes": multinode_settings(dist.group.WORLD).pace, "rails": implementation(dist.group.WORLD, dev)}
     return [{**r, **agreed} for r in rows], profiled

@@ -54,8 +54,8 @@ def test_bad_values_raise_where_the_library_reads_them(monkeypatch):
     import tide.torchtitan
     from tide import topology
     from tide.fsdp import fallbacks
-    from tide.ops import sums
-    from tide.transport import probe, watchdog
+    from tide import sums, timeouts
+    from tide.transport import probe
 
     def raises(var, value, call):
         monkeypatch.setenv(var, value)
@@ -66,7 +66,7 @@ def test_bad_values_raise_where_the_library_reads_them(monkeypatch):
     sums._kernel.cache_clear()  # the summing kernel reads TIDE_RS_CTAS before it builds anything
     raises("TIDE_RS_CTAS", "abc", sums._kernel)
     sums._kernel.cache_clear()
-    raises("TIDE_TIMEOUT_S", "x", lambda: watchdog.timeout_for(None))
+    raises("TIDE_TIMEOUT_S", "x", lambda: timeouts.timeout_for(None))
     raises("TIDE_FSDP_TRANSPORT", "nccl", tide.fsdp.default_transport)
     raises("TIDE_RS_MODE", "bogus", tide.torchtitan.options)
     raises("TIDE_CUDA_MULTINODE", "yes", fallbacks.serve_multinode_on_cuda)

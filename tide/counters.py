@@ -8,10 +8,10 @@
   from its slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved), ``arena:created``;
 - ``ops``: calls of the mutating ``torch.ops.tide`` ops (the functional pair calls them), ``"<op>:tide"``
   (the CUDA transport), ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``
-  (the reference backend; reason ``cpu`` for every other CPU call);
+  (a CUDA call on the reference backend), ``"<op>:reference"`` (a CPU call);
 - ``multinode``: point-to-point rounds of the multi-node schedule per leg and implementation
-  (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/transport/rails.py``), and its sums by
-  implementation (``"sum:kernel"``, ``"sum:torch"``: ``tide/ops/sums.py``);
+  (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/multinode/rails.py``), and its sums by
+  implementation (``"sum:kernel"``, ``"sum:torch"``: ``tide/sums.py``);
 - ``arenas``: each live arena's own counters (copies, bytes, kernels, host time), by its ranks.
 
 A path other than TIDE's is logged once per reason (INFO for op calls, WARNING for FSDP2 fallbacks of an
@@ -20,36 +20,27 @@ opted-in group).
 from __future__ import annotations
 
 import logging
-from collections import Counter
-
-from tide import trace
-from tide.transport import arena
+from tide import registry, trace
 
 log = logging.getLogger("tide")
-
-_fsdp: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
-_wiring: Counter = Counter()
-_ops: Counter = Counter()
-_multinode: Counter = Counter()
-_logged: set = set()
 
 
 def count_fsdp(kind: str, reason: str | None, multinode: bool = False) -> None:
     """One FSDP2 collective of ``kind``: on TIDE (``reason`` None; ``"tide_multinode"`` when the group
     spans several nodes) or stock for ``reason``."""
     path = ("tide_multinode" if multinode else "tide") if reason is None else f"stock:{reason}"
-    _fsdp[kind][path] += 1
+    registry.fsdp_calls[kind][path] += 1
     if trace.ENABLED:
         trace.event(f"fsdp {kind}: {path}")
-    if reason is not None and ("fsdp", kind, reason) not in _logged:
-        _logged.add(("fsdp", kind, reason))
+    if reason is not None and ("fsdp", kind, reason) not in registry.logged_reasons:
+        registry.logged_reasons.add(("fsdp", kind, reason))
         # A group that never opted in is not a fallback worth a warning.
         level = logging.DEBUG if reason == "not_enabled" else logging.WARNING
         log.log(level, "tide.fsdp: %s takes the stock FSDP2 path (reason: %s); logged once", kind, reason)
 
 
 def count_wiring(key: str, n: int = 1) -> None:
-    _wiring[key] += n
+    registry.wiring_calls[key] += n
     if trace.ENABLED:
         trace.event(f"wiring {key}" + (f" x{n}" if n != 1 else ""))
 
@@ -64,29 +55,30 @@ def count_op(op: str, reason: str | None = None, multinode: bool = False, refere
         path = f"{op}:reference"
     else:
         path = f"{op}:tide" if reason is None else f"{op}:stock:{reason}"
-    _ops[path] += 1
+    registry.op_calls[path] += 1
     if trace.ENABLED:
         trace.event(f"op {path}")
-    if reason is not None and ("op", op, reason) not in _logged:
-        _logged.add(("op", op, reason))
+    if reason is not None and ("op", op, reason) not in registry.logged_reasons:
+        registry.logged_reasons.add(("op", op, reason))
         log.info("tide.transport: %s takes the stock path (%s)", op, reason)
 
 
 def count_multinode(key: str) -> None:
     """One point-to-point round of the multi-node schedule, ``"<leg>:<implementation>"``
-    (``tide/transport/rails.py``), or one of its sums, ``"sum:kernel"`` or ``"sum:torch"`` (``tide/ops/sums.py``)."""
-    _multinode[key] += 1
+    (``tide/multinode/rails.py``), or one of its sums, ``"sum:kernel"`` or ``"sum:torch"`` (``tide/sums.py``)."""
+    registry.multinode_calls[key] += 1
     if trace.ENABLED:
         trace.event(f"multinode {key}")
 
 
 def stats() -> dict:
     """Every counter since the last :func:`reset_stats` (see the module docstring)."""
-    return {"fsdp": {kind: dict(c) for kind, c in _fsdp.items()}, "wiring": dict(_wiring), "ops": dict(sorted(_ops.items())),
-            "multinode": dict(sorted(_multinode.items())), "arenas": {a.ranks: a.counters() for a in arena.arenas()}}
+    return {"fsdp": {kind: dict(c) for kind, c in registry.fsdp_calls.items()}, "wiring": dict(registry.wiring_calls),
+            "ops": dict(sorted(registry.op_calls.items())), "multinode": dict(sorted(registry.multinode_calls.items())),
+            "arenas": {a.ranks: a.counters() for a in registry.arenas.values()}}
 
 
 def reset_stats() -> None:
     """Clear the counters (the arenas' own counters only grow)."""
-    for c in (*_fsdp.values(), _wiring, _ops, _multinode):
+    for c in (*registry.fsdp_calls.values(), registry.wiring_calls, registry.op_calls, registry.multinode_calls):
         c.clear()

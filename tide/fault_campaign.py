@@ -162,7 +162,7 @@ def campaign(rank: int, world_size: int, seed: int, rounds: int, fault_file: str
 
     import tide  # noqa: F401 (registers the ops)
     from tide.ops import call_watcher, calls
-    from tide.transport.watchdog import timeout_for
+    from tide.timeouts import timeout_for
 
     out = []
     for k, rnd in enumerate(campaign_plan(seed, world_size, rounds)):

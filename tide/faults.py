@@ -44,7 +44,7 @@ def _die(fault_file: str | None) -> None:
 
 def stall(fault_file: str | None) -> None:
     """Stop issuing while alive, past the peers' bound (their timeout + 15 s), then die."""
-    from tide.transport.watchdog import timeout_for
+    from tide.timeouts import timeout_for
 
     _fault(fault_file)
     time.sleep(timeout_for(dist.group.WORLD) + 16)
@@ -60,7 +60,7 @@ def op_sequence(rank: int, world_size: int, device_type: str, scenario: str, see
     """``fault_at + 3`` TIDE ops over the world group from a few layouts (so plans are both new and reused);
     rank 1 injects ``scenario`` at op ``fault_at``. Returns ``"finished"``."""
     import tide  # noqa: F401 (registers the ops)
-    from tide.transport import plans
+    from tide.meta import plans
 
     if scenario not in OP_SCENARIOS:
         raise ValueError(f"tide.faults.op_sequence: scenario must be one of {OP_SCENARIOS}, got {scenario!r}")

@@ -16,11 +16,10 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from tide import knobs
+from tide import knobs, registry
 from tide.meta.multinode import Topology
 
 _local_world_size: int | None = None
-_cache: dict[tuple, Topology | None] = {}
 
 
 def set_local_world_size(local_world_size: int | None, caller: str = "tide.topology.set_local_world_size") -> None:
@@ -64,9 +63,9 @@ def of_group(group: dist.ProcessGroup) -> Topology | None:
     """The topology of ``group`` (cached per group and local world size)."""
     local_size = local_world_size()
     key = (group.group_name, local_size)
-    if key not in _cache:
-        _cache[key] = of_ranks(dist.get_process_group_ranks(group), local_size)
-    return _cache[key]
+    if key not in registry.topologies:
+        registry.topologies[key] = of_ranks(dist.get_process_group_ranks(group), local_size)
+    return registry.topologies[key]
 
 
 def is_multinode(topology: Topology | None) -> bool:

@@ -1,62 +1,50 @@
-// The host side of TIDE-AG and TIDE-RS inside one NVLink domain: one Arena per set of ranks, over a
-// symmetric flag region and a leased data region laid out as csrc/transport/flags.h says.
-//
-// TIDE-AG, rank r, outputs bound in slot i, use v (slot i's use count, identical on all ranks):
-//   S (caller's stream): record "start"; per pipeline chunk c: one kernel writes the chunk's ranges of my
-//                        shards into my slot i (cast to the output dtype, or copied), record "chunk c";
-//   P (AG push stream):  after "start": write ag_free[i][r] = v into every peer (stream memop) and wait
-//                        for ag_free[i][p] >= v of every peer p; per chunk c: one batch of copy-engine
-//                        copies of its bytes to every peer's slot i at the same offsets, read from my
-//                        slot after "chunk c" (cast ranges) or from the shard itself (same dtype); then
-//                        post ag_ready[i][r] = v with 4-B copies (they follow the data on P);
-//   S:                   wait ag_ready[i][p] >= v for every peer; wait for P.
-// TIDE-RS, rank r, every gradient read where it lies (autograd's memory, or its param-major place in a
-// slot where FSDP's Slot-Reuse hooks moved it); round j, destination d, g = rounds done for d + 1, ring
-// slot s = (g - 1) % R:
-//   Q (RS push stream): wait rs_free[d][s] >= g (d's permit: it has summed what last used ring slot s);
-//                       rs_push_src[d][s] = g; one batch of my round-j pieces for every d into their
-//                       entries (s, r); then one batch of 4-B flags rs_ready[s][r] = g into every d;
-//   D (reduce stream), my own round j: wait rs_ready[s][q] >= g for every q != r; summing kernel over
-//                       the round's chunks (own contribution read in place); write rs_free[r][s] = g + R
-//                       into every q (stream memop, batched with the next round's waits).
-//   After a new lease the round counters skip R and the first reduce-scatter's D permits its first R
-//   rounds at its start: a producer writes into a fresh ring only once its destination has issued an
-//   op after the lease (flags.h). Every rank issues rounds in one order, a push depends only on its
-//   destination's issue or sums R rounds back and a sum only on pushes of its own round, so no wait
-//   cycle can form. No kernel ever spins on a flag.
-// "free" flags (write after read) are stream-memop writes into the peer's word: the stream has finished
-// reading when it reaches them. "ready" flags (read after write) are 4-B copy-engine copies that follow
-// the data on the same stream, as in NCCL's CE collectives.
+// The memory and identity of one set of ranks inside one NVLink domain: a symmetric flag region, a
+// data region leased per phase (laid out as csrc/transport/flags.h says), the streams the collectives
+// issue on, the flag handshakes they share and what this rank has issued. The collectives themselves
+// are all_gather.cpp, reduce_scatter.cpp and node_leg.cpp (collectives.h), each handed its plan and,
+// for an all-gather, its slot, by Python (tide/transport/all_gather.py, reduce_scatter.py, node_leg.py).
 #pragma once
 
 #include <torch/extension.h>
 
 #include <array>
-#include <memory>
+#include <chrono>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "kernels.h"
-#include "transport/completions.h"
 #include "transport/copies.h"
 #include "transport/driver.h"
 #include "transport/flags.h"
-#include "transport/plans.h"
+
+#define TIDE_CUDA(expr)                                                                                 \
+  do {                                                                                                  \
+    const cudaError_t err_ = (expr);                                                                    \
+    TORCH_CHECK(err_ == cudaSuccess, "tide.transport: ", #expr, " failed: ", cudaGetErrorString(err_)); \
+  } while (0)
 
 namespace tide {
 
-// Plan registries are keyed by what a plan depends on, as integers (dtype codes and sizes), so a call
-// finds its plan without building any Python object.
-using PlanKey = std::vector<int64_t>;
-struct PlanKeyHash {
-  size_t operator()(const PlanKey& k) const;
+// Host nanoseconds inside the ops' C++ part, by kind of call (Arena::counters).
+enum HostCat { kTotal = 0, kKernel, kMemop, kCopy, kEvent, kHostCats };
+
+class HostTimer {
+ public:
+  explicit HostTimer(int64_t& ns) : ns_(ns), t0_(std::chrono::steady_clock::now()) {}
+  ~HostTimer() {
+    ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_).count();
+  }
+
+ private:
+  int64_t& ns_;
+  std::chrono::steady_clock::time_point t0_;
 };
 
-// What an op call did: ran, or why nothing was issued.
-enum class Ran { kTide, kNotBound, kNoPlan, kBadArgs };
-const char* ran_name(Ran r);
+inline uint64_t ptr_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+// The current stream of `device`, refused (naming `op`) while it captures a CUDA graph.
+cudaStream_t current_stream(int64_t device, const char* op);
 
 class Arena {
  public:
@@ -67,37 +55,55 @@ class Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
-  // TIDE-AG of `shards` into `outs` bound in a slot: kTide, kNotBound (outs lie in no slot at their
-  // plan's addresses), kNoPlan or kBadArgs (nothing issued).
-  Ran all_gather(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs);
-  // TIDE-RS: kTide, kNoPlan or kBadArgs (nothing issued).
-  Ran reduce_scatter(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads, double scale,
-                     bool accumulate);
-  // The intra-node leg of a multi-node all-gather whose outputs are bound in slot `slot` of this node
-  // arena (tide/ops/reference_multinode.py): TIDE-AG's flags around it, and batch b of (byte offset in
-  // the slot, bytes) pairs of my slot copied to every peer's slot at the same offsets once event
-  // landed[b] has fired (the rail round that received them, or the own copy); P waits for event `start`
-  // (recorded on S as the op began) before posting "free". Events are cudaEvent_t values.
-  void push_spans(int64_t slot, uint64_t start, const std::vector<uint64_t>& landed,
-                  const std::vector<std::vector<int64_t>>& spans);
-  // The node-local stage of a multi-node reduce-scatter step on this node arena: TIDE-RS's rounds of
-  // plan `id` (add_partials_plan), every destination's sums written into the fp32 buffer `out` at the
-  // plan's offsets, unscaled (the node partials, summed in local rank order: the reference's order).
-  void reduce_partials(int64_t id, const std::vector<at::Tensor>& grads, const at::Tensor& out);
-  void add_partials_plan(int64_t id, RsPlan plan);
-  void add_ag_plan(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs, AgPlan plan);
-  void add_rs_plan(const std::vector<at::Tensor>& grads, RsPlan plan);
-
+  // ---- identity and memory
+  int64_t rank() const { return rank_; }
+  int64_t world() const { return world_; }
+  int64_t device() const { return device_; }
   const ArenaLayout& layout() const { return layout_; }
+  uint64_t local_flag(int64_t word) const { return flag_bases_[rank_] + 4 * word; }
+  uint64_t peer_flag(int64_t p, int64_t word) const { return flag_bases_[p] + 4 * word; }
+  uint64_t slot_base(int64_t p, int64_t slot) const {
+    return data_bases_[p] + layout_.slots_off() + slot * layout_.slot_bytes;
+  }
+  // Contributor q's staging entry of ring slot s at destination d.
+  uint64_t entry(int64_t d, int64_t s, int64_t q) const {
+    return data_bases_[d] + layout_.ring_off() + (s * world_ + q) * layout_.entry_bytes;
+  }
   // Every rank's data region (slots and ring) for the ops from now on: set at each lease, on every rank
-  // at the same point (tide/transport/lease.py). Copy lists are built per call, so nothing is re-planned.
+  // at the same point (tide/transport/lease.py); all 0 while none is leased.
   void set_data_bases(const std::vector<int64_t>& bases);
+  void check_leased(const char* op) const;
   // Waits for this arena's push streams: nothing of this rank's still writes into a peer's old lease
   // before its mapping is closed.
   void sync_pushes();
-  // What this rank has issued (the flag values its waits expect): all-gathers per slot, reduce-scatter
-  // rounds per destination.
-  // Safe from another thread (the watchdog's) while an op runs: the ops release the GIL.
+
+  // ---- the streams and flag handshakes the collectives share
+  cudaStream_t ag_push() const { return ag_push_; }
+  cudaStream_t rs_push() const { return rs_push_; }
+  cudaStream_t reduce() const { return reduce_; }
+  cudaEvent_t ev_start() const { return ev_start_; }
+  cudaEvent_t ev_rs_push() const { return ev_rs_push_; }
+  cudaEvent_t ev_reduce() const { return ev_reduce_; }
+  cudaEvent_t chunk_event(size_t c);  // created on first use
+  void memops(cudaStream_t stream, const std::vector<driver::MemOp>& writes, const std::vector<driver::MemOp>& waits);
+  void join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t ev);
+  void launch_cast(CastArgs& a, cudaStream_t stream);
+  void launch_sum(SumArgs& a);
+  void issue_copies(CopyList& list, cudaStream_t stream, bool flags);
+  CopyList& data_copies() { return data_; }
+  CopyList& flag_copies() { return flags_; }
+  int64_t& host_ns(HostCat c) { return host_ns_[c]; }
+  // One use of slot i by an all-gather: counts it (v), makes P wait for `start`, then the "free" handshake.
+  uint32_t open_slot(int64_t slot, cudaEvent_t start);
+  // After P's copies: "ready" into every peer; S waits for every peer's and for P; the op's completion.
+  void close_slot(int64_t slot, uint32_t v, cudaStream_t S);
+  // A reduce-scatter's start: its rounds counted per destination (R skipped after a new lease, `fresh`),
+  // returning the rounds per destination before it, which its flag values build on.
+  std::vector<int64_t> count_rounds(const std::vector<int64_t>& rounds, bool& fresh);
+  void mark_completion(cudaStream_t stream);  // the op's last stream operation
+  void count_call(bool all_gather) { ++(all_gather ? ag_calls_ : rs_calls_); }
+
+  // ---- what this rank has issued (safe from the watchdog's thread while an op runs: the ops release the GIL)
   std::vector<int64_t> ag_uses() const;
   std::vector<int64_t> rs_rounds() const;
   std::vector<std::pair<std::string, int64_t>> counters() const;
@@ -112,30 +118,6 @@ class Arena {
   std::string read_flags(const at::Tensor& host, double wait_s);
 
  private:
-  uint64_t local_flag(int64_t word) const { return flag_bases_[rank_] + 4 * word; }
-  uint64_t peer_flag(int64_t p, int64_t word) const { return flag_bases_[p] + 4 * word; }
-  uint64_t slot_base(int64_t p, int64_t slot) const {
-    return data_bases_[p] + layout_.slots_off() + slot * layout_.slot_bytes;
-  }
-  uint64_t entry(int64_t d, int64_t s, int64_t q) const {
-    return data_bases_[d] + layout_.ring_off() + (s * world_ + q) * layout_.entry_bytes;
-  }
-  void check_leased(const char* op) const;
-  int64_t bound_slot(const AgPlan& plan, const std::vector<at::Tensor>& outs) const;
-  bool ag_args_ok(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) const;
-  bool rs_args_ok(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads) const;
-  void run_all_gather(const AgPlan& plan, const std::vector<at::Tensor>& shards, int64_t slot);
-  // One use of slot i by an all-gather: counts it (v), makes P wait for `start`, then the "free" handshake.
-  uint32_t open_slot(int64_t slot, cudaEvent_t start);
-  // After P's copies: "ready" into every peer; S waits for every peer's and for P.
-  void close_slot(int64_t slot, uint32_t v, cudaStream_t S);
-  void run_reduce_scatter(const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                          const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate);
-  void memops(cudaStream_t stream, const std::vector<driver::MemOp>& writes, const std::vector<driver::MemOp>& waits);
-  void join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t ev);
-  void launch_cast(CastArgs& a, cudaStream_t stream);
-  void launch_sum(SumArgs& a);
-  void mark_completion(cudaStream_t stream);  // the op's last stream operation
   void publish_locked();  // the counters into the issued board's words (progress_mu_ held)
 
   int64_t rank_, world_, device_, sum_ctas_, cast_ctas_;
@@ -152,13 +134,10 @@ class Arena {
   uint32_t last_op_ = 0;
   cudaStream_t report_ = nullptr;
   cudaEvent_t ev_report_ = nullptr;
-  std::unordered_map<PlanKey, std::shared_ptr<AgPlan>, PlanKeyHash> ag_plans_;
-  std::unordered_map<PlanKey, std::shared_ptr<RsPlan>, PlanKeyHash> rs_plans_;
-  std::unordered_map<int64_t, std::shared_ptr<PartialsPlan>> partials_plans_;
   CopyList data_, flags_;
   CopyCounters copied_;
   int64_t kernels_ = 0, memop_calls_ = 0, ag_calls_ = 0, rs_calls_ = 0;
-  std::array<int64_t, 5> host_ns_{};  // total, kernels, memops, copies, events
+  std::array<int64_t, kHostCats> host_ns_{};  // total, kernels, memops, copies, events
 };
 
 }  // namespace tide

@@ -1,14 +1,16 @@
 // Python bindings of the TIDE CUDA extension (tide/transport/build.py builds it; tide/transport/arena.py
-// uses it). Arguments are named, results are strings and dicts: nothing is matched by position.
+// and the collectives' drivers use it). Arguments and plan fields are named, results are strings and
+// dicts: nothing is matched by position.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <array>
+#include <algorithm>
 
 #include "kernels.h"
 #include "transport/arena.h"
+#include "transport/collectives.h"
 #include "transport/completions.h"
 #include "transport/driver.h"
 #include "transport/flags.h"
@@ -54,37 +56,34 @@ py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int6
   return d;
 }
 
-AgPlan make_ag_plan(std::vector<int64_t> own_off, std::vector<int64_t> out_off, std::vector<int64_t> out_numel,
-                    std::vector<int32_t> out_dtype, const std::vector<std::vector<std::array<int64_t, 3>>>& chunks,
-                    int64_t slot_bytes) {
-  AgPlan p;
-  p.own_off = std::move(own_off);
-  p.out_off = std::move(out_off);
-  p.out_numel = std::move(out_numel);
-  p.out_dtype = std::move(out_dtype);
-  for (const auto& chunk : chunks) {
-    std::vector<ShardRange> ranges;
-    for (const auto& r : chunk) ranges.push_back(ShardRange{r[0], r[1], r[2]});
-    p.chunks.push_back(std::move(ranges));
+// A DType per dtype, refused (naming `what`) where the ops do not take it.
+std::vector<int32_t> dtype_codes(const std::vector<at::ScalarType>& dtypes, const char* what) {
+  std::vector<int32_t> codes;
+  for (at::ScalarType t : dtypes) {
+    codes.push_back(dtype_code(t));
+    TORCH_CHECK(codes.back() >= 0, "tide.", what, ": dtypes must be fp32, bf16 or fp16");
   }
-  p.slot_bytes = slot_bytes;
+  return codes;
+}
+
+AgPlan make_ag_plan(std::vector<int64_t> own_offset, std::vector<int64_t> out_offset, std::vector<int64_t> out_numel,
+                    const std::vector<at::ScalarType>& out_dtype, std::vector<std::vector<ShardRange>> chunks,
+                    int64_t slot_bytes) {
+  const size_t n = own_offset.size();
+  TORCH_CHECK(out_offset.size() == n && out_numel.size() == n && out_dtype.size() == n,
+              "tide.AgPlan: one own_offset, out_offset, out_numel and out_dtype per param");
+  AgPlan p{std::move(own_offset), std::move(out_offset), std::move(out_numel), dtype_codes(out_dtype, "AgPlan"),
+           std::move(chunks), slot_bytes};
+  for (const auto& chunk : p.chunks)
+    for (const ShardRange& r : chunk)
+      TORCH_CHECK(r.param >= 0 && static_cast<size_t>(r.param) < n, "tide.AgPlan: a chunk names no param");
   return p;
 }
 
-RsPlan make_rs_plan(const std::vector<std::vector<std::vector<std::array<int64_t, 5>>>>& rounds,
-                    const std::vector<std::array<int64_t, 3>>& pads, std::vector<int32_t> grad_dtype) {
-  RsPlan p;
-  for (const auto& per_dest : rounds) {
-    std::vector<std::vector<RsChunk>> rs;
-    for (const auto& rnd : per_dest) {
-      std::vector<RsChunk> chunks;
-      for (const auto& c : rnd) chunks.push_back(RsChunk{c[0], c[1], c[2], c[3], c[4]});
-      rs.push_back(std::move(chunks));
-    }
-    p.rounds.push_back(std::move(rs));
-  }
-  for (const auto& x : pads) p.pads.push_back(ShardRange{x[0], x[1], x[2]});
-  p.grad_dtype = std::move(grad_dtype);
+RsPlan make_rs_plan(std::vector<std::vector<std::vector<RsChunk>>> rounds, std::vector<ShardRange> pads,
+                    const std::vector<at::ScalarType>& grad_dtype) {
+  RsPlan p{std::move(rounds), std::move(pads), dtype_codes(grad_dtype, "RsPlan"), 0};
+  for (const auto& per_dest : p.rounds) p.max_rounds = std::max<int64_t>(p.max_rounds, per_dest.size());
   return p;
 }
 
@@ -95,7 +94,7 @@ py::dict counters(const Arena& a) {
 }
 
 // The summing kernel on rows of one buffer: the multi-node schedule's node partials and destination sums
-// (tide/ops/reference_multinode.py), and the kernel's tests and benchmark. With n = the outs' numels
+// (tide/multinode/schedule.py), and the kernel's tests and benchmark. With n = the outs' numels
 // summed and off_j = the numels of outs[0..j) summed:
 //   outs[j] (+)= scale * (x_0 + x_1 + ... + x_{K-1})[off_j : off_j + outs[j].numel()],  fp32, k in order,
 // where x_k, for k == own_row, is owns[j] read where it lies (one per out), and otherwise the next row of
@@ -104,9 +103,9 @@ py::dict counters(const Arena& a) {
 void sum_rows(const std::vector<at::Tensor>& outs, const at::Tensor& rows, const std::vector<at::Tensor>& owns,
               int64_t own_row, double scale, bool accumulate, int64_t ctas) {
   auto code = [](const at::Tensor& t) {
-    const auto s = t.scalar_type();
-    TORCH_CHECK(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "tide.sum_rows: rows and owns must be fp32, bf16 or fp16");
-    return s == at::kBFloat16 ? kBF16 : s == at::kHalf ? kF16 : kF32;
+    const int32_t c = dtype_code(t.scalar_type());
+    TORCH_CHECK(c >= 0, "tide.sum_rows: rows and owns must be fp32, bf16 or fp16");
+    return c;
   };
   TORCH_CHECK(!outs.empty(), "tide.sum_rows: outs is empty");
   TORCH_CHECK(rows.is_cuda() && rows.dim() == 2 && (rows.size(1) <= 1 || rows.stride(1) == 1),
@@ -164,9 +163,9 @@ void sum_rows(const std::vector<at::Tensor>& outs, const at::Tensor& rows, const
 void cast_into(const at::Tensor& dst, const at::Tensor& src, int64_t max_ctas) {
   auto code = [](const at::Tensor& t) {
     TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "tide.cast_into: tensors must be contiguous CUDA tensors");
-    const auto s = t.scalar_type();
-    TORCH_CHECK(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "tide.cast_into: dtype must be fp32, bf16 or fp16");
-    return s == at::kBFloat16 ? kBF16 : s == at::kHalf ? kF16 : kF32;
+    const int32_t c = dtype_code(t.scalar_type());
+    TORCH_CHECK(c >= 0, "tide.cast_into: dtype must be fp32, bf16 or fp16");
+    return c;
   };
   TORCH_CHECK(dst.numel() == src.numel(), "tide.cast_into: dst and src differ in numel");
   c10::cuda::CUDAGuard guard(dst.device());
@@ -208,49 +207,69 @@ bool bind_storages(const std::vector<at::Tensor>& outs, int64_t device, const at
 }  // namespace
 }  // namespace tide
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+namespace tide {
+namespace {
+
+void bind_plans(pybind11::module_& m) {
   namespace py = pybind11;
-  using namespace tide;
-  m.doc() = "TIDE CUDA transport: copy-engine TIDE-AG, bounded-grid TIDE-RS, symmetric-arena flags";
-  m.def("arena_layout", &arena_layout, py::arg("num_slots"), py::arg("ring_depth"), py::arg("world"),
-        py::arg("slot_bytes"), py::arg("entry_bytes"));
+  // Plan records: named fields, as tide/meta/plans.py names them.
+  py::class_<ShardRange>(m, "ShardRange")
+      .def(py::init([](int64_t param, int64_t first, int64_t numel) { return ShardRange{param, first, numel}; }),
+           py::arg("param"), py::arg("first"), py::arg("numel"))
+      .def_readonly("param", &ShardRange::param)
+      .def_readonly("first", &ShardRange::first)
+      .def_readonly("numel", &ShardRange::numel);
+  py::class_<RsChunk>(m, "RsChunk")
+      .def(py::init([](int64_t param, int64_t grad_offset, int64_t shard_offset, int64_t numel, int64_t entry_offset) {
+             return RsChunk{param, grad_offset, shard_offset, numel, entry_offset};
+           }), py::arg("param"), py::arg("grad_offset"), py::arg("shard_offset"), py::arg("numel"), py::arg("entry_offset"))
+      .def_readonly("param", &RsChunk::param)
+      .def_readonly("grad_offset", &RsChunk::grad_offset)
+      .def_readonly("shard_offset", &RsChunk::shard_offset)
+      .def_readonly("numel", &RsChunk::numel)
+      .def_readonly("entry_offset", &RsChunk::entry_offset);
   py::class_<AgPlan, std::shared_ptr<AgPlan>>(m, "AgPlan")
-      .def(py::init(&make_ag_plan), py::arg("own_off"), py::arg("out_off"), py::arg("out_numel"), py::arg("out_dtype"),
-           py::arg("chunks"), py::arg("slot_bytes"));
+      .def(py::init(&make_ag_plan), py::arg("own_offset"), py::arg("out_offset"), py::arg("out_numel"),
+           py::arg("out_dtype"), py::arg("chunks"), py::arg("slot_bytes"))
+      .def_readonly("out_offset", &AgPlan::out_offset)
+      .def_readonly("slot_bytes", &AgPlan::slot_bytes);
   py::class_<RsPlan, std::shared_ptr<RsPlan>>(m, "RsPlan")
-      .def(py::init(&make_rs_plan), py::arg("rounds"), py::arg("pads"), py::arg("grad_dtype"));
+      .def(py::init(&make_rs_plan), py::arg("rounds"), py::arg("pads"), py::arg("grad_dtype"))
+      .def_readonly("max_rounds", &RsPlan::max_rounds);
+  py::class_<PartialsPlan, std::shared_ptr<PartialsPlan>>(m, "PartialsPlan");
+}
+
+void bind_arena(pybind11::module_& m) {
+  namespace py = pybind11;
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("rank"), py::arg("world"), py::arg("flag_bases"), py::arg("device"), py::arg("num_slots"),
            py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"), py::arg("cast_ctas"))
-      // The ops return (what ran, the op's id for tide.transport's watchdog: completions.h).
-      .def("all_gather", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
-             const Ran ran = a.all_gather(shards, outs);
+      // The collectives (collectives.h) return (what ran, the op's id for tide.transport's watchdog:
+      // completions.h); each is handed its plan, the all-gather its slot.
+      .def("all_gather", [](Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
+                            const std::vector<at::Tensor>& outs, int64_t slot) {
+             const Ran ran = all_gather(a, plan, shards, outs, slot);
              return std::make_pair(std::string(ran_name(ran)), a.last_op());
-           }, py::arg("shards"), py::arg("outs"), py::call_guard<py::gil_scoped_release>())
-      .def("reduce_scatter", [](Arena& a, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
-                                double scale, bool accumulate) {
-             const Ran ran = a.reduce_scatter(grads, shard_grads, scale, accumulate);
+           }, py::arg("plan"), py::arg("shards"), py::arg("outs"), py::arg("slot"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter", [](Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
+                                const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate) {
+             const Ran ran = reduce_scatter(a, plan, grads, shard_grads, scale, accumulate);
              return std::make_pair(std::string(ran_name(ran)), a.last_op());
-           }, py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"),
+           }, py::arg("plan"), py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"),
            py::call_guard<py::gil_scoped_release>())
       .def("push_spans", [](Arena& a, int64_t slot, uint64_t start, const std::vector<uint64_t>& landed,
                             const std::vector<std::vector<int64_t>>& spans) {
-             a.push_spans(slot, start, landed, spans);
+             push_spans(a, slot, start, landed, spans);
              return std::make_pair(std::string(ran_name(Ran::kTide)), a.last_op());
            }, py::arg("slot"), py::arg("start"), py::arg("landed"), py::arg("spans"),
            py::call_guard<py::gil_scoped_release>())
-      .def("reduce_partials", [](Arena& a, int64_t id, const std::vector<at::Tensor>& grads, const at::Tensor& out) {
-             a.reduce_partials(id, grads, out);
+      .def("partials_plan", [](const Arena& a, const RsPlan& plan) { return partials_plan(a, plan); }, py::arg("plan"))
+      .def("reduce_partials", [](Arena& a, const PartialsPlan& plan, const std::vector<at::Tensor>& grads,
+                                 const at::Tensor& out) {
+             reduce_partials(a, plan, grads, out);
              return std::make_pair(std::string(ran_name(Ran::kTide)), a.last_op());
-           }, py::arg("id"), py::arg("grads"), py::arg("out"), py::call_guard<py::gil_scoped_release>())
-      .def("add_partials_plan", [](Arena& a, int64_t id, const RsPlan& plan) { a.add_partials_plan(id, plan); },
-           py::arg("id"), py::arg("plan"))
-      .def("add_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
-                             const AgPlan& plan) { a.add_ag_plan(shards, outs, plan); },
-           py::arg("shards"), py::arg("outs"), py::arg("plan"))
-      .def("add_rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads, const RsPlan& plan) { a.add_rs_plan(grads, plan); },
-           py::arg("grads"), py::arg("plan"))
+           }, py::arg("plan"), py::arg("grads"), py::arg("out"), py::call_guard<py::gil_scoped_release>())
       .def("read_flags", &Arena::read_flags, py::arg("host"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>())
       .def("publish_progress_to", &Arena::publish_progress_to, py::arg("address"))
       .def("set_data_bases", &Arena::set_data_bases, py::arg("bases"))
@@ -262,6 +281,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              d["rs_rounds"] = a.rs_rounds();
              return d;
            });
+}
+
+}  // namespace
+}  // namespace tide
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace tide;
+  m.doc() = "TIDE CUDA transport: copy-engine TIDE-AG, bounded-grid TIDE-RS, symmetric-arena flags";
+  bind_plans(m);
+  bind_arena(m);
+  m.def("arena_layout", &arena_layout, py::arg("num_slots"), py::arg("ring_depth"), py::arg("world"),
+        py::arg("slot_bytes"), py::arg("entry_bytes"));
   m.def("op_completed", &completions::completed, py::arg("device"), py::arg("op"));
   m.def("sum_rows", &sum_rows, py::arg("outs"), py::arg("rows"), py::arg("owns"), py::arg("own_row"), py::arg("scale"),
         py::arg("accumulate"), py::arg("ctas"));

@@ -1,6 +1,6 @@
 // Completion words: how the watchdog (tide/transport/watchdog.py) learns that a TIDE op has completed
 // without calling into CUDA. A driver lock held by a launch that waits on a full queue (the streams
-// stalled on a dead peer's flags) blocked cudaEventQuery in GPU runs 32-33; a plain memory read cannot
+// stalled on a dead peer's flags) blocked cudaEventQuery on the GPU machine; a plain memory read cannot
 // block.
 //
 // Per device, one ring of kWords uint32 words in pinned, mapped host memory. Op ids count up from 1 per

@@ -1,7 +1,7 @@
 // Direct NCCL point-to-point for the rails of the multi-node schedule (tide/transport/nccl_rails.py).
 //
 // One step's sends and receives are one NCCL group issued from one C++ call; through torch's
-// ProcessGroupNCCL every piece is a call of its own (GPU run 58: a 1 MiB all-gather of 8 pieces, 16
+// ProcessGroupNCCL every piece is a call of its own (on two H200s a 1 MiB all-gather of 8 pieces, 16
 // point-to-point operations, took 0.5-0.9 ms against NCCL's 35 us all-gather). The communicator is TIDE's
 // own, one per process group: torch runs its operations on its communicator from its internal stream,
 // and NCCL kernels of one communicator must never run concurrently from two streams, so TIDE's share
@@ -34,8 +34,8 @@ class Comm {
   // One NCCL group on `stream` (a cudaStream_t as an integer): for every i, a send of elements
   // [starts[i], starts[i] + counts[i]) of the contiguous tensor tensors[i] to peers[i] (sends[i]), or a
   // receive of them from peers[i] into that range. Both ends must post matching operations in the same
-  // order (tide/transport/rails.py pairs them). Ranges, not slices: a step has a piece per parameter, and
-  // a Python slice per piece cost more host time than NCCL's whole group (GPU runs 86-88).
+  // order (tide/multinode/rails.py pairs them). Ranges, not slices: a step has a piece per parameter, and
+  // a Python slice per piece cost more host time than NCCL's whole group.
   void exchange(const std::vector<int64_t>& peers, const std::vector<at::Tensor>& tensors,
                 const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                 const std::vector<bool>& sends, int64_t stream);

@@ -15,10 +15,10 @@ def test_splits_both_ops_into_self_times_that_add_up(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert "SUMMARY multinode_host (cpu, 2 x 1, 1 MiB): all_gather" in done.stdout, done.stdout
     rows = list(csv.DictReader(open(tmp_path / "multinode_host.csv")))
-    for op, body in (("all_gather", "ops.reference_multinode.all_gather"),
-                     ("reduce_scatter", "ops.reference_multinode._reduce_scatter_step")):
+    for op, body in (("all_gather", "multinode.schedule.all_gather"),
+                     ("reduce_scatter", "multinode.schedule._reduce_scatter_step")):
         mine = {r["function"]: r for r in rows if r["op"] == op}
-        assert {OP_CALL, body, "transport.rails.exchange"} <= set(mine), sorted(mine)
+        assert {OP_CALL, body, "multinode.rails.exchange"} <= set(mine), sorted(mine)
         whole = float(mine[OP_CALL]["inclusive_us"])
         # every nanosecond of a call is some function's self time, once
         assert math.isclose(sum(float(r["self_us"]) for r in mine.values()), whole, rel_tol=1e-6), (op, mine)

@@ -104,7 +104,7 @@ def cuda_all_gather(arena, shards_cpu, out_dtypes, world_size, group_name, bound
     dev = arena.device
     shards = [s.to(dev) for s in shards_cpu]
     if bound:
-        from tide.transport import plans
+        from tide.meta import plans
 
         layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, world_size)
         outs = arena.slot_views(layout, out_dtypes, arena.slots.acquire())  # nothing holds slots: round robin
@@ -222,7 +222,7 @@ def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
     bit."""
     import tide
     from tide import transport
-    from tide.transport import plans
+    from tide.meta import plans
 
     tide.reset_stats()
     group = dist.new_group(backend="gloo")
@@ -291,7 +291,7 @@ def lease_cycles(rank: int, world_size: int, seed: int, cycles: int) -> dict:
     released) the ops alone are checked."""
     import tide  # noqa: F401
     from tide import transport
-    from tide.transport import plans
+    from tide.meta import plans
 
     group = dist.new_group(backend="gloo")
     name = group.group_name
@@ -453,7 +453,7 @@ def profile_zero_sm(rank: int, world_size: int, trace_dir: str) -> dict:
     import tide  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
 
-    from tide.transport import plans
+    from tide.meta import plans
 
     group = dist.group.WORLD
     name = group.group_name
@@ -632,7 +632,7 @@ def recover_after_error(rank: int, world_size: int) -> dict:
 
 
 def plans_layout(shapes, dtypes, world_size):
-    from tide.transport import plans
+    from tide.meta import plans
 
     return plans.all_gather_layout(shapes, dtypes, world_size)
 

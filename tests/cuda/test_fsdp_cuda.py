@@ -49,7 +49,6 @@ def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool
     import tide.fsdp
     from tests.fsdp.workers import BF16
     from tide import transport
-    from tide.transport import rails
     from tide.models import batch, loss_fn
     from tide.train import fsdp_model, train_step
 
@@ -82,10 +81,10 @@ def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool
            "transport": stats["ops"], "multinode": stats["multinode"], "arenas": len(transport.arenas()),
            "leased_at_loss": leased_at_loss, "leased_after_backward": leased_after_backward, "leases": leases}
     if use_tide:
-        out["direct_rails"] = len(rails._direct)
+        out["direct_rails"] = len(tide.registry.direct_rails)
         tide.fsdp.disable(model)
         out["arenas_after_disable"] = len(transport.arenas())
-        out["direct_rails_after_disable"] = len(rails._direct)
+        out["direct_rails_after_disable"] = len(tide.registry.direct_rails)
     return out
 
 

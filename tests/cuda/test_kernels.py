@@ -1,5 +1,5 @@
 """TIDE's kernels alone: the summing kernel bit for bit against the reference's sum
-(tide.ops.sums.sum_rows_), and the own-shard cast bit for bit against torch's ``to``."""
+(tide.sums.sum_rows_), and the own-shard cast bit for bit against torch's ``to``."""
 import random
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from tests.cuda.ranks import assert_bits
 from tests.ops.test_sums import _pieces
-from tide.ops.sums import sum_rows_
+from tide.sums import sum_rows_
 
 pytestmark = pytest.mark.cuda
 

@@ -8,11 +8,11 @@ otherwise ranks share the GPUs over gloo (the pieces are staged through host mem
 - FSDP2 with ``TIDE_CUDA_MULTINODE=1`` on 2 nodes x 1 GPU: parity with stock FSDP2 (the tolerances of
   tests/cuda/test_fsdp_cuda.py), every collective counted ``tide_multinode``, no arena created, every op
   call running the schedule, rounds counted on the rails.
-- 2 nodes x 2 (4 ranks) with a node arena (tide/transport/nodes.py): all-gathers into outputs bound in its
+- 2 nodes x 2 (4 ranks) with a node arena (tide/transport/node_leg.py): all-gathers into outputs bound in its
   slots push the intra-node leg by copy engine, reduce-scatters sum their node partials there, both
   bit-exact; FSDP2 parity with the blocks bound there, both RS modes (Slot-Reuse reads the gradients
   from the node arena's slot).
-- Both with the direct NCCL rails (``TIDE_MULTINODE_RAILS=nccl``, tide/transport/nccl_rails.py) too: the
+- Both with the direct NCCL rails (``TIDE_MULTINODE_RAILS=nccl``, tide/multinode/nccl_rails.py) too: the
   same answers, every rail round counted ``nccl_direct``; closed and opened again (a new communicator,
   fresh store keys), the same once more; spans they cannot move refused with the op's name.
 """
@@ -51,8 +51,8 @@ def test_ops_run_the_multinode_schedule_bit_exact(nodes, local):
 
 def _check_node_arena(rank, world_size, seed, trials):
     """2 x 2 with a node arena: all-gathers into outputs that lie in its slots push the intra-node leg by
-    copy engine (Arena.push_spans), both slots in turn; reduce-scatters sum their node partials there
-    (Arena.reduce_partials); both bit-exact, outputs poisoned first; a span outside the slot is refused
+    copy engine (node_leg.push_spans), both slots in turn; reduce-scatters sum their node partials there
+    (node_leg.reduce_partials); both bit-exact, outputs poisoned first; a span outside the slot is refused
     with the op's name before anything is issued."""
     import math
     import random
@@ -62,7 +62,8 @@ def _check_node_arena(rank, world_size, seed, trials):
     import tide
     from tests.multinode.test_reference_multinode import DTYPES, _expected_shard, _inputs
     from tide.meta.layout import shard_rows
-    from tide.transport import nodes, plans
+    from tide.meta import plans
+    from tide.transport import node_leg as nodes
 
     group, W = dist.group.WORLD, world_size
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -104,28 +105,28 @@ def _check_node_arena(rank, world_size, seed, trials):
     assert legs.get("intra:copy_engine") == 2 * trials and not any(k.startswith("intra:p2p") for k in legs), legs
     copied = node.counters()["ce_copies"]
     assert copied >= trials, copied
-    uses, start = node._c.progress()["ag_uses"], torch.cuda.current_stream().record_event()
+    uses, start = node.native.progress()["ag_uses"], torch.cuda.current_stream().record_event()
     try:
-        node.push_spans(0, start, [(start, [node.slot_bytes - 4, 8])])
+        nodes.push_spans(node, 0, start, [(start, [node.slot_bytes - 4, 8])])
         refused = "no error"
     except ValueError as e:
         refused = str(e)
     assert refused.startswith("tide.all_gather_into_params_: span of 8 bytes at") and "not inside a slot" in refused, \
         refused
-    assert node.counters()["ce_copies"] == copied and node._c.progress()["ag_uses"] == uses  # nothing issued
+    assert node.counters()["ce_copies"] == copied and node.native.progress()["ag_uses"] == uses  # nothing issued
     # A partials plan whose own rounds write 8 elements, called with a shorter buffer or a gradient of the
     # wrong dtype: refused by the extension, naming the op and the argument, before any round is issued.
-    rounds = [[[(0, 0, 0, 8, 0)]], [[(0, 8, 0, 8, 0)]]]
-    grad, rounds_before = torch.randn(16, device=dev, dtype=torch.bfloat16), node._c.progress()["rs_rounds"]
+    rounds = [[[plans.RsPiece(0, 0, 0, 8, 0)]], [[plans.RsPiece(0, 8, 0, 8, 0)]]]
+    grad, rounds_before = torch.randn(16, device=dev, dtype=torch.bfloat16), node.native.progress()["rs_rounds"]
     for grads, out, says in (([grad], torch.empty(4, device=dev), "the node partials must be"),
                              ([grad.float()], torch.empty(8, device=dev), "grads[0] must be")):
         try:
-            node.reduce_partials(("bad call",), grads, out, rounds)
+            nodes.reduce_partials(node, ("bad call",), grads, out, rounds)
             refused = "no error"
         except ValueError as e:
             refused = str(e)
         assert refused.startswith("tide.reduce_scatter_params_: " + says), refused
-    assert node._c.progress()["rs_rounds"] == rounds_before
+    assert node.native.progress()["rs_rounds"] == rounds_before
     torch.cuda.synchronize()
     nodes.disable(group.group_name)
     assert nodes.get(group.group_name) is None
@@ -143,7 +144,7 @@ def test_ops_push_the_intra_node_leg_by_copy_engine():
 def _check_direct(rank, world_size, seed, trials, expect_nodes):
     import torch.distributed as dist
 
-    from tide.transport import rails
+    from tide.multinode import rails
 
     group, device = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
     done = _check(rank, world_size, seed, trials, expect_nodes, "cuda")

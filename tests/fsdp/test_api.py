@@ -87,10 +87,11 @@ def test_install_twice_keeps_a_later_patcher_chained_without_a_cycle():
     as TIDE's stock path (the two would call each other forever)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
+    from tide import registry
     from tide.fsdp import seam
 
     seam.install()
-    tide_wrapper, stock = pg.foreach_all_gather, seam._ORIG["foreach_all_gather"]
+    tide_wrapper, stock = pg.foreach_all_gather, registry.stock_functions["foreach_all_gather"]
 
     def later_patcher(*args, **kwargs):
         return tide_wrapper(*args, **kwargs)
@@ -99,7 +100,7 @@ def test_install_twice_keeps_a_later_patcher_chained_without_a_cycle():
     try:
         seam.install()
         assert pg.foreach_all_gather is later_patcher
-        assert seam._ORIG["foreach_all_gather"] is stock
+        assert registry.stock_functions["foreach_all_gather"] is stock
     finally:
         pg.foreach_all_gather = tide_wrapper
 
@@ -157,6 +158,7 @@ def test_import_tide_exposes_fsdp_and_ops():
 
 
 def test_the_seam_has_a_wrapper_for_this_torch():
+    from tide import registry
     from tide.fsdp import seam
 
     wrappers, differed = compat.choose_wrappers(seam.SHAPES)
@@ -169,6 +171,7 @@ def test_the_seam_has_a_wrapper_for_this_torch():
 def test_an_unknown_fsdp2_signature_is_named(monkeypatch):
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
+    from tide import registry
     from tide.fsdp import seam
 
     def foreach_all_gather_copy_out(fsdp_params, all_gather_result, group, *, layout=None):  # reordered upstream

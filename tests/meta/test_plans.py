@@ -1,4 +1,4 @@
-"""Transport plans (tide.transport.plans, pure Python): Slot-Reuse reads each gradient where the same
+"""Transport plans (tide.meta.plans, pure Python): Slot-Reuse reads each gradient where the same
 param's all-gather output lies, and the reduce-scatter rounds cover every gradient element once."""
 import math
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests.meta.test_layout import SHAPE  # the layout tests' shapes: 0-d, empty, 1-3 dims
 from tide.meta.layout import shard_rows
-from tide.transport import plans
+from tide.meta import plans
 
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -1,5 +1,5 @@
 """Node arenas without a device: the batches of the copy-engine intra-node all-gather leg
-(``multinode_plans.node_spans``, pushed by ``Arena.push_spans``) checked against the schedule at many
+(``tide.multinode.plans.node_spans``, pushed by ``node_leg.push_spans``) checked against the schedule at many
 (N, L), paces and layouts; the node-partials plan of the reduce-scatter (``partials_plan``) covering every
 contribution once; and the groups a node arena refuses. The pushes and sums themselves need GPUs
 (tests/cuda/test_multinode_cuda.py)."""
@@ -10,7 +10,7 @@ import pytest
 from tide.launch import run_ranks
 from tide.meta.layout import GroupLayout
 from tide.meta.multinode import Topology
-from tide.ops.multinode_plans import ag_schedule, node_spans, partials_plan, rs_schedule
+from tide.multinode.plans import ag_schedule, node_spans, partials_plan, rs_schedule
 
 
 def _bytes(spans):
@@ -89,7 +89,7 @@ def _refused(rank, world_size, local):
     import torch.distributed as dist
 
     from tide import topology
-    from tide.transport import nodes
+    from tide.transport import node_leg as nodes
 
     topology.set_local_world_size(local)
     try:

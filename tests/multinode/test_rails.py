@@ -1,9 +1,9 @@
-"""The point-to-point legs of the multi-node schedule (tide/transport/rails.py): which implementation a
+"""The point-to-point legs of the multi-node schedule (tide/multinode/rails.py): which implementation a
 group and device call for, a round moving fresh data both ways, and the reason put/signal cannot run."""
 import torch
 
 from tide.launch import run_ranks
-from tide.transport import rails
+from tide.multinode import rails
 
 
 def _round(rank, world_size, seed):

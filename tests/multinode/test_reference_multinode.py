@@ -52,7 +52,7 @@ def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
     import tide
     from tide import topology
     from tide.meta.layout import shard_rows
-    from tide.transport import rails
+    from tide.multinode import rails
 
     dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     tide.reset_stats()
@@ -136,8 +136,7 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
 
     from tide import topology
     from tide.meta.layout import shard_rows
-    from tide.ops import reference_multinode
-    from tide.transport import rails
+    from tide.multinode import rails, schedule
 
     group = dist.group.WORLD
     topo = topology.of_group(group)
@@ -160,7 +159,7 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
                     for sh in shapes]
             shard_grads = [x.clone() if accumulate else torch.full_like(x, float("nan")) for x in init]
             received.clear()
-            reference_multinode.reduce_scatter(grads_all[rank], shard_grads, 0.5, accumulate, group, topo,
+            schedule.reduce_scatter(grads_all[rank], shard_grads, 0.5, accumulate, group, topo,
                                                rs_chunk_bytes=chunk, pace=per_step * chunk)
             for i, sh in enumerate(shapes):
                 want, _ = _expected_shard(grads_all, i, sh, rank, N, L, 0.5, init[i], accumulate)
@@ -190,7 +189,7 @@ def _with_settings(rank, world_size, envs):
     import torch.distributed as dist
 
     import tide
-    from tide.ops import reference_multinode  # noqa: F401 (tide.ops)
+    from tide.multinode import schedule  # noqa: F401 (tide.ops)
 
     for name in (PACE, RAILS):  # a setting this rank leaves out is unset, whatever the caller's shell set
         os.environ.pop(name, None)
@@ -258,15 +257,15 @@ def _rails_decision(rank, world_size, asked, cannot_run_on):
 
     import torch.distributed as dist
 
-    from tide.ops import reference_multinode
+    from tide.multinode import settings
 
     os.environ.pop(RAILS, None)
     if asked is not None:
         os.environ[RAILS] = asked
     reason = "no NCCL symbols in this process" if rank in cannot_run_on else None
-    with mock.patch.object(reference_multinode.dist, "get_backend", return_value="nccl"), \
-            mock.patch.object(reference_multinode.nccl_rails, "unavailable", return_value=reason):
-        return reference_multinode.settings(dist.group.WORLD).direct
+    with mock.patch.object(settings.dist, "get_backend", return_value="nccl"), \
+            mock.patch.object(settings.nccl_rails, "unavailable", return_value=reason):
+        return settings.agreed(dist.group.WORLD).direct
 
 
 def test_auto_rails_are_direct_only_where_every_rank_can_run_them():
@@ -311,7 +310,7 @@ def test_a_steps_chunks_of_one_parameter_move_as_one_range():
     """The schedule merges a destination's consecutive chunks of a parameter in a step: the same elements in
     the same order (so the same sums), one range per parameter."""
     from tide.meta.multinode import Topology
-    from tide.ops.multinode_plans import rs_schedule
+    from tide.multinode.plans import rs_schedule
 
     shapes, item_sizes = ((37, 5), (11,), (64, 3)), (2, 4, 2)
     layout, plan, steps = rs_schedule(shapes, item_sizes, Topology(3, 2), 16, 96)

@@ -1,4 +1,4 @@
-"""``tide.ops.sums``: the reference sum against the documented order computed independently (numpy
+"""``tide.sums``: the reference sum against the documented order computed independently (numpy
 float32, one rounded operation per step), the own term at every position, and the CPU dispatch's count.
 The CUDA kernel is checked against this reference bit for bit in tests/cuda/test_kernels.py."""
 import random
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tide
-from tide.ops import sums
+from tide import sums
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -3,7 +3,7 @@ or a missing peer is an error naming it (2 CPU ranks, the real default store).""
 import torch
 
 from tide.launch import run_ranks_outcomes
-from tide.transport.agreement import agree, call_desc, exchange, first_difference
+from tide.agreement import agree, call_desc, exchange, first_difference
 
 
 def _agree(rank, world_size, scenario):

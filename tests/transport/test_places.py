@@ -4,7 +4,7 @@ rendezvous and the binding itself need GPUs: tests/cuda)."""
 import pytest
 import torch
 
-from tide.transport import plans
+from tide.meta import plans
 from tide.transport.arena import Arena
 
 

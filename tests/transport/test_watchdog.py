@@ -10,8 +10,10 @@ import time
 import pytest
 
 from tide.launch import run_ranks_outcomes
+from tide import timeouts
 from tide.transport import watchdog
-from tide.transport.watchdog import TideTimeoutError, Watchdog
+from tide.timeouts import TideTimeoutError
+from tide.transport.watchdog import Watchdog
 
 
 class Done:
@@ -42,7 +44,8 @@ def test_completed_ops_are_dropped_and_never_fire():
 
 _EXPIRY = textwrap.dedent("""
     import sys, threading, time
-    from tide.transport.watchdog import TideTimeoutError, Watchdog
+    from tide.timeouts import TideTimeoutError
+    from tide.transport.watchdog import Watchdog
 
     class Never:
         def query(self):
@@ -118,18 +121,18 @@ def test_check_raises_the_recorded_error():
 def _group_timeout(rank, world_size):
     import torch.distributed as dist
 
-    return watchdog.timeout_for(dist.group.WORLD)
+    return timeouts.timeout_for(dist.group.WORLD)
 
 
 def test_timeout_is_the_groups_unless_tide_timeout_s_says_otherwise(monkeypatch):
     [outcome] = run_ranks_outcomes(_group_timeout, 1, pg_timeout=17.0, timeout=120)
     assert outcome.status == "ok" and outcome.detail == 17.0, outcome
     monkeypatch.setenv("TIDE_TIMEOUT_S", "2.5")
-    assert watchdog.timeout_for(None) == 2.5
+    assert timeouts.timeout_for(None) == 2.5
     for bad in ("0", "-3", "soon"):
         monkeypatch.setenv("TIDE_TIMEOUT_S", bad)
         with pytest.raises(ValueError, match="TIDE_TIMEOUT_S must be a number > 0"):
-            watchdog.timeout_for(None)
+            timeouts.timeout_for(None)
 
 
 @pytest.mark.parametrize("returns", ["an_op", "nothing_issued", "raises"])
@@ -139,12 +142,11 @@ def test_an_op_is_watched_from_before_its_call_returns(monkeypatch, returns):
     word (an op that issued nothing, or raised, is complete at once)."""
     from types import SimpleNamespace
 
-    from tide.transport.arena import Arena
+    from tide.transport import issue
 
     words: dict[int, bool] = {}
     ext = SimpleNamespace(op_completed=lambda device, op: words.get(op, False))
-    arena = SimpleNamespace(ext=ext, device=SimpleNamespace(index=0), _label="'g'", timeout_s=60.0,
-                            flag_report=lambda: iter(()))
+    arena = SimpleNamespace(ext=ext, device=SimpleNamespace(index=0), label="'g'", timeout_s=60.0)
     dog = Watchdog(poll_s=0.01)
     monkeypatch.setattr(watchdog, "WATCHDOG", dog)
     pending_during_call = []
@@ -154,13 +156,13 @@ def test_an_op_is_watched_from_before_its_call_returns(monkeypatch, returns):
         pending_during_call.append(dog.pending())
         if returns == "raises":
             raise RuntimeError("launch failed")
-        return ("tide", 7) if returns == "an_op" else ("no_plan", 0)
+        return ("tide", 7) if returns == "an_op" else ("bad_args", 0)
 
     if returns == "raises":
         with pytest.raises(RuntimeError, match="launch failed"):
-            Arena._issue(arena, "all_gather_into_params_", call, shards=[])
+            issue.watched(arena, "all_gather_into_params_", call, shards=[])
     else:
-        assert Arena._issue(arena, "all_gather_into_params_", call, shards=[]) == ("tide" if returns == "an_op" else "no_plan")
+        assert issue.watched(arena, "all_gather_into_params_", call, shards=[]) == ("tide" if returns == "an_op" else "bad_args")
     assert pending_during_call == [1]
     if returns == "an_op":
         time.sleep(0.1)

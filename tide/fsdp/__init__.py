@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from tide import knobs, topology
 from tide.fsdp import compat, hooks, seam, wiring
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
-from tide.transport import rails
+from tide.multinode import rails
 
 __all__ = ["enable", "disable", "param_groups", "RS_MODES", "TRANSPORTS"]
 
@@ -72,7 +72,7 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
     counted as ``"tide_multinode"`` (on CUDA only with ``TIDE_CUDA_MULTINODE=1``: opt-in until it is
     measured with several GPUs per node, docs/performance.md; else they take stock,
     ``stock:nvlink_domain``). With several ranks per node, each node's ranks share a node arena
-    (``tide.transport.nodes``) whose slots hold the blocks' outputs and whose copy engines carry the
+    (``tide.transport.node_leg``) whose slots hold the blocks' outputs and whose copy engines carry the
     intra-node legs. Every rank must pass the same value.
     Torch releases: the seam picks its wrappers by the signatures of the FSDP2 functions it replaces
     (``tide.fsdp.compat``). Outside the tested releases it warns once and runs where they match; where

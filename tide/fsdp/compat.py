@@ -31,6 +31,8 @@ import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_common
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
+from tide import registry
+
 log = logging.getLogger("tide.fsdp")
 
 # The releases the seam is tested on (CI runs tests/fsdp on each minor). A newer one whose signatures
@@ -97,14 +99,11 @@ def reduce_result(keep_alive, rs_event, rs_stream, post_event) -> tuple:
     return keep_alive, rs_event, post_event, None, None, None
 
 
-_warned: set = set()
-
-
 def warn_untested_once(fn: str) -> None:
     """One warning per process when TIDE runs on a torch newer (or older) than the tested range."""
-    if is_tested() or torch.__version__ in _warned:
+    if is_tested() or torch.__version__ in registry.compat_warned:
         return
-    _warned.add(torch.__version__)
+    registry.compat_warned.add(torch.__version__)
     low, high = TESTED_TORCH
     warnings.warn(f"{fn}: torch {torch.__version__} is outside the releases TIDE's FSDP2 seam is tested on "
                   f"({low[0]}.{low[1]} to {high[0]}.{high[1]}); its FSDP2 signatures match, so TIDE runs",

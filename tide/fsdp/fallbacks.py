@@ -61,7 +61,7 @@ def contract_reason(compute_capability_major: int, hosts: Sequence[str], nodes: 
     """The CUDA contract for a group on GPUs of this compute capability, its ranks on these hosts (in
     rank order), forming ``nodes`` (``tide.topology``: real or emulated; None: one node). A node must be one
     NVLink domain: at most 8 GPUs on one host. A group of several nodes runs the multi-node schedule
-    (``tide/ops/reference_multinode.py``: rail rounds, intra-node legs on a node arena's copy engines) when
+    (``tide/multinode/schedule.py``: rail rounds, intra-node legs on a node arena's copy engines) when
     ``serve_multinode`` (opt-in on CUDA, ``TIDE_CUDA_MULTINODE=1``: with several GPUs per node its speed is
     not measured yet, docs/performance.md); else it takes stock."""
     if compute_capability_major < MIN_COMPUTE_CAPABILITY:

@@ -30,12 +30,12 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState, _to_dtype_if_needed
 
-from tide import counters, topology
+from tide import counters, registry, topology
 from tide.fsdp import compat, hooks, wiring
 from tide.fsdp.comms import TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
 from tide.meta.call_site import call_identity
-from tide.transport import nodes
+from tide.transport import node_leg
 from tide.transport.watchdog import WATCHDOG
 
 
@@ -101,10 +101,10 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     elif mode == "none":
         # No arena (multi-node groups of one rank per node; the reference transport): from the compute
         # stream's pool, as stock's copy-out allocates them. On the copy-in stream the outputs of an
-        # 8B-shaped multi-node step took 3.9-5.7 GiB of segments of that stream's own (GPU runs 79-80).
+        # 8B-shaped multi-node step took 3.9-5.7 GiB of segments of that stream's own.
         # A block freed on the compute stream may still be read by work queued there, so the all-gather
         # writes after that work: without FSDP's explicit forward prefetch it cannot overlap the layer
-        # before (an 8B-shaped step on 2 x 1 was still 5-18 % faster than stock's, GPU run 83).
+        # before (an 8B-shaped step on 2 x 1 was still 5-18 % faster than stock's).
         outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
         copy_in_stream.wait_stream(compute_stream)
     else:
@@ -223,7 +223,6 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
 # ---------------------------------------------------------------------------------------------- wrappers
 # FSDP2 calls the three functions by position; each has one wrapper per signature it has had
 # (tide.fsdp.compat.choose_wrappers picks the one that is exactly the stock function's).
-_ORIG: dict[str, object] = {}
 _DEFAULT_OUTPUT_FN = getattr(_fsdp_collectives, "_default_all_gather_output_fn", None)
 _DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input_fn", None)
 
@@ -232,8 +231,6 @@ _DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input
 # skipped or reordered a module's call then raise on every rank, naming both modules, instead of pairing
 # it with another module's call of the same layout (the reference backend compares them; the CUDA path
 # does not). A step declared around the training step (tide.train does) nests outside.
-_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParamGroup -> {(op, phase): calls}
-_group_of_comm: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # its TideReduceScatter -> weakref(group)
 
 
 def _identity(param_group, op: str, phase: str) -> call_identity:
@@ -241,7 +238,7 @@ def _identity(param_group, op: str, phase: str) -> call_identity:
     unknown group."""
     if param_group is None:
         return call_identity()
-    counts = _calls.setdefault(param_group, {})
+    counts = registry.call_counts.setdefault(param_group, {})
     count = counts[op, phase] = counts.get((op, phase), 0) + 1
     return call_identity(fqn=param_group._module_fqn or "", phase=phase, count=count)
 
@@ -258,12 +255,12 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
         reason = arena_reason(plan[0])
     counters.count_fsdp("all_gather", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
-        return _ORIG["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
+        return registry.stock_functions["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                            all_gather_stream, device, all_gather_comm)
     if arena is not None:
         wiring.release_at_backward_end()
     param_group = all_gather_comm.param_group
-    _group_of_comm[param_group._reduce_scatter_comm] = weakref.ref(param_group)
+    registry.group_of_comm[param_group._reduce_scatter_comm] = weakref.ref(param_group)
     phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
     with _identity(param_group, "all_gather", phase):
         result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena,
@@ -284,7 +281,7 @@ def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
     copy-out."""
     if isinstance(all_gather_result, TideAllGatherResult):
         return _wait_tide_all_gather(all_gather_result)
-    return _ORIG["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group)
+    return registry.stock_functions["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group)
 
 
 @torch.no_grad()
@@ -294,7 +291,7 @@ def foreach_all_gather_copy_out_with_output_fn(all_gather_result, fsdp_params, g
     took TIDE's all-gather: ``fallbacks.all_gather_reason``)."""
     if isinstance(all_gather_result, TideAllGatherResult):
         return _wait_tide_all_gather(all_gather_result)
-    return _ORIG["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group,
+    return registry.stock_functions["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group,
                                                 all_gather_output_fn=all_gather_output_fn)
 
 
@@ -307,12 +304,12 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, comm, reduce_dty
     counters.count_fsdp("reduce_scatter", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
         out = stock()
-        _order_slot_after_stock_reduce(fsdp_params, comm, group, stream)
+        wiring.order_slot_after_stock_reduce(fsdp_params, comm, group, stream)
         return out
     arena = wiring.arena_for(group, device, getattr(comm, "transport", "auto"))
     if arena is not None:
         wiring.release_at_backward_end()
-    ref = _group_of_comm.get(comm)  # the group is known once it all-gathered on TIDE
+    ref = registry.group_of_comm.get(comm)  # the group is known once it all-gathered on TIDE
     with _identity(ref() if ref is not None else None, "reduce_scatter", "backward"):
         return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena)
 
@@ -324,7 +321,7 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                    force_sum_reduction_for_comms=False):
     """torch 2.11-2.14: the group's reduced gradients are cast to one ``orig_dtype``."""
     def stock():
-        return _ORIG["foreach_reduce"](
+        return registry.stock_functions["foreach_reduce"](
             fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
             orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
             all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms)
@@ -342,7 +339,7 @@ def foreach_reduce_per_param_dtype(fsdp_params, unsharded_grads, reduce_scatter_
     """torch 2.15+: each reduced gradient is cast to its param's ``sharded_grad_dtype``; a group with a
     custom ``prepare_reduce_scatter_inputs`` takes stock."""
     def stock():
-        return _ORIG["foreach_reduce"](
+        return registry.stock_functions["foreach_reduce"](
             fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
             reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream, all_reduce_grads,
             partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms,
@@ -351,18 +348,6 @@ def foreach_reduce_per_param_dtype(fsdp_params, unsharded_grads, reduce_scatter_
                    reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
                    all_reduce_hook, [p.sharded_grad_dtype for p in fsdp_params],
                    prepare_reduce_scatter_inputs is not _DEFAULT_RS_INPUT_FN)
-
-
-def _order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
-    """A stock reduce may read gradients that the Slot-Reuse hooks put in the group's slot: the next
-    all-gather into that slot waits for what stock issued on the reduce-scatter stream (it reads the
-    gradients there, within the call)."""
-    if not (isinstance(comm, TideReduceScatter) and comm.grad_hooks and fsdp_params and group is not None):
-        return
-    arena = nodes.serving(group.group_name)
-    own = arena.slots.last_slot(fsdp_params[0]) if arena is not None else None
-    if own is not None:
-        arena.slots.used(own, stream.record_event())
 
 
 SHAPES = {
@@ -389,7 +374,7 @@ def install() -> str | None:
     Later calls change nothing: a patcher installed after TIDE chains to TIDE's wrapper, and
     re-capturing it as "stock" would make the two call each other forever."""
     global untested_reason
-    if _ORIG:
+    if registry.stock_functions:
         return untested_reason
     wrappers, differed = compat.choose_wrappers(SHAPES)
     if wrappers is None:
@@ -397,7 +382,7 @@ def install() -> str | None:
         counted = {"foreach_all_gather": "all_gather", "foreach_reduce": "reduce_scatter"}
         wrappers = {name: _untested(name, untested_reason, counted.get(name)) for name in SHAPES}
     for name, wrapper in wrappers.items():
-        _ORIG[name] = getattr(_pg, name)
+        registry.stock_functions[name] = getattr(_pg, name)
         setattr(_pg, name, wrapper)
     return untested_reason
 

@@ -16,15 +16,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from tide import counters, topology, transport
-from tide.fsdp.comms import TideAllGather
+from tide import counters, registry, topology, transport
+from tide.fsdp.comms import TideAllGather, TideReduceScatter
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
-from tide.transport import nodes, plans
+from tide.meta import plans
+from tide.transport import node_leg
 
 log = logging.getLogger("tide.fsdp")
 
-_GROUPS: dict[tuple, list] = {}  # ranks -> weak references to the param groups enabled on them
-_CREATED: dict[tuple, str] = {}  # ranks whose arena the seam created -> a group name over them
 
 
 def group_key(group: dist.ProcessGroup) -> tuple:
@@ -34,13 +33,13 @@ def group_key(group: dist.ProcessGroup) -> tuple:
 
 def register_group(param_group) -> None:
     """Remember (weakly) that ``param_group`` is enabled on its shard process group (arena sizing)."""
-    groups = _GROUPS.setdefault(group_key(param_group._all_gather_process_group), [])
+    groups = registry.enabled_groups.setdefault(group_key(param_group._all_gather_process_group), [])
     if not any(r() is param_group for r in groups):
         groups.append(weakref.ref(param_group))
 
 
 def enabled_groups(key: tuple) -> list:
-    refs = _GROUPS.get(key, [])
+    refs = registry.enabled_groups.get(key, [])
     refs[:] = [r for r in refs if r() is not None]
     return [r() for r in refs]
 
@@ -48,11 +47,11 @@ def enabled_groups(key: tuple) -> list:
 def unregister_group(param_group) -> tuple | None:
     """Forget ``param_group``; returns its ranks' key when no enabled group is left on them."""
     key = group_key(param_group._all_gather_process_group)
-    refs = _GROUPS.get(key, [])
+    refs = registry.enabled_groups.get(key, [])
     refs[:] = [r for r in refs if r() is not None and r() is not param_group]
     if refs:
         return None
-    _GROUPS.pop(key, None)
+    registry.enabled_groups.pop(key, None)
     return key
 
 
@@ -83,7 +82,7 @@ def bindable(param_group) -> bool:
 
 def _create_arena(group: dist.ProcessGroup, multinode: bool):
     """Rendezvous the arena of ``group``'s ranks, or for a group spanning nodes the node arena of this
-    rank's node (:mod:`tide.transport.nodes`); collective: every rank reaches its group's first TIDE
+    rank's node (:mod:`tide.transport.node_leg`); collective: every rank reaches its group's first TIDE
     collective at the same point of the step; never under graph capture: that call took the stock path
     before. Slots fit the largest :func:`bindable` group enabled on those ranks (all of ``group``'s ranks'
     outputs); with none, the arena has no slots (reduce-scatters only). The staging ring's entries fit
@@ -94,12 +93,12 @@ def _create_arena(group: dist.ProcessGroup, multinode: bool):
     bound = [g for g in groups if bindable(g) and static_all_gather_reason(g.fsdp_params) is None]
     layouts = [slot_layout(g.fsdp_params, W) for g in bound]
     if multinode:
-        arena = nodes.enable(group, slot_bytes=max([0] + [layout.slot_bytes for layout in layouts]))
+        arena = node_leg.enable(group, slot_bytes=max([0] + [layout.slot_bytes for layout in layouts]))
     else:
         # The staging ring fits one round of the blocks' reduce-scatters; the root's may take several.
         pieces = [rs_piece_bytes(g.fsdp_params) for g in bound or groups]
         arena = transport.enable(group, layouts=layouts, rs_piece_bytes=max(pieces, default=None))
-    _CREATED[key] = group.group_name
+    registry.created_arenas[key] = group.group_name
     counters.count_wiring("arena:created")
     log.info("tide.fsdp: created %r for %d enabled param groups", arena, len(enabled_groups(key)))
     return arena
@@ -116,14 +115,14 @@ def arena_for(group: dist.ProcessGroup, device: torch.device, comm_transport: st
     multinode = topology.is_multinode(topo)
     if multinode and topo.local_size < 2:
         return None
-    arena = nodes.serving(group.group_name)
+    arena = node_leg.serving(group.group_name)
     return arena if arena is not None else _create_arena(group, multinode)
 
 
 def check_arenas_idle(param_groups) -> None:
     """Raise (changing nothing) if an arena serving ``param_groups`` still holds unsharded params."""
     for g in param_groups:
-        arena = nodes.serving(g._all_gather_process_group.group_name)
+        arena = node_leg.serving(g._all_gather_process_group.group_name)
         if arena is not None and arena.slots.held():
             raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of "
                                f"ranks {list(arena.ranks)}; call disable between steps (after backward / reshard)")
@@ -131,18 +130,18 @@ def check_arenas_idle(param_groups) -> None:
 
 def drop_arena(key: tuple) -> None:
     """Release the arena of the ranks ``key`` if the seam created it (after :func:`check_arenas_idle`)."""
-    name = _CREATED.pop(key, None)
+    name = registry.created_arenas.pop(key, None)
     if name is not None:
         transport.disable(name)
-        nodes.disable(name)
+        node_leg.disable(name)
 
 
 def release_leases() -> None:
     """Give the data regions of the arenas the seam created back to the caching allocator (the phase
     ended: nothing TIDE leases sits beside the activations at the loss or beside the optimizer step;
     tide/transport/lease.py). Every rank reaches the same points."""
-    for name in _CREATED.values():
-        arena = nodes.serving(name)
+    for name in registry.created_arenas.values():
+        arena = node_leg.serving(name)
         if arena is not None:
             arena.release()
 
@@ -152,23 +151,17 @@ def _release_after_root_forward(module, args, output) -> None:
         release_leases()
 
 
-_FORWARD_HOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # FSDP module -> its hook's handle
-
-
 def watch_forward(module) -> None:
     """Release the leases when ``module``'s forward ends if it is FSDP's root (a forward hook, registered
     after FSDP's own, so its post-forward reshards have run). Once per module."""
-    if module not in _FORWARD_HOOKS:
-        _FORWARD_HOOKS[module] = module.register_forward_hook(_release_after_root_forward)
+    if module not in registry.forward_hooks:
+        registry.forward_hooks[module] = module.register_forward_hook(_release_after_root_forward)
 
 
 def unwatch_forward(module) -> None:
-    handle = _FORWARD_HOOKS.pop(module, None)
+    handle = registry.forward_hooks.pop(module, None)
     if handle is not None:
         handle.remove()
-
-
-_QUEUED_IN = [None]  # the backward (graph task) whose end already releases
 
 
 def release_at_backward_end() -> None:
@@ -176,9 +169,9 @@ def release_at_backward_end() -> None:
     own, so its last reduce-scatters have been issued); outside backward nothing is queued and the lease
     lasts until the root's next forward ends."""
     task = torch._C._current_graph_task_id()
-    if task == -1 or _QUEUED_IN[0] == task:
+    if task == -1 or registry.released_in_backward[0] == task:
         return
-    _QUEUED_IN[0] = task
+    registry.released_in_backward[0] = task
     torch.autograd.Variable._execution_engine.queue_callback(release_leases)
 
 
@@ -209,3 +202,15 @@ def bind_into_slot(arena, fsdp_params, world_size: int, device: torch.device, sl
         outs.append(p.all_gather_outputs[0])
     arena.bind_outputs(outs, slot, owners=fsdp_params, world_size=world_size)
     return outs
+
+
+def order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
+    """A stock reduce may read gradients that the Slot-Reuse hooks put in the group's slot: the next
+    all-gather into that slot waits for what stock issued on the reduce-scatter stream (it reads the
+    gradients there, within the call)."""
+    if not (isinstance(comm, TideReduceScatter) and comm.grad_hooks and fsdp_params and group is not None):
+        return
+    arena = node_leg.serving(group.group_name)
+    own = arena.slots.last_slot(fsdp_params[0]) if arena is not None else None
+    if own is not None:
+        arena.slots.used(own, stream.record_event())

@@ -12,7 +12,7 @@ from typing import Callable
 from tide import procfs
 from tide.ops.call_groups import BACKSTOP_S, HOST, SCAN_BACK, GroupState, process_ended
 from tide.ops.call_watcher import WATCHER, Watch
-from tide.transport.watchdog import TideTimeoutError
+from tide.timeouts import TideTimeoutError
 
 DESC_CHARS = 2000  # the description's characters a record carries in words (the CRC covers all of it)
 TIMEOUT_WORDS = "TIDE_TIMEOUT_S, else the process group's timeout"

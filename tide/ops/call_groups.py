@@ -15,18 +15,18 @@ import socket
 import threading
 import time
 import weakref
-from collections import Counter
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
-from tide import procfs
-from tide.transport.watchdog import timeout_for
+from tide import procfs, registry
+from tide.timeouts import timeout_for
 
 BACKSTOP_S = 5.0  # a wait's own bound past the timeout, should the watcher not run
 SCAN_BACK = 8  # how many calls back a report looks for a peer's last record
 HOST = socket.gethostname()
+_states_lock = threading.Lock()  # guards the tables of registry this module owns
 
 
 class _Server:
@@ -49,9 +49,6 @@ class _Server:
         return conn
 
 
-_servers: dict[tuple, _Server] = {}
-
-
 def _world_ref():
     world = dist.GroupMember.WORLD if dist.is_initialized() else None
     return weakref.ref(world) if world is not None else (lambda: None)
@@ -66,9 +63,9 @@ def _server_for(base) -> _Server:
     key = (host, port) if host is not None else (id(root),)
     world = dist.GroupMember.WORLD if dist.is_initialized() else None
     with _states_lock:
-        server = _servers.get(key)
+        server = registry.call_servers.get(key)
         if server is None or server.world() is not world:
-            server = _servers[key] = _Server(root)
+            server = registry.call_servers[key] = _Server(root)
             server.watch.set_timeout(timedelta(seconds=60))
     return server
 
@@ -165,9 +162,9 @@ class GroupState:
             return None
         notice = json.loads(store.get(key))
         with _states_lock:
-            if notice["wall"] < since_wall - self.timeout_s or _used_notices.get(g, 0) >= notice["seq"]:
+            if notice["wall"] < since_wall - self.timeout_s or registry.used_notices.get(g, 0) >= notice["seq"]:
                 return None
-            _used_notices[g] = notice["seq"]
+            registry.used_notices[g] = notice["seq"]
         store.set(f"{key}/taken/{notice['seq']}", str(self.rank))  # the refusing rank waits for this
         return notice
 
@@ -196,10 +193,6 @@ def _notice_key(global_rank: int) -> str:
     return f"tide/notices/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{global_rank}"
 
 
-_notices = 0  # notices this process has left
-_used_notices: dict[int, int] = {}  # global rank -> the seq of its last notice a wait of this process took
-
-
 def notify_refusal(op: str, group_name: str, error: BaseException) -> None:
     """This rank refused a call whose ``group_name`` names no group it knows, so it cannot tell that group's
     ranks through the call's exchange: it leaves a notice in the default group's store instead, and waits
@@ -209,12 +202,11 @@ def notify_refusal(op: str, group_name: str, error: BaseException) -> None:
     takes the next one, so the ranks stay in step. (A peer that reaches the call more than a timeout later
     pairs it with this rank's next call, as with a skipped call.) Nothing without a default group of
     several ranks."""
-    global _notices
     store = _world_store()
     if store is None or dist.get_world_size() == 1:
         return
-    _notices += 1
-    notice = {"seq": _notices, "op": op, "group_name": group_name, "type": type(error).__name__,
+    registry.notices_left[0] += 1
+    notice = {"seq": registry.notices_left[0], "op": op, "group_name": group_name, "type": type(error).__name__,
               "error": str(error), "pid": os.getpid(), "wall": time.time(), "thread": threading.current_thread().name}
     key = _notice_key(dist.get_rank())
     try:
@@ -227,18 +219,15 @@ def notify_refusal(op: str, group_name: str, error: BaseException) -> None:
 
 
 
-_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> GroupState
-_instances: Counter = Counter()  # group name -> group objects of that name seen by this process
-_states_lock = threading.Lock()
 
 
 def state_of(group: dist.ProcessGroup) -> GroupState:
-    state = _states.get(group)
+    state = registry.call_states.get(group)
     if state is None:
         with _states_lock:
-            state = _states.get(group)
+            state = registry.call_states.get(group)
             if state is None:
-                _instances[group.group_name] += 1
-                state = _states[group] = GroupState(group, _instances[group.group_name])
+                registry.call_group_instances[group.group_name] += 1
+                state = registry.call_states[group] = GroupState(group, registry.call_group_instances[group.group_name])
     return state
 

@@ -25,7 +25,7 @@ place of its record at once, and every missing peer gets one when the call's tim
 (``TIDE_TIMEOUT_S``, else the process group's timeout). Tombstones are written with compare-and-set, so
 a record and a tombstone never both land: a peer that arrives after its tombstone raises too, with
 nothing issued. Waiting ranks raise :class:`TidePeerError` (a peer died) or
-:class:`tide.transport.watchdog.TideTimeoutError` with the report the CUDA watchdog gives: the op, the
+:class:`tide.timeouts.TideTimeoutError` with the report the CUDA watchdog gives: the op, the
 group, every rank's state (process state, the call it is at or its last call in words) and who is behind.
 A collective that fails because a peer died raises :class:`TidePeerError` naming that rank, with the
 backend's error kept as the cause; one that does not complete within the timeout raises
@@ -63,8 +63,8 @@ from tide.ops import call_exchange
 from tide.ops.call_exchange import (DESC_CHARS, EXC_TYPES, TIMEOUT_WORDS, TidePeerError, collective_failed,
                                     peer_lines, record_words)
 from tide.ops.call_groups import GroupState, notify_refusal, state_of
-from tide.transport.agreement import call_desc, first_difference
-from tide.transport.watchdog import TideTimeoutError
+from tide.agreement import call_desc, first_difference
+from tide.timeouts import TideTimeoutError
 
 __all__ = ["Call", "TideConcurrentCallError", "TidePeerError", "agreed", "refuse", "resolve_group", "world_size_error"]
 

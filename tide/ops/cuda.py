@@ -5,8 +5,8 @@ the current stream is not capturing a CUDA graph, the transport runs (the all-ga
 are bound in an arena slot: zero-copy); otherwise the reference backend runs (the stock collectives,
 layout-aware), and ``tide.stats()["ops"]`` counts why. Every call first raises the transport watchdog's
 error if an earlier TIDE op timed out (``tide.transport.watchdog``). The extension checks the
-arguments (the messages of :mod:`tide.meta.checks`) and finds the plan in one C++ call, so the Python
-part of a call is this module's few lines. The functional ``all_gather`` / ``reduce_scatter`` are the
+arguments (the messages of :mod:`tide.meta.checks`); the drivers (``tide.transport.all_gather``,
+``tide.transport.reduce_scatter``) find the plan and the slot and enter the extension once. The functional ``all_gather`` / ``reduce_scatter`` are the
 reference's compositions on CUDA too: they call these two ops.
 """
 from __future__ import annotations
@@ -16,13 +16,24 @@ import torch
 from tide import counters, topology
 from tide.meta import checks
 from tide.ops import reference
-from tide.transport import arena as _arena
-from tide.transport.watchdog import WATCHDOG
+
+
+class _Transport:
+    """The CUDA transport's modules, imported at the first CUDA call (``import tide`` loads none of them)."""
+
+    def __getattr__(self, name: str):
+        from tide.transport import all_gather, arena, reduce_scatter, watchdog
+
+        self.all_gather, self.arena, self.reduce_scatter, self.WATCHDOG = all_gather, arena, reduce_scatter, watchdog.WATCHDOG
+        return getattr(self, name)
+
+
+_transport = _Transport()
 
 
 def _arena_for(op: str, group_name: str, world_size: int):
-    WATCHDOG.check()
-    a = _arena.get(group_name)
+    _transport.WATCHDOG.check()
+    a = _transport.arena.get(group_name)
     if a is None:
         group = reference.resolve_group(op, group_name, world_size)
         if topology.is_multinode(topology.of_group(group)):  # the reference runs the multi-node schedule
@@ -44,7 +55,7 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
         checks.check_no_grad(op, (("shards", shards), ("outs", outs)))
     a = _arena_for(op, group_name, world_size)
     if a is not None:
-        if a.all_gather_into_params(shards, outs) == "tide":
+        if _transport.all_gather.all_gather_into_params(a, shards, outs):
             counters.count_op(op)
             return
         counters.count_op(op, "outputs_not_in_slot")
@@ -59,7 +70,7 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     if a is None:
         reference.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)
         return
-    a.reduce_scatter_params(grads, shard_grads, scale, accumulate)
+    _transport.reduce_scatter.reduce_scatter_params(a, grads, shard_grads, scale, accumulate)
     counters.count_op(op)
 
 

@@ -9,7 +9,7 @@ W ranks) while its exchange is in flight.
 
 Its results define the ops' semantics: the CUDA transport must match them bit for bit. A group whose
 ranks span several nodes (``tide.topology``) runs the multi-node schedule instead
-(``tide/ops/reference_multinode.py``), whose fp32 order sums node partials: see the schemas.
+(``tide/multinode/schedule.py``), whose fp32 order sums node partials: see the schemas.
 
 On CPU every call is first agreed by its ranks (``tide/ops/calls.py``): each rank's check outcome,
 op, layout, declared identity and thread travel in one record per call through the group's store, so a
@@ -23,10 +23,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tide import counters, topology
+from tide import counters, sums, topology
 from tide.meta import checks
 from tide.meta.layout import rank_row_range, rows_and_row_numel
-from tide.ops import calls, reference_multinode, sums
+from tide.multinode import schedule as multinode
+from tide.ops import calls
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,7 +63,7 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
         topo = topology.of_group(group)
         _count_cpu_call(op, shards[0], topo)
         if topology.is_multinode(topo):
-            reference_multinode.all_gather(shards, outs, group, topo)
+            multinode.all_gather(shards, outs, group, topo)
             return
         rank = group.rank()
         works = []
@@ -86,7 +87,7 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
         topo = topology.of_group(group)
         _count_cpu_call(op, grads[0], topo)
         if topology.is_multinode(topo):
-            reference_multinode.reduce_scatter(grads, shard_grads, scale, accumulate, group, topo)
+            multinode.reduce_scatter(grads, shard_grads, scale, accumulate, group, topo)
             return
         rank = group.rank()
         pending = []

@@ -11,7 +11,9 @@ Importing this package builds nothing and needs no GPU: the extension is compile
     Arena.bind_outputs(outs, slot)                             (FSDP's all-gather outputs into a slot)
     Arena.slots                                                (the slot leases)
     disable(group_name)                                        (releases the arena's memory)
-    nodes.enable(group, slot_bytes=...) -> Arena               (a multi-node group's node arena: nodes.py)
+    all_gather.all_gather_into_params(arena, shards, outs)     (TIDE-AG's driver: all_gather.py)
+    reduce_scatter.reduce_scatter_params(arena, grads, ...)    (TIDE-RS's driver: reduce_scatter.py)
+    node_leg.enable(group, slot_bytes=...) -> Arena            (a multi-node group's node arena: node_leg.py)
 """
 from tide.transport.arena import Arena, arenas, disable, enable, get  # noqa: F401
 

@@ -1,5 +1,8 @@
-"""The arena of one set of ranks, and the registry the ``tide`` ops consult (by ranks: every process
-group over the same ranks, in the same order, finds the same arena).
+"""The arena of one set of ranks: its memory and identity (flags, the leased data region, slots), and
+the lookup the ``tide`` ops make (by ranks: every process group over the same ranks, in the same order,
+finds the same arena; the arenas themselves sit in :mod:`tide.registry`). The collectives that run on
+an arena are drivers of their own: :mod:`tide.transport.all_gather`, :mod:`tide.transport.reduce_scatter`
+and :mod:`tide.transport.node_leg`.
 
 One arena per set of ranks, rendezvoused once (never inside CUDA-graph capture). Its byte layout and
 flag words are defined once, in ``csrc/transport/flags.h``; this module asks the extension for the
@@ -24,38 +27,30 @@ caller knows the reduce-scatters it serves (FSDP: its largest block's, one round
 small model's ring is then no larger than its blocks need, and the root's once-a-step reduce-scatter
 may take several rounds). At W = 2 the default gives 16 MiB entries, because
 every round costs its push stream about 11 us beside its data (a stream-memop wait, then the ready-flag
-copy; bench/timeline.py, docs/performance.md), so fewer, larger rounds win from 256 MiB up (runs 54-56;
-the plans cut an op's rounds equal, :func:`tide.transport.plans.pack_rounds`). The arena alone leases its slots
+copy; bench/timeline.py, docs/performance.md), so fewer, larger rounds win from 256 MiB up (the plans
+cut an op's rounds equal, :func:`tide.meta.plans.pack_rounds`). The arena alone leases its slots
 (:class:`tide.transport.slots.SlotLeases`) and hands out views of its memory; a reduce-scatter that
 reads gradients lying in a slot (where FSDP's Slot-Reuse hooks put them) keeps that slot busy until it
 has read them.
 """
 from __future__ import annotations
 
-import logging
 import math
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from tide import knobs, topology
-from tide.meta import checks
+from tide import agreement, knobs, registry, timeouts, topology
+from tide.meta import plans
 from tide.meta.layout import GroupLayout, align_up
-from tide.transport import agreement, board, flag_report, plans, watchdog
+from tide.transport import board, watchdog
 from tide.transport.lease import Leases
 from tide.transport.slots import SlotLeases
 
-log = logging.getLogger("tide.transport")
-
 DEFAULT_RS_RING_BYTES = 64 << 20
 DEFAULT_RING_DEPTH = 2
-DEFAULT_SUM_CTAS = 16
 CAST_CTAS_PER_SM = 4
-
-_ARENAS: dict[tuple, "Arena"] = {}  # global ranks, in group-rank order -> arena
-_RANKS: dict[str, tuple] = {}  # process-group name -> its ranks (resolved once)
-_GENERATIONS: dict[tuple, int] = {}  # global ranks -> arenas created for them (names their store keys)
 
 
 class Arena:
@@ -68,7 +63,7 @@ class Arena:
         num_slots: K, the all-gather slots.
         rs_ring_bytes: bytes of the reduce-scatter staging ring at most (``TIDE_RS_RING_BYTES``).
         rs_piece_bytes: one destination's bytes of the largest reduce-scatter the ring is for
-            (:func:`tide.transport.plans.rs_piece_bytes`): the entries are cut to it (None: not known,
+            (:func:`tide.meta.plans.rs_piece_bytes`): the entries are cut to it (None: not known,
             the entries fill ``rs_ring_bytes``).
         ring_depth: R, staging slots per destination, each of W entries (``TIDE_RS_RING_DEPTH``): up to R
             rounds of a reduce-scatter are in flight.
@@ -96,7 +91,7 @@ class Arena:
         self.slot_bytes = align_up(int(slot_bytes), 4096)
         self.num_slots = num_slots if self.slot_bytes > 0 else 0
         self.ring_depth = ring_depth or knobs.positive_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
-        self.sum_ctas = sum_ctas or knobs.positive_int("TIDE_RS_CTAS", DEFAULT_SUM_CTAS)
+        self.sum_ctas = sum_ctas or knobs.positive_int("TIDE_RS_CTAS", plans.DEFAULT_SUM_CTAS)
         ring = rs_ring_bytes or knobs.positive_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.cast_ctas = cast_ctas or knobs.positive_int("TIDE_AG_CAST_CTAS", CAST_CTAS_PER_SM * sms)
@@ -109,28 +104,29 @@ class Arena:
                                        slot_bytes=self.slot_bytes, entry_bytes=self.entry_bytes)
         self.flags_bytes, self.slots_off, self.data_bytes = layout["flags_bytes"], layout["slots_off"], layout["data_bytes"]
         self.flag_words, self.flag_index = layout["flag_words"], layout["flag_index"]
-        self.timeout_s = watchdog.timeout_for(group)
-        self._label = f"{self.group_name!r} (ranks {list(self.ranks)}, this rank {self.rank})"
-        _GENERATIONS[self.ranks] = generation = _GENERATIONS.get(self.ranks, 0) + 1
-        self._store = dist.distributed_c10d._get_default_store()
-        self._store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{generation}"
-        self._plans = 0  # plans agreed on so far (tide/transport/agreement.py)
+        self.timeout_s = timeouts.timeout_for(group)
+        self.label = f"{self.group_name!r} (ranks {list(self.ranks)}, this rank {self.rank})"
+        registry.arena_generations[self.ranks] += 1
+        self.store = dist.distributed_c10d._get_default_store()
+        self.store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{registry.arena_generations[self.ranks]}"
+        self.plans: dict = {}  # the collectives' plans, by op and call shape (their drivers fill it)
+        self.plans_agreed = 0  # plans agreed on so far, every kind (numbers their store keys)
         self.ring_off = layout["ring_off"]
         # Ranks laid out differently would push into each other's wrong addresses: they agree first.
-        agreement.agree(self._store, f"{self._store_prefix}/layout", self.rank, W,
+        agreement.agree(self.store, f"{self.store_prefix}/layout", self.rank, W,
                         f"Arena(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, ring_depth={self.ring_depth}, "
                         f"entry_bytes={self.entry_bytes})", self.timeout_s,
-                        f"tide.transport.enable (group {self._label}): the arena's layout must be the same on every "
+                        f"tide.transport.enable (group {self.label}): the arena's layout must be the same on every "
                         "rank (TIDE_RS_RING_BYTES, TIDE_RS_RING_DEPTH and the slot size)")
 
-        self._board = board.IssuedBoard.rendezvous(self._store, f"{self._store_prefix}/board", self.rank, W,
-                                                   self.num_slots)
+        self.board = board.IssuedBoard.rendezvous(self.store, f"{self.store_prefix}/board", self.rank, W,
+                                                  self.num_slots)
         try:
             self.flags = symm_mem.empty(self.flags_bytes, dtype=torch.uint8, device=self.device)
             self.handle = symm_mem.rendezvous(self.flags, group)
         except BaseException:
-            if self._board is not None and self.rank == 0:
-                self._board.unlink()  # a peer that never reached the board leaves no count to unlink it
+            if self.board is not None and self.rank == 0:
+                self.board.unlink()  # a peer that never reached the board leaves no count to unlink it
             raise
         bases = [int(p) for p in self.handle.buffer_ptrs]
         if bases[self.rank] != self.flags.data_ptr():
@@ -138,22 +134,20 @@ class Arena:
         self.flags.zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
-        self._c = self.ext.Arena(rank=self.rank, world=W, flag_bases=bases, device=self.device.index,
+        self.native = self.ext.Arena(rank=self.rank, world=W, flag_bases=bases, device=self.device.index,
                                  num_slots=self.num_slots, slot_bytes=self.slot_bytes, ring_depth=self.ring_depth,
                                  entry_bytes=self.entry_bytes, sum_ctas=self.sum_ctas,
                                  cast_ctas=self.cast_ctas)
-        if self._board is not None:
-            self._c.publish_progress_to(self._board.progress_address())
+        if self.board is not None:
+            self.native.publish_progress_to(self.board.progress_address())
         self.slots = SlotLeases(self.num_slots)
-        c = self._c
-        self.leases = Leases(self.ext, group, self._store, self._store_prefix, self.rank, W, self.device,
-                             self.data_bytes, self.timeout_s, self._label,
+        c = self.native
+        self.leases = Leases(self.ext, group, self.store, self.store_prefix, self.rank, W, self.device,
+                             self.data_bytes, self.timeout_s, self.label,
                              set_bases=lambda bases: c.set_data_bases(bases=bases), sync_pushes=c.sync_pushes)
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
-        self._report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
-        self._logged = False
+        self.report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
         self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
-        self._partials_ids: dict = {}  # a node arena's partials plans (reduce_partials): key -> the extension's id
 
     def __repr__(self) -> str:
         return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"
@@ -186,85 +180,26 @@ class Arena:
         """Wait for this arena's work and release its memory and streams (after :func:`disable`). After a
         TIDE op timed out this raises the watchdog's error at once instead: that work never completes, and
         the process is about to end."""
-        if self._c is None:
+        if self.native is None:
             return
         watchdog.WATCHDOG.check()
         torch.cuda.synchronize(self.device)  # nothing of this rank writes into a peer's region any more
-        self._c.publish_progress_to(0)
+        self.native.publish_progress_to(0)
         self.leases.close()
-        self._c = None  # destroys the streams and events
-        if self._board is not None:
-            self._board.close()
-            self._board = None
+        self.native = None  # destroys the streams and events
+        self.plans.clear()
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         self.handle = None
         self.flags = None  # the symmetric allocation goes back to the driver
 
-    # ------------------------------------------------------------------------------------ ops
-    # The extension checks the arguments and looks the plan up (one C++ call per op); a layout it has
-    # no plan for yet is planned here once (tide/transport/plans.py) and handed over. Bad arguments come
-    # back as "bad_args" with nothing issued on any rank; the error raised is tide.meta.checks', which
-    # words every argument error of every backend (only this rare path pays for the Python checks).
-    def _log_once(self) -> None:
-        if not self._logged:
-            self._logged = True
-            log.info("tide.transport: %r, %d bytes of symmetric memory, %d leased", self, self.symmetric_bytes,
-                     self.data_bytes)
-
-    def _agree(self, op: str, desc: str) -> None:
-        """Every rank reaches its next new plan with the same call (one store round trip per plan)."""
-        self._plans += 1
-        agreement.agree(self._store, f"{self._store_prefix}/plan{self._plans}", self.rank, self.world_size, desc,
-                        self.timeout_s, f"tide.{op} (group {self._label}, new plan #{self._plans})")
-
-    def _add_ag_plan(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-        self._agree("all_gather_into_params_", agreement.call_desc("all_gather_into_params_", (shards, outs)))
-        out_dtypes = [o.dtype for o in outs]
-        layout = plans.all_gather_layout([s.shape for s in shards], out_dtypes, self.world_size)
-        info = plans.ag_plan_info(layout, self.rank)
-        plan = self.ext.AgPlan(own_off=info.own_off, out_off=info.out_off, out_numel=info.out_numel,
-                               out_dtype=[plans.DTYPE_CODES[d] for d in out_dtypes], chunks=info.chunks,
-                               slot_bytes=layout.slot_bytes)
-        self._c.add_ag_plan(shards=shards, outs=outs, plan=plan)
-        self._log_once()
-
-    def _add_rs_plan(self, grads: Sequence[torch.Tensor]) -> None:
-        self._agree("reduce_scatter_params_", agreement.call_desc("reduce_scatter_params_", (grads,)))
-        dtypes = [g.dtype for g in grads]
-        info = plans.rs_plan_info([g.shape for g in grads], dtypes, self.world_size, self.rank, self.entry_bytes)
-        plan = self.ext.RsPlan(rounds=info.rounds, pads=info.pads, grad_dtype=[plans.DTYPE_CODES[d] for d in dtypes])
-        self._c.add_rs_plan(grads=grads, plan=plan)
-        self._log_once()
-
-    def all_gather_into_params(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> str:
-        """TIDE-AG of ``shards`` into ``outs`` bound in a slot (:meth:`bind_outputs`, :meth:`slot_views`):
-        ``"tide"``, or ``"not_bound"`` when ``outs`` lie in no slot at their plan's addresses (nothing
-        issued; the caller gathers another way)."""
-        if self.leases.held is not None:  # outputs can only be bound in a held lease; record the stream
-            self.region()
-        ran = self._issue("all_gather_into_params_", self._c.all_gather, shards=shards, outs=outs)
-        if ran == "no_plan":
-            self._add_ag_plan(shards, outs)
-            ran = self._issue("all_gather_into_params_", self._c.all_gather, shards=shards, outs=outs)
-        if ran == "bad_args":
-            checks.check_all_gather_into_params("all_gather_into_params_", shards, outs, self.world_size)
-            self._raise_device_error("all_gather_into_params_", ("shards", shards), ("outs", outs))
-        return ran
-
-    def reduce_scatter_params(self, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
-                              accumulate: bool) -> None:
-        """TIDE-RS into this rank's fp32 ``shard_grads``, reading every gradient where it lies. A slot that
-        holds some of them (FSDP's Slot-Reuse hooks put gradients at their parameters' places there) is
-        busy until the reduce-scatter has read them."""
-        kw = dict(grads=grads, shard_grads=shard_grads, scale=float(scale), accumulate=bool(accumulate))
-        self.region()
-        ran = self._issue("reduce_scatter_params_", self._c.reduce_scatter, **kw)
-        if ran == "no_plan":
-            self._add_rs_plan(grads)
-            ran = self._issue("reduce_scatter_params_", self._c.reduce_scatter, **kw)
-        if ran == "bad_args":
-            checks.check_reduce_scatter_params("reduce_scatter_params_", grads, shard_grads, self.world_size)
-            self._raise_device_error("reduce_scatter_params_", ("grads", grads), ("shard_grads", shard_grads))
-        self.read_from_slots(grads)
+    # ------------------------------------------------------------------------------------ slots and views
+    def _check_slot(self, op: str, slot: int) -> int:
+        slot = int(slot)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"tide.transport.{op}: slot must be in [0, {self.num_slots}), got {slot}")
+        return slot
 
     def read_from_slots(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Keep every slot that holds one of ``tensors`` busy until the current stream has passed this point
@@ -276,82 +211,12 @@ class Arena:
                 self.slots.used(slot, event)
         return bool(slots)
 
-    def reduce_partials(self, key, grads: Sequence[torch.Tensor], out: torch.Tensor, rounds: list) -> None:
-        """The node-local stage of a multi-node reduce-scatter step on this node arena
-        (:mod:`tide.transport.nodes`): a TIDE-RS whose destinations are the node's ranks, each summing the
-        node partials the Latin square gives it into ``out`` (fp32, unscaled, local rank order). ``key``
-        names the plan, given the first time as ``rounds`` (``rounds[d][j]``: destination d's j-th round
-        of ``(param, grad element, element of out, elements, entry byte)``, packed for ``entry_bytes``)."""
-        plan_id = self._partials_ids.get(key)
-        if plan_id is None:
-            # Node peers that reach a new plan with different gradients raise here, naming the call, rather
-            # than wait on each other's rounds.
-            self._agree("reduce_scatter_params_", agreement.call_desc("reduce_scatter_params_ (node partials)",
-                                                                      (grads,)))
-            plan = self.ext.RsPlan(rounds=rounds, pads=[],
-                                   grad_dtype=[plans.DTYPE_CODES[g.dtype] for g in grads])
-            plan_id = len(self._partials_ids)
-            self._c.add_partials_plan(id=plan_id, plan=plan)
-            self._partials_ids[key] = plan_id
-        self.region()
-        self._issue("reduce_scatter_params_", self._c.reduce_partials, id=plan_id, grads=grads, out=out)
-
-    def push_spans(self, slot: int, start: torch.cuda.Event,
-                   batches: Sequence[tuple[torch.cuda.Event, Sequence[int]]]) -> None:
-        """The copy-engine intra-node leg of a multi-node all-gather whose outputs are bound in slot ``slot``
-        of this node arena (:mod:`tide.transport.nodes`): each batch's ``(byte offset in the slot, bytes)``
-        pairs (flat) of this rank's slot go to every peer's slot at the same offsets once its event has
-        fired; ``start`` was recorded on the current stream as the op began. TIDE-AG's flags surround it
-        (csrc/transport/arena.h), so the current stream then waits until every peer's pieces are here."""
-        self.region()
-        self._issue("all_gather_into_params_", self._c.push_spans, slot=int(slot), start=start.cuda_event,
-                    landed=[event.cuda_event for event, _ in batches], spans=[list(spans) for _, spans in batches])
-
-    def _issue(self, name: str, call, **kw) -> str:
-        """One call into the extension, watched from before it issues anything; its outcome's name."""
-        done = watchdog.Completion(self.ext, self.device.index)
-        watchdog.WATCHDOG.track(done, name, self._label, self.timeout_s, self.flag_report)
-        ran, op = None, None
-        try:
-            ran, op = call(**kw)
-        finally:
-            done.issued(op if ran == "tide" else None)
-        return ran
-
-    def flag_report(self, wait_s: float = 1.5) -> Iterator[str]:
-        """The watchdog's report lines: what this rank and its peers have issued, and their processes'
-        state (the issued board, tide/transport/board.py: no CUDA call), then which peers' flag words are
-        behind it (tide/transport/flag_report.py), from a host copy of the words taken on a stream of the
-        extension's own, without the GIL. That copy needs the driver, which a launch blocked on the
-        stalled streams' full queue can hold (GPU run 34): the lines that need no driver go out first."""
-        progress = self._c.progress()
-        yield "  " + flag_report.issued(progress)
-        if self._board is not None:  # the peers' issued work and processes, read with no CUDA call
-            yield from board.report(self._board.records(), self.rank, self.ranks)
-        status = self._c.read_flags(self._report_host, wait_s)
-        if status != "ok":
-            yield ("  flag words unreadable: " + (f"their copy to the host did not finish in {wait_s:g} s"
-                                                  if status == "timeout" else f"their copy failed: {status}"))
-            return
-        yield flag_report.describe(self._report_host.tolist(), self.flag_index, progress, self.rank, self.ranks)
-
-    def _raise_device_error(self, op: str, *named_lists) -> None:
-        """The one condition the extension checks beyond tide.meta.checks: every tensor on the arena's device."""
-        for name, tensors in named_lists:
-            for i, t in enumerate(tensors):
-                if t.device != self.device:
-                    raise ValueError(f"tide.{op}: {name}[{i}] is on {t.device} but the group's arena is on {self.device}")
-        raise AssertionError(f"tide.{op}: the extension refused arguments that pass every check")
-
-    # ------------------------------------------------------------------------------------ slots and views
-    def _check_slot(self, op: str, slot: int) -> int:
-        slot = int(slot)
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"tide.transport.{op}: slot must be in [0, {self.num_slots}), got {slot}")
-        return slot
-
     def _slot_base(self, slot: int) -> int:
         return self.slots_off + slot * self.slot_bytes
+
+    def slot_address(self, slot: int) -> int:
+        """The device address of this rank's slot ``slot`` in the held lease."""
+        return self.leases.held.data_ptr() + self._slot_base(slot)
 
     def slot_of(self, tensor: torch.Tensor) -> int | None:
         """The slot of the leased region whose bytes ``tensor`` starts in, or None."""
@@ -426,7 +291,7 @@ class Arena:
         ``slot`` at their param-major addresses, and lease the slot to them until they are resharded;
         ``owners`` (one key per output, e.g. FSDP's params) remember the slot. Each output must own its
         whole storage (storage offset 0, ``W*shard_numel`` elements), W = ``world_size``: the arena's
-        ranks by default, a multi-node group's for a node arena (:mod:`tide.transport.nodes`)."""
+        ranks by default, a multi-node group's for a node arena (:mod:`tide.transport.node_leg`)."""
         slot = self._check_slot("bind_outputs", slot)
         W = world_size or self.world_size
         places = self._places(outs, W)
@@ -448,19 +313,19 @@ class Arena:
         """Cumulative counts of this arena's ops (copy-engine copies and bytes, flag copies, copy-API,
         kernel and stream-memop calls, op calls) and the host nanoseconds spent in the ops' C++ part
         (``host_ns_total``), split by kind of call."""
-        out = dict(self._c.counters())
+        out = dict(self.native.counters())
         out.update(sum_ctas=self.sum_ctas, symmetric_bytes=self.symmetric_bytes, data_bytes=self.data_bytes,
                    leases=self.leases.count, peer_maps=self.leases.maps_opened)
         return out
 
 
-# ---------------------------------------------------------------------------------------- registry
+# ---------------------------------------------------------------------------------------- lookup
 def group_ranks(group_name: str) -> tuple:
     """The global ranks of the process group ``group_name``, in group-rank order (resolved once)."""
-    ranks = _RANKS.get(group_name)
+    ranks = registry.group_ranks.get(group_name)
     if ranks is None:
         group = dist.distributed_c10d._resolve_process_group(group_name)
-        ranks = _RANKS[group_name] = tuple(dist.get_process_group_ranks(group))
+        ranks = registry.group_ranks[group_name] = tuple(dist.get_process_group_ranks(group))
     return ranks
 
 
@@ -477,18 +342,18 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int | None = None, layouts: 
         raise ValueError(f"tide.transport.enable: ranks {list(ranks)} span {topo.num_nodes} nodes of {topo.local_size} "
                          "(tide.topology); the CUDA transport serves one node, and multi-node groups run the "
                          "reference backend's multi-node schedule")
-    if ranks in _ARENAS:
+    if ranks in registry.arenas:
         raise ValueError(f"tide.transport.enable: ranks {list(ranks)} already have an arena; "
                          "tide.transport.disable it first")
     arena = Arena(group, need, **kwargs)
-    _ARENAS[ranks] = arena
+    registry.arenas[ranks] = arena
     return arena
 
 
 def disable(group_name: str) -> None:
     """Release the arena of ``group_name``'s ranks (for every group over them); their ops take the stock
     path afterwards."""
-    arena = _ARENAS.pop(group_ranks(group_name), None)
+    arena = registry.arenas.pop(group_ranks(group_name), None)
     if arena is not None:
         arena.close()
 
@@ -496,13 +361,13 @@ def disable(group_name: str) -> None:
 def get(group_name: str) -> Arena | None:
     """The arena of ``group_name``'s ranks, or None (also for a name that is no process group: the
     reference backend then raises the op's error)."""
-    if not _ARENAS:
+    if not registry.arenas:
         return None
     try:
-        return _ARENAS.get(group_ranks(group_name))
+        return registry.arenas.get(group_ranks(group_name))
     except (RuntimeError, ValueError, KeyError):
         return None
 
 
 def arenas() -> list[Arena]:
-    return list(_ARENAS.values())
+    return list(registry.arenas.values())

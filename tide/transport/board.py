@@ -1,7 +1,7 @@
 """The issued board: what every rank of an arena has issued, in host memory that all its processes map,
 so that a stalled rank's watchdog says which peer is behind, and whether that peer's process is still
 there, with no CUDA call. The flag words need one (a copy from the GPU), and a launch spinning on a
-stream queue full behind a dead peer holds the driver lock that copy needs (GPU runs 34-35).
+stream queue full behind a dead peer holds the driver lock that copy needs.
 
 One file in /dev/shm per arena: rank 0 creates it and names it through the store, every rank maps it,
 and the last rank to have tried unlinks it (a count in the store), so a rank that dies afterwards leaves

@@ -39,6 +39,9 @@ SOURCES = (
     "transport/ipc.cpp",
     "transport/nccl_p2p.cpp",
     "transport/arena.cpp",
+    "transport/all_gather.cpp",
+    "transport/reduce_scatter.cpp",
+    "transport/node_leg.cpp",
     "transport/bindings.cpp",
 )
 CXX_FLAGS = ["-O3", "-std=c++17"]

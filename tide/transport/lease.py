@@ -9,10 +9,10 @@ tide/fsdp/wiring.py); the freed block then serves the activations.
 - **Mapping.** Each rank exports the allocator segment that holds its region with legacy CUDA IPC
   (csrc/transport/ipc.h: torch never learns the segment is shared, so a freed lease is never parked).
   At each lease the ranks exchange handle and offset through the store
-  (:func:`tide.transport.agreement.exchange`: three requests whatever the world size), and map peers'
-  segments they have not mapped yet: the allocator hands the same block back phase after phase (GPU
-  run 42, ``bench/lease_probe.py``), so a step maps nothing. A peer's mapping is closed when it drops out of the last ``MAPPINGS_PER_PEER``
-  handles seen, after this rank's pushes have drained: a segment a peer maps cannot go back to the
+  (:func:`tide.agreement.exchange`: three requests whatever the world size), and map peers'
+  segments they have not mapped yet: the allocator hands the same block back phase after phase
+  (``bench/lease_probe.py``), so a step maps nothing. A peer's mapping is closed when it drops out of the
+  last ``MAPPINGS_PER_PEER`` handles seen, after this rank's pushes have drained: a segment a peer maps cannot go back to the
   device (``empty_cache``, the allocator's retry after a failed allocation), so few stay mapped.
 - **Collective.** Every rank leases at the same point of its program (FSDP's decisions are identical on
   every rank); a rank that leases alone waits for its peers' keys and raises after the group's timeout,
@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from tide.transport import agreement
+from tide import agreement
 
 MAPPINGS_PER_PEER = 2  # a forward and a backward lease in different segments
 

@@ -4,7 +4,7 @@ TIDE's waits are stream memory operations on flag words: a peer that dies or iss
 sequence leaves them waiting forever, and no kernel spins that could time out. So every TIDE op ends with
 a stream memop on the caller's stream that writes its sequence number into a pinned host word, and one
 daemon thread per process (started with the first op) polls those words: plain memory reads, no CUDA
-call. (``cudaEventQuery`` blocked in GPU runs 32-33: the training thread's launches had filled the stalled
+call. (``cudaEventQuery`` blocked on the GPU machine: the training thread's launches had filled the stalled
 streams' queue and spun in the driver under a lock the query needed.) When an op has not
 completed ``timeout_s`` after it was issued (``TIDE_TIMEOUT_S``, else the process group's timeout), the
 thread
@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from tide import knobs, trace
+from tide import trace
+from tide.timeouts import TideTimeoutError
 
 EXIT_CODE = 124
 BACKSTOP_EXIT_CODE = 1  # faulthandler's exit status, when the watchdog's own thread could not run
@@ -42,12 +43,8 @@ GRACE_S = 10.0
 POLL_S = 0.25
 # The most the flag report may take before the report goes out without the rest: its lines that need no
 # CUDA call (the issued board) come first, so a copy of the flag words blocked in a wedged driver costs only
-# this, and the exit stays well inside timeout + 15 s (GPU run 38: 24.6 s with 4 s here).
+# this, and the exit stays well inside timeout + 15 s (24.6 s with 4 s here, on the GPU machine).
 REPORT_S = 2.0
-
-
-class TideTimeoutError(RuntimeError):
-    """A TIDE op did not complete within its timeout (the watchdog's report is the message)."""
 
 
 def _trace_slow(completed: list, pending: list, now: float) -> None:
@@ -173,7 +170,7 @@ class Completion:
     """One op's completion, for the watchdog, tracked from before its issue: the op's word in the
     extension's pinned host ring (csrc/transport/completions.h), read with no CUDA call. Until the issuing
     call returns it is pending, since a launch can block on a stream whose queue is full behind a dead
-    peer's flags (GPU run 35). It holds no arena: a closed arena is never kept alive, or destroyed, by the
+    peer's flags. It holds no arena: a closed arena is never kept alive, or destroyed, by the
     watchdog's thread."""
 
     __slots__ = ("_ext", "_device", "_op", "_issuing")
@@ -189,19 +186,3 @@ class Completion:
         if self._issuing:
             return False
         return self._op is None or self._ext.op_completed(self._device, self._op)
-
-
-def timeout_for(group) -> float:
-    """Seconds a TIDE op of ``group`` may take: ``TIDE_TIMEOUT_S``, else the group's own timeout."""
-    seconds = knobs.positive_float("TIDE_TIMEOUT_S", None)
-    if seconds is not None:
-        return seconds
-    import torch
-    import torch.distributed as dist
-
-    for device in ("cuda", "cpu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except (AttributeError, RuntimeError):
-            continue
-    return dist.distributed_c10d._get_default_timeout(dist.get_backend(group)).total_seconds()

@@ -14,14 +14,15 @@ unpadded gradient shapes pads them as the all-gather layout of the padded shards
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from tide.meta.layout import GroupLayout, align_up
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ALIGN = 16
+# CTAs of TIDE-RS's summing kernel unless TIDE_RS_CTAS says otherwise (the arena's and the multi-node sums').
+DEFAULT_SUM_CTAS = 16
 # Chunks split across staging entries at multiples of 8 elements: the remainder keeps the 16-B
 # alignment of the summing kernel's vector path in the gradient, the entry and the fp32 shard.
 SPLIT_ELEMS = 8
@@ -42,13 +43,34 @@ AG_FIRST_CHUNK_BYTES = 2 << 20
 AG_MAX_CHUNK_BYTES = 64 << 20
 
 
+class ShardRange(NamedTuple):
+    """Elements ``[first, first + numel)`` of param ``param``'s own shard (an all-gather chunk) or of its
+    shard grad (padding); the extension's ``ShardRange`` has the same fields (csrc/transport/plans.h)."""
+
+    param: int
+    first: int
+    numel: int
+
+
+class RsPiece(NamedTuple):
+    """``numel`` gradient elements of ``param`` from ``grad_offset``, staged at byte ``entry_offset`` of a
+    staging entry and summed into element ``shard_offset`` of the destination's shard grad; the
+    extension's ``RsChunk`` has the same fields."""
+
+    param: int
+    grad_offset: int
+    shard_offset: int
+    numel: int
+    entry_offset: int
+
+
 @dataclass
 class AgPlanInfo:
     layout: GroupLayout
-    own_off: list
-    out_off: list
+    own_offset: list  # bytes from slot start to this rank's shard of each param
+    out_offset: list  # bytes from slot start to each param's output
     out_numel: list
-    chunks: list  # chunks[c] = [(param, first shard element, elements), ...]
+    chunks: list  # chunks[c] = [ShardRange, ...]
 
 
 def ag_chunks(layout: GroupLayout, first_bytes: int = AG_FIRST_CHUNK_BYTES,
@@ -58,7 +80,7 @@ def ag_chunks(layout: GroupLayout, first_bytes: int = AG_FIRST_CHUNK_BYTES,
     of ``SPLIT_ELEMS`` elements (the cast kernel's vector width stays aligned); every shard element lies
     in exactly one chunk."""
     if first_bytes < 1 or max_bytes < first_bytes:
-        raise ValueError(f"tide.transport.plans: need 1 <= first_bytes <= max_bytes, got {first_bytes}, {max_bytes}")
+        raise ValueError(f"tide.meta.plans: need 1 <= first_bytes <= max_bytes, got {first_bytes}, {max_bytes}")
     chunks, cur, filled, target = [], [], 0, first_bytes
     for p in layout.params:
         pos, n = 0, p.shard_numel
@@ -69,7 +91,7 @@ def ag_chunks(layout: GroupLayout, first_bytes: int = AG_FIRST_CHUNK_BYTES,
                 chunks.append(cur)
                 cur, filled, target = [], 0, min(2 * target, max_bytes)
                 continue
-            cur.append((p.index, pos, take))
+            cur.append(ShardRange(p.index, pos, take))
             filled += take * p.itemsize
             pos += take
     if cur:
@@ -78,16 +100,16 @@ def ag_chunks(layout: GroupLayout, first_bytes: int = AG_FIRST_CHUNK_BYTES,
 
 
 def ag_plan_info(layout: GroupLayout, rank: int) -> AgPlanInfo:
-    own_off = [p.slot_byte_range(rank)[0] for p in layout.params]
-    return AgPlanInfo(layout, own_off, [p.slot_offset for p in layout.params], [p.out_numel for p in layout.params],
+    own_offset = [p.slot_byte_range(rank)[0] for p in layout.params]
+    return AgPlanInfo(layout, own_offset, [p.slot_offset for p in layout.params], [p.out_numel for p in layout.params],
                       ag_chunks(layout))
 
 
 @dataclass
 class RsPlanInfo:
     layout: GroupLayout
-    rounds: list  # rounds[d][j] = [(param, grad_off, shard_off, numel, entry_off), ...]
-    pads: list  # [(param, shard_off, numel)] of this rank
+    rounds: list  # rounds[d][j] = [RsPiece, ...]
+    pads: list  # [ShardRange] of this rank's padding
 
 
 def _pack(chunks: Sequence, itemsizes: Sequence[int], capacity: int) -> list:
@@ -106,7 +128,7 @@ def _pack(chunks: Sequence, itemsizes: Sequence[int], capacity: int) -> list:
                 rounds.append(cur)
                 cur, off = [], 0
                 continue
-            cur.append((c.param, grad_off, shard_off, n, off))
+            cur.append(RsPiece(c.param, grad_off, shard_off, n, off))
             off = align_up(off + n * size, ALIGN)
             grad_off, shard_off, left = grad_off + n, shard_off + n, left - n
     if cur:
@@ -123,7 +145,7 @@ def rs_piece_bytes(shard_numels: Sequence[int], itemsizes: Sequence[int]) -> int
 
 def check_entry_bytes(itemsizes: Sequence[int], entry_bytes: int) -> None:
     if entry_bytes % ALIGN or (itemsizes and entry_bytes < SPLIT_ELEMS * max(itemsizes)):
-        raise ValueError(f"tide.transport.plans: entry_bytes={entry_bytes} must be a multiple of {ALIGN} "
+        raise ValueError(f"tide.meta.plans: entry_bytes={entry_bytes} must be a multiple of {ALIGN} "
                          f"and hold {SPLIT_ELEMS} elements")
 
 
@@ -154,5 +176,5 @@ def rs_plan_info(grad_shapes: Sequence[Sequence[int]], grad_dtypes: Sequence[tor
     check_entry_bytes(itemsizes, entry_bytes)
     layout = GroupLayout(grad_shapes, itemsizes, world_size, rs_chunk_bytes=entry_bytes)
     rounds = [pack_rounds(layout.rs_chunks(d), itemsizes, entry_bytes) for d in range(world_size)]
-    pads = [(p.param, p.shard_offset, p.numel) for p in layout.pad_ranges(rank)]
+    pads = [ShardRange(p.param, p.shard_offset, p.numel) for p in layout.pad_ranges(rank)]
     return RsPlanInfo(layout, rounds, pads)

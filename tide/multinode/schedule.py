@@ -1,130 +1,42 @@
-"""The reference backend's multi-node schedule: TIDE-AG and TIDE-RS step by step as
+"""The multi-node schedule: TIDE-AG and TIDE-RS of a group that spans nodes, step by step as
 :class:`tide.meta.multinode.MultiNodePlan` lays them out, with point-to-point sends over the group
-(gloo on CPU). It defines the multi-node semantics, the fp32 order included, that a multi-node transport
+(gloo on CPU, NCCL or TIDE's direct rails on GPUs). The ops run it on every backend (the reference
+backend's kernels hand such groups here), and it defines the multi-node semantics, the fp32 order included, that a multi-node transport
 must match bit for bit.
 
 All-gather: every received piece goes straight to its final address in ``outs``; the rail rounds run
 step by step (each at most ``pace_bytes`` per rank), then the intra-node pushes; on GPUs the own shards'
 copy runs beside the rails when no cast needs it first. Every round is one batch
-of point-to-point operations (``tide/transport/rails.py``: NCCL for CUDA tensors, gloo for CPU tensors,
+of point-to-point operations (``tide/multinode/rails.py``: NCCL for CUDA tensors, gloo for CPU tensors,
 host-staged for CUDA tensors on a gloo group). Reduce-scatter: node-local contributions into
 per-destination staging on the rank that sums the node's partial, the fp32 partials (local order; with one
 rank per node the partial is its own contribution, sent in its dtype), the rail rounds, the hand-off on
 the destination node and the sum in node order (every sum on TIDE-RS's summing kernel on GPUs:
-``tide/ops/sums.py``), in the plan's steps (``MultiNodePlan.rs_steps``:
+``tide/sums.py``), in the plan's steps (``MultiNodePlan.rs_steps``:
 ``pace_bytes`` of chunks of every destination per step), so the staging is bounded whatever the model's
 size.
 
-With a node arena (CUDA, L > 1: ``tide/transport/nodes.py``, which FSDP creates) the intra-node legs run on
+With a node arena (CUDA, L > 1: ``tide/transport/node_leg.py``, which FSDP creates) the intra-node legs run on
 the copy engines instead: an all-gather whose outputs lie in its slots pushes its own rows and then each
-rail step's pieces, as the step lands, to the node's peers (``Arena.push_spans``); a reduce-scatter step's
-node partials are a TIDE-RS over the node (``Arena.reduce_partials``: contributions pushed into the
+rail step's pieces, as the step lands, to the node's peers (``node_leg.push_spans``); a reduce-scatter step's
+node partials are a TIDE-RS over the node (``node_leg.reduce_partials``: contributions pushed into the
 summing rank's staging ring, summed in local order, so the answers stay bit-exact). Both count
 ``intra:copy_engine`` in ``tide.stats()["multinode"]``.
 
-The pacing knob, ``TIDE_MULTINODE_PACE_BYTES`` (default :data:`DEFAULT_PACE_BYTES`), and the rails'
-implementation, ``TIDE_MULTINODE_RAILS`` (``auto``, the default: direct NCCL where every rank of the group can
-run them, else ``p2p``; or ``p2p`` or ``nccl``: ``tide/transport/rails.py``), are read by each rank and
-compared across the group at the group's first multi-node call: ranks that set them differently would post
-sends and receives of different sizes or on different communicators, so all of them raise, naming the
-settings.
+The pacing knob and the rails' implementation are agreed per group: :mod:`tide.multinode.settings`.
 """
 from __future__ import annotations
 
 import functools
-import json
-import logging
-from collections import Counter
-from dataclasses import dataclass
 from functools import reduce
 
 import torch
 import torch.distributed as dist
 
-from tide import counters, knobs
+from tide import counters, registry, sums
 from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES
-from tide.meta.multinode import DEFAULT_PACE_BYTES, MultiNodePlan, Piece, Topology
-from tide.ops import multinode_plans, sums
-from tide.transport import agreement, nccl_rails, nodes, rails, watchdog
-
-log = logging.getLogger("tide")
-
-PACE_ENV = "TIDE_MULTINODE_PACE_BYTES"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a group's ranks agreed on at its first multi-node call."""
-
-    group: dist.ProcessGroup  # the group object they hold for: a re-created group of the same name agrees anew
-    pace: int  # bytes per rail step (PACE_ENV)
-    direct: bool  # no rank asked for p2p (rails.RAILS_ENV) and every rank can run the direct NCCL rails
-    prefix: str  # the store keys of this agreement
-
-
-_settings: dict[str, Settings] = {}  # process-group name -> its agreed settings
-_agreements: Counter = Counter()  # process-group name -> agreements so far (numbers the store keys)
-
-
-def settings(group: dist.ProcessGroup) -> Settings:
-    """This group's settings, agreed by its ranks at the group's first multi-node call (one store round
-    trip): :data:`PACE_ENV` and ``rails.RAILS_ENV``. A rank's invalid value, or values that differ
-    between ranks, make every rank raise, naming them. Direct NCCL rails that some rank cannot run leave
-    every rank on ``p2p``, logged with the reason (a warning when they were asked for by name). "Can run"
-    means an NCCL group and the extension's NCCL symbols; a communicator whose set-up then fails raises
-    there rather than falling back (its peers wait in theirs until the watchdog ends them)."""
-    agreed = _settings.get(group.group_name)
-    if agreed is None or agreed.group is not group:
-        agreed = _settings[group.group_name] = _agree(group)
-    return agreed
-
-
-def _agree(group: dist.ProcessGroup) -> Settings:
-    name = group.group_name
-    _agreements[name] += 1
-    prefix = f"tide/multinode/{name}/{_agreements[name]}"
-    problems = []  # published, not raised here: every rank names them instead of waiting for this one
-    try:
-        pace = knobs.positive_int(PACE_ENV, DEFAULT_PACE_BYTES)
-    except ValueError as e:
-        pace = None
-        problems.append(str(e))
-    try:
-        want = knobs.choice(rails.RAILS_ENV, rails.RAILS_CHOICES, "auto")
-    except ValueError as e:
-        want = None
-        problems.append(str(e))
-    why_not = ""
-    if want != "p2p" and not problems:
-        why_not = ("the group is not an NCCL group (ranks sharing GPUs)" if "nccl" not in dist.get_backend(group)
-                   else nccl_rails.unavailable() or "")
-    what = f"tide: the multi-node settings of group {name!r}"
-    mine = json.dumps({"pace": pace, "rails": want, "why_not": why_not, "problems": problems})
-    store = dist.distributed_c10d._get_default_store()
-    every = [json.loads(v) for v in agreement.exchange(store, f"{prefix}/settings", group.rank(), group.size(), mine,
-                                                       watchdog.timeout_for(group), what)]
-    bad = [f"rank {r}: {p}" for r, v in enumerate(every) for p in v["problems"]]
-    if bad:
-        raise ValueError(f"{what}: {'; '.join(bad)}")
-    if len({(v["pace"], v["rails"]) for v in every}) > 1:
-        per_rank = [f"{v['pace']}, {v['rails']}" for v in every]
-        raise RuntimeError(f"{what}: the ranks set {PACE_ENV} and {rails.RAILS_ENV} differently (per rank: {per_rank}); "
-                           "the schedule needs the same on every rank")
-    reasons = [f"rank {r}: {v['why_not']}" for r, v in enumerate(every) if v["why_not"]]
-    if reasons:
-        (log.warning if want == "nccl" else log.debug)("%s: direct NCCL rails unavailable, the rails stay p2p (%s)",
-                                                        what, "; ".join(reasons))
-    return Settings(group, int(pace), want != "p2p" and not reasons, prefix)
-
-
-def _pace(group: dist.ProcessGroup, device: torch.device) -> int:
-    """The agreed pace, and the direct rails opened where agreed and the op's tensors are on a GPU (at an
-    op's start: every rank is there; CPU tensors on a group with an NCCL backend for CUDA never use them)."""
-    agreed = settings(group)
-    if agreed.direct and device.type == "cuda":
-        rails.open_direct(group, agreed.prefix)
-    return agreed.pace
-
+from tide.meta.multinode import MultiNodePlan, Piece, Topology
+from tide.multinode import plans, rails, settings
 
 @functools.cache
 def _own_copy_stream(device: int) -> torch.cuda.Stream:
@@ -133,11 +45,14 @@ def _own_copy_stream(device: int) -> torch.cuda.Stream:
 
 
 def _node_arena(group: dist.ProcessGroup, tensor: torch.Tensor):
-    """``group``'s node arena (:mod:`tide.transport.nodes`) for an op on ``tensor``'s device, or None: no
-    node arena, a CPU tensor, or CUDA-graph capture (its flags would be captured, not written)."""
-    if not tensor.is_cuda or torch.cuda.is_current_stream_capturing():
+    """``group``'s node arena (:mod:`tide.transport.node_leg`) for an op on ``tensor``'s device, or None: no
+    node arena, a CPU tensor, or CUDA-graph capture (its flags would be captured, not written). The CUDA
+    transport is imported only where it made a node arena."""
+    if not registry.node_arenas or not tensor.is_cuda or torch.cuda.is_current_stream_capturing():
         return None
-    return nodes.get(group.group_name)
+    from tide.transport import node_leg
+
+    return node_leg.get(group.group_name)
 
 
 def _node_slot(outs, group: dist.ProcessGroup):
@@ -150,9 +65,11 @@ def _node_slot(outs, group: dist.ProcessGroup):
 def _node_partials(node, rs_key: tuple, k: int, rank: int, flat: list) -> dict:
     """Step ``k``'s node partials of this rank, summed on the node arena ``node`` from its node peers'
     contributions, pushed by copy engine into its staging ring: {dest: fp32 partial}."""
-    rounds, mine, total = multinode_plans.partials_plan(rs_key, k, rank, node.entry_bytes)
+    from tide.transport import node_leg
+
+    rounds, mine, total = plans.partials_plan(rs_key, k, rank, node.entry_bytes)
     out = torch.empty(total, dtype=torch.float32, device=flat[0].device)
-    node.reduce_partials((rs_key, k, tuple(g.dtype for g in flat)), flat, out, rounds)
+    node_leg.reduce_partials(node, (rs_key, k, tuple(g.dtype for g in flat)), flat, out, rounds)
     counters.count_multinode("intra:copy_engine")
     return {d: out[off:off + n] for d, (off, n) in mine.items()}
 
@@ -160,10 +77,10 @@ def _node_partials(node, rs_key: tuple, k: int, rank: int, flat: list) -> dict:
 def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:
     rank = group.rank()
     key = (tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs), topology, rank,
-           pace or _pace(group, shards[0].device))
-    numels, steps = multinode_plans.ag_schedule(*key)
+           pace or settings.pace(group, shards[0].device))
+    numels, steps = plans.ag_schedule(*key)
     node_slot = _node_slot(outs, group)
-    if node_slot is not None:  # the node's ranks push each other's pieces by copy engine (Arena.push_spans)
+    if node_slot is not None:  # the node's ranks push each other's pieces by copy engine (node_leg.push_spans)
         current = torch.cuda.current_stream(outs[0].device)
         start, landed = current.record_event(), []
         steps = [step for step in steps if step[0] == "rail"]
@@ -172,7 +89,7 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
     sources = [s.reshape(-1) for s in shards]
     # This rank's pieces go out from its shard itself when the shard has the output's dtype, so no send waits
     # for the own copy; on GPUs that copy (SM work) then runs on a stream of its own, beside the rails'
-    # transfers (GPU run 70: in line it added 100 us to a 256 MiB all-gather of 990). A shard that is cast
+    # transfers (in line it added 100 us to a 256 MiB all-gather of 990). A shard that is cast
     # is sent from its output rows, after the copy.
     as_is = [s.dtype == o.dtype for s, o in zip(shards, outs)]
     beside = flat[0].is_cuda and all(as_is) and not torch.cuda.is_current_stream_capturing()
@@ -201,7 +118,9 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
                 landed.append(current.record_event())
         if node_slot is not None:
             node, slot = node_slot
-            node.push_spans(slot, start, list(zip(landed, multinode_plans.node_spans(*key))))
+            from tide.transport import node_leg
+
+            node_leg.push_spans(node, slot, start, list(zip(landed, plans.node_spans(*key))))
             counters.count_multinode("intra:copy_engine")
     finally:  # also when a step raises: the caller may free the outputs the copy still writes
         if beside:
@@ -213,8 +132,8 @@ def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: di
                    pace: int | None = None) -> None:
     rank = group.rank()
     key = (tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads), topology, rs_chunk_bytes,
-           pace or _pace(group, grads[0].device))
-    layout, plan, steps = multinode_plans.rs_schedule(*key)
+           pace or settings.pace(group, grads[0].device))
+    layout, plan, steps = plans.rs_schedule(*key)
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
     node = _node_arena(group, flat[0]) if topology.local_size > 1 else None
@@ -232,7 +151,7 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
                          plan: MultiNodePlan, partials: dict | None = None) -> None:
     """One step of :meth:`MultiNodePlan.rs_steps`: ``step[d]`` are destination d's chunks in it. Each stage
     moves and sums a destination's chunks of the step as one buffer (one send per peer and destination,
-    one sum per destination: ``tide/ops/sums.py``), in the same element order as chunk by chunk.
+    one sum per destination: ``tide/sums.py``), in the same element order as chunk by chunk.
     ``partials``: this rank's node partials of the step, already summed on its node arena (stages 1 and
     2 by copy engine and TIDE-RS's summing kernel: :func:`_node_partials`)."""
     topology, rank = plan.topology, group.rank()
@@ -270,16 +189,13 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     def empty(shape, dtype):
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def row(rows, index, own):  # the row of ``rows`` that stands for term ``index`` (``own``'s has none)
-        return rows[index - 1 if index > own else index]
-
     # 1. node-local contributions to the rank that sums the node's partial for each destination, staged as
     # the rows of that sum (local order, this rank's own row left out)
     if partials is None:
         sends = [(plan.partial_rank(me_node, d), contribution(d)) for d in range(W)
                  if plan.partial_rank(me_node, d) != rank and numel[d]]
         staged = {d: empty((L - 1, numel[d]), grad_dtype[d]) for d in mine if numel[d] and L > 1}
-        recvs = [(topology.rank(me_node, l), rails.whole(row(staged[d], l, me_local))) for d in staged
+        recvs = [(topology.rank(me_node, l), rails.whole(_row(staged[d], l, me_local))) for d in staged
                  for l in range(L) if l != me_local]
         rails.exchange(group, sends, recvs, "intra")
     # 2. node partials in local order (fp32); with L = 1 the partial is this rank's contribution itself,
@@ -302,6 +218,24 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
             own_partial = pieces
         else:
             to_send[d] = rails.whole(partial)
+    _partials_to_sums(step, out, scale, accumulate, group, plan, to_send, own_partial, numel, partial_dtype)
+
+
+def _row(rows, index: int, own: int):
+    """The row of ``rows`` that stands for term ``index`` of a sum (``own``'s term has no row)."""
+    return rows[index - 1 if index > own else index]
+
+
+def _partials_to_sums(step, out, scale: float, accumulate: bool, group: dist.ProcessGroup, plan: MultiNodePlan,
+                      to_send: dict, own_partial: list, numel: dict, partial_dtype: dict) -> None:
+    """Stages 3 to 5 of :func:`_reduce_scatter_step`: the node partials over the rails, handed to their
+    destinations, and summed there in node order."""
+    topology, rank = plan.topology, group.rank()
+    N, me_node, device = topology.num_nodes, topology.node(rank), out[0].device
+
+    def empty(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=device)
+
     # 3. rail rounds: one destination's node partials out and one's in per round; those for this rank land
     # in the rows of its final sum (node order, its own node's row left out)
     parts = empty((N - 1, numel[rank]), partial_dtype[rank])
@@ -309,7 +243,7 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     for t in range(1, N):
         send_to, dest_sent, recv_from, dest_received = plan.rs_rail_round(t, rank)
         n = topology.node(recv_from)
-        landed[n, dest_received] = (row(parts, n, me_node) if dest_received == rank
+        landed[n, dest_received] = (_row(parts, n, me_node) if dest_received == rank
                                     else empty(numel[dest_received], partial_dtype[dest_received]))
         if numel[dest_sent]:
             sends.append((send_to, to_send[dest_sent]))
@@ -319,7 +253,7 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     # 4. hand-off on the destination's node: the landing rank passes each partial to its destination
     sends = [(dest, rails.whole(buf)) for (n, dest), buf in sorted(landed.items(), key=lambda kv: kv[0])
              if dest != rank and buf.numel()]
-    recvs = [(plan.landing_rank(n, rank), rails.whole(row(parts, n, me_node))) for n in range(N)
+    recvs = [(plan.landing_rank(n, rank), rails.whole(_row(parts, n, me_node))) for n in range(N)
              if n != me_node and plan.landing_rank(n, rank) != rank and numel[rank]]
     rails.exchange(group, sends, recvs, "handoff")
     # 5. the destination sums the N partials in node order, scales, and writes (or adds) each chunk

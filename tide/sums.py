@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from tide import counters, knobs
-from tide.transport.arena import DEFAULT_SUM_CTAS
+from tide.meta.plans import DEFAULT_SUM_CTAS
 
 log = logging.getLogger("tide")
 

@@ -1,13 +1,13 @@
 """The multi-node schedule's per-rank plans, pure and cached (no device, no process group): what
-:mod:`tide.ops.reference_multinode` runs each step, and the node arena's share of it
-(:mod:`tide.transport.nodes`).
+:mod:`tide.multinode.schedule` runs each step, and the node arena's share of it
+(:mod:`tide.transport.node_leg`).
 
 - :func:`ag_schedule`: this rank's sends and receives per all-gather step;
 - :func:`node_spans`: the byte ranges of a node arena's slot that each all-gather step lets this rank push
-  to its node's peers (``Arena.push_spans``);
+  to its node's peers (``node_leg.push_spans``);
 - :func:`rs_schedule`: the reduce-scatter's steps, each destination's chunks merged where adjacent;
 - :func:`partials_plan`: one reduce-scatter step's node-local stage as a TIDE-RS over the node's ranks
-  (``Arena.reduce_partials``).
+  (``node_leg.reduce_partials``).
 
 Plans are pure functions of the shapes, element sizes and topology, and a training step repeats the same
 groups: each is built once (about 75 us for an 8-parameter all-gather on the CPU CI machine, 40 for a
@@ -20,7 +20,7 @@ import functools
 
 from tide.meta.layout import GroupLayout, RsChunk
 from tide.meta.multinode import MultiNodePlan, Piece, Topology
-from tide.transport import plans as transport_plans
+from tide.meta import plans as layout_plans
 
 
 @functools.lru_cache(maxsize=256)
@@ -37,7 +37,7 @@ def ag_schedule(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank
 
 @functools.lru_cache(maxsize=256)
 def node_spans(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank: int, pace_bytes: int) -> list:
-    """The batches of the copy-engine intra-node leg (``Arena.push_spans``): this rank's own shards, then
+    """The batches of the copy-engine intra-node leg (``node_leg.push_spans``): this rank's own shards, then
     the pieces each rail step lands, as flat (byte offset in the slot, bytes) pairs, adjacent ones merged.
     The slot is laid out as ``Arena.bind_outputs`` binds the group's W outputs."""
     W = topology.world_size
@@ -63,7 +63,7 @@ def node_spans(shard_shapes: tuple, item_sizes: tuple, topology: Topology, rank:
 def rs_schedule(grad_shapes: tuple, item_sizes: tuple, topology: Topology, rs_chunk_bytes: int, pace_bytes: int):
     """(the group's layout, its plan, the plan's steps with each destination's consecutive chunks of one
     parameter merged into one range: the same elements in the same order, one slice each instead of one
-    per chunk, whose host cost set the time of a large reduce-scatter on GPUs, run 63)."""
+    per chunk, whose host cost set the time of a large reduce-scatter on GPUs)."""
     layout = GroupLayout(list(grad_shapes), list(item_sizes), topology.world_size, rs_chunk_bytes=rs_chunk_bytes)
     plan = MultiNodePlan(layout, topology, pace_bytes=pace_bytes)
     return layout, plan, [{d: _merged(chunks) for d, chunks in step.items()} for step in plan.rs_steps()]
@@ -83,14 +83,14 @@ def _merged(chunks: list[RsChunk]) -> list[RsChunk]:
 
 @functools.lru_cache(maxsize=256)
 def partials_plan(rs_key: tuple, k: int, rank: int, entry_bytes: int) -> tuple:
-    """Step ``k``'s node-local stage as a TIDE-RS over this rank's node (``Arena.reduce_partials``):
+    """Step ``k``'s node-local stage as a TIDE-RS over this rank's node (``node_leg.reduce_partials``):
     (rounds per local destination j, this rank's node partials as {dest: (offset, elements)} in one fp32
     buffer, that buffer's elements). Destination j's chunks are those of every dest whose partial j sums
     (the Latin square), in dest order, each at its place in j's buffer; every contributor packs them alike."""
     layout, plan, steps = rs_schedule(*rs_key)
     topo, step = plan.topology, steps[k]
     node, itemsizes = topo.node(rank), [p.itemsize for p in layout.params]
-    transport_plans.check_entry_bytes(itemsizes, entry_bytes)
+    layout_plans.check_entry_bytes(itemsizes, entry_bytes)
     rounds, mine, total = [], {}, 0
     for j in range(topo.local_size):
         chunks, off = [], 0
@@ -103,7 +103,7 @@ def partials_plan(rs_key: tuple, k: int, rank: int, entry_bytes: int) -> tuple:
                 off += c.numel
             if j == topo.local(rank):
                 mine[d] = (start, off - start)
-        rounds.append(transport_plans.pack_rounds(chunks, itemsizes, entry_bytes))
+        rounds.append(layout_plans.pack_rounds(chunks, itemsizes, entry_bytes))
         if j == topo.local(rank):
             total = off
     return rounds, mine, total

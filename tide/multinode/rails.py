@@ -1,4 +1,4 @@
-"""The point-to-point legs of the multi-node schedule (``tide/ops/reference_multinode.py``).
+"""The point-to-point legs of the multi-node schedule (``tide/multinode/schedule.py``).
 
 One call moves a round's pieces: every send and receive of this rank (a span of a tensor, with its peer),
 posted as batches of point-to-point operations on the group (a bounded number per peer each), then waited
@@ -13,31 +13,30 @@ for. How it moves them depends on the group's backend for the tensors' device, r
   message by copies queued on the current stream, as gloo itself stages a CUDA collective;
 - ``nccl_direct``: CUDA tensors on an NCCL group whose ranks can all run them and did not set
   ``TIDE_MULTINODE_RAILS=p2p`` (the default ``auto``, or ``nccl``): each batch is one NCCL group issued
-  from one extension call on a communicator of TIDE's own (``tide/transport/nccl_rails.py``).
+  from one extension call on a communicator of TIDE's own (``tide/multinode/nccl_rails.py``).
 
 NCCL's one-sided put/signal (``nccl4py``, NCCL >= 2.29) is the other implementation the design names; it
 is not built. :func:`put_signal_unavailable` says why it could not run here.
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from tide import counters
+import weakref
+
+from tide import counters, registry
 
 RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "auto" (default: direct NCCL where every rank can run them), "p2p" or "nccl"
 RAILS_CHOICES = ("auto", "p2p", "nccl")
-_direct: dict = {}  # process-group name -> (the group, its DirectRails: tide/transport/nccl_rails.py)
-_openings: Counter = Counter()  # process-group name -> direct rails opened so far (numbers their store keys)
 
 
 def _opened(group: dist.ProcessGroup):
     """``group``'s open DirectRails, or None (also for another group once registered under its name)."""
-    entry = _direct.get(group.group_name)
-    return entry[1] if entry is not None and entry[0] is group else None
+    return registry.group_entry(registry.direct_rails, group)
 
 
 def implementation(group: dist.ProcessGroup, device: torch.device) -> str:
@@ -57,19 +56,20 @@ def open_direct(group: dist.ProcessGroup, prefix: str) -> None:
     """Open ``group``'s direct NCCL rails unless they are open (collective: every rank of the group at the
     same call, after agreeing on them; ``prefix``: that agreement's store keys). Never under CUDA-graph
     capture, where the communicator's set-up must not run: a later call opens them."""
-    from tide.transport.nccl_rails import DirectRails
+    from tide.multinode.nccl_rails import DirectRails
 
     if _opened(group) is None and not torch.cuda.is_current_stream_capturing():
         # Fresh store keys per opening: after a close, an earlier opening's unique id is still in the store,
-        # and a rank reading it would join a communicator that no longer exists (GPU run 63).
-        _openings[group.group_name] += 1
-        _direct[group.group_name] = (group, DirectRails(group, f"{prefix}/{_openings[group.group_name]}"))
+        # and a rank reading it would join a communicator that no longer exists.
+        registry.rails_openings[group.group_name] += 1
+        opening = registry.rails_openings[group.group_name]
+        registry.direct_rails[group.group_name] = (weakref.ref(group), DirectRails(group, f"{prefix}/{opening}"))
 
 
 def close_direct(group: dist.ProcessGroup) -> None:
     """Close ``group``'s direct NCCL rails, if open, once their work has completed (``tide.fsdp.disable``:
     their communicator's buffers go with them; a later multi-node call opens them again)."""
-    opened = _direct.pop(group.group_name, None)
+    opened = registry.direct_rails.pop(group.group_name, None)
     if opened is not None:
         opened[1].stream.synchronize()
 

@@ -1,9 +1,8 @@
 """Direct NCCL rails of the multi-node schedule: one C++ call per batch of a step's point-to-point operations.
 
 Through torch's ProcessGroupNCCL every piece of a step is a call of its own, with its own bookkeeping;
-that host cost made the emulated multi-node ops 3-20x slower than NCCL's collectives on two H200s (GPU
-runs 55-62). Here a step's sends and receives go to NCCL as one group from one extension call
-(``csrc/transport/nccl_p2p.cpp``).
+that host cost made the emulated multi-node ops 3-20x slower than NCCL's collectives on two H200s. Here a
+step's sends and receives go to NCCL as one group from one extension call (``csrc/transport/nccl_p2p.cpp``).
 
 - **A communicator of TIDE's own** per process group, made at the group's first multi-node call (rank 0's
   unique id through the store, then a collective ``ncclCommInitRank``): NCCL kernels of one communicator
@@ -14,15 +13,15 @@ runs 55-62). Here a step's sends and receives go to NCCL as one group from one e
   side by side. No tensor is recorded on the rail stream, as none would be for a kernel on the caller's
   stream: a block allocated there is reused only by work ordered after the exchange, and FSDP2's events
   order the rest (a recorded block's reuse waits until the allocator sees the rail stream pass it, which
-  left the step's reserved memory at the mercy of the host's lead over the GPU: GPU runs 81-82).
+  left the step's reserved memory at the mercy of the host's lead over the GPU).
 - **Bounded like every TIDE op.** The watchdog (``tide/transport/watchdog.py``) tracks the communicator's
   creation and every exchange from before its call, through a completion word written on the caller's
   stream after the join: a peer that dies mid-step ends this process after the timeout, with a report.
 
 The default wherever every rank of the group can run them (``TIDE_MULTINODE_RAILS`` unset or ``auto``;
-``p2p`` keeps torch's point-to-point path; ``tide/ops/reference_multinode.py`` agrees on it with the pace):
+``p2p`` keeps torch's point-to-point path; ``tide/multinode/settings.py`` agrees on it with the pace):
 on two H200s as 2 nodes x 1 they beat the p2p rails at every size and reserve less memory in the
-8B-shaped step (GPU runs 78 and 82). Counted as ``<leg>:nccl_direct`` in ``tide.stats()["multinode"]``.
+8B-shaped step. Counted as ``<leg>:nccl_direct`` in ``tide.stats()["multinode"]``.
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from tide.transport import agreement, watchdog
+from tide import agreement, timeouts
 
 
 def unavailable() -> str | None:
@@ -52,12 +51,12 @@ class DirectRails:
     """The direct NCCL rails of ``group`` (every rank constructs them together, one GPU per rank)."""
 
     def __init__(self, group: dist.ProcessGroup, prefix: str) -> None:
-        from tide.transport import build
+        from tide.transport import build, watchdog  # the CUDA transport, only where these rails run
 
         self.ext = build.load()
         self.rank, self.world = group.rank(), group.size()
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.timeout_s = watchdog.timeout_for(group)
+        self.timeout_s = timeouts.timeout_for(group)
         self.label = f"{group.group_name!r} (ranks {dist.get_process_group_ranks(group)}, this rank {self.rank})"
         store = dist.distributed_c10d._get_default_store()
         what = f"tide.transport: the direct NCCL rails of group {self.label}"
@@ -80,6 +79,8 @@ class DirectRails:
         """One NCCL group of ``(group peer, tensor, start, count, is_send)`` operations (elements
         ``[start, start + count)`` of a contiguous tensor on this GPU, checked in C++), ordered on the
         caller's stream."""
+        from tide.transport import watchdog
+
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         done = watchdog.Completion(self.ext, self.device.index)

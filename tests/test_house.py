@@ -1,0 +1,76 @@
+"""House limits on the sources, so that each file and function stays readable in one sitting: every file
+under tide/ below 400 lines and under csrc/ below 450, every function (Python or C++) below 80 lines.
+This test reads the sources; it imports nothing of TIDE."""
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FILE_LIMITS = {"tide": 400, "csrc": 450}
+FUNCTION_LIMIT = 80
+CONTROL = {"if", "for", "while", "switch", "do", "else", "namespace", "struct", "class", "enum", "union", "try",
+           "catch", "extern", "return"}
+
+
+def _sources(top: str) -> list[Path]:
+    patterns = ("*.py",) if top == "tide" else ("*.cpp", "*.cu", "*.h", "*.cuh")
+    return sorted(p for pattern in patterns for p in (ROOT / top).rglob(pattern))
+
+
+def _python_functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.lineno, node.end_lineno - node.lineno + 1
+
+
+def _strip_cpp(text: str) -> str:
+    """``text`` with comments, string and character literals blanked (line breaks kept)."""
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))
+    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'', blank, text, flags=re.S)
+
+
+def _cpp_functions(path: Path):
+    """(head, first line, lines) of every C++ function body: a brace whose statement head (the text since
+    the last ``;``, ``{`` or ``}``) has a parameter list and is no control statement, type or lambda."""
+    text = _strip_cpp(path.read_text())
+    head_start, opened = 0, []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            head = text[head_start:i].strip()
+            words = re.findall(r"[A-Za-z_]\w*", head)
+            is_function = (")" in head and words and words[0] not in CONTROL and "](" not in head.replace(" ", "")
+                           and not head.startswith("[") and not re.search(r"=\s*\[", head))
+            lead = len(text[head_start:i]) - len(text[head_start:i].lstrip())
+            opened.append((head, text.count("\n", 0, head_start + lead) + 1 if is_function else None))
+            head_start = i + 1
+        elif ch == "}":
+            head, first = opened.pop()
+            if first is not None:
+                last = text.count("\n", 0, i) + 1
+                yield " ".join(head.split())[:80], first, last - first + 1
+            head_start = i + 1
+        elif ch == ";":
+            head_start = i + 1
+
+
+def test_files_stay_under_their_line_limits():
+    too_long = [f"{p.relative_to(ROOT)}: {n} lines (limit {limit})" for top, limit in FILE_LIMITS.items()
+                for p in _sources(top) if (n := len(p.read_text().splitlines())) >= limit]
+    assert not too_long, "\n".join(too_long)
+
+
+def test_functions_stay_under_80_lines():
+    too_long = []
+    for top in FILE_LIMITS:
+        for p in _sources(top):
+            found = _python_functions(p) if p.suffix == ".py" else _cpp_functions(p)
+            too_long += [f"{p.relative_to(ROOT)}:{line}: {name} is {n} lines" for name, line, n in found
+                         if n >= FUNCTION_LIMIT]
+    assert not too_long, "\n".join(too_long)
+
+
+def test_the_cpp_function_finder_sees_functions_and_nothing_else():
+    sample = ROOT / "csrc" / "transport" / "arena.cpp"
+    heads = [head for head, _, _ in _cpp_functions(sample)]
+    assert any(h.startswith("Arena::Arena(") for h in heads), heads
+    assert not any(h.split()[0] in CONTROL for h in heads), heads

@@ -1,0 +1,27 @@
+"""How long a TIDE call may wait, one rule for every backend: ``TIDE_TIMEOUT_S``, else the process group's
+own timeout; and the error a call that waited longer raises (the CUDA watchdog's report, or the CPU
+call agreement's: tide/transport/watchdog.py, tide/ops/calls.py).
+"""
+from __future__ import annotations
+
+from tide import knobs
+
+
+class TideTimeoutError(RuntimeError):
+    """A TIDE op did not complete within its timeout (the watchdog's report is the message)."""
+
+
+def timeout_for(group) -> float:
+    """Seconds a TIDE op of ``group`` may take: ``TIDE_TIMEOUT_S``, else the group's own timeout."""
+    seconds = knobs.positive_float("TIDE_TIMEOUT_S", None)
+    if seconds is not None:
+        return seconds
+    import torch
+    import torch.distributed as dist
+
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend(group)).total_seconds()

@@ -1,0 +1,84 @@
+"""TIDE-AG's driver: the all-gather of shards into outputs bound in an arena slot (the copy itself is
+csrc/transport/all_gather.cpp, whose header has the protocol).
+
+Outputs are bound at their param-major places of one slot (``Arena.bind_outputs``: param j's output at
+``out_offset[j]``, rank r's shard of it ``r * shard_bytes[j]`` further). A call decides here, in Python,
+whether its outputs lie in a slot at their plan's places; only then does it build its plan (once per
+call shape: :func:`tide.meta.plans.ag_plan_info`, agreed by every rank first) and enter the
+extension, handing it the plan and the slot. Outputs in no slot (a group FSDP does not bind: the root)
+enter neither: the op's reference backend gathers them in place.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from tide import agreement
+from tide.meta import checks, plans
+from tide.transport import issue
+
+OP = "all_gather_into_params_"
+
+
+class Plan(NamedTuple):
+    native: object  # the extension's AgPlan
+    out_offset: tuple  # bytes from the slot's start to each param's output
+    slot_bytes: int
+
+
+def _lists(shards, outs) -> tuple:
+    return ("shards", shards), ("outs", outs)
+
+
+def _check(arena, shards, outs) -> None:
+    """Raise the error of arguments the transport cannot take (nothing is issued)."""
+    issue.check_args(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
+                     *_lists(shards, outs))
+
+
+def _candidate_slot(arena, outs: Sequence[torch.Tensor]) -> int | None:
+    """The one slot the outputs can be bound in: the slot their first placed output starts in (slots do
+    not overlap). An empty output has no address of its own; with every output empty, slot 0 of a held
+    lease serves (the handshake then moves no data)."""
+    first = next((o for o in outs if o.numel()), None)
+    if first is not None:
+        return arena.slot_of(first)
+    return 0 if outs and arena.num_slots and arena.leases.held is not None else None
+
+
+def _new_plan(arena, key: tuple, shards, outs) -> Plan:
+    """This call shape's plan, built after its arguments are checked and every rank agreed on it."""
+    _check(arena, shards, outs)
+    issue.agree_plan(arena, OP, agreement.call_desc(OP, (shards, outs)))
+    dtypes = [o.dtype for o in outs]
+    layout = plans.all_gather_layout([s.shape for s in shards], dtypes, arena.world_size)
+    info = plans.ag_plan_info(layout, arena.rank)
+    native = arena.ext.AgPlan(own_offset=info.own_offset, out_offset=info.out_offset, out_numel=info.out_numel,
+                              out_dtype=dtypes, slot_bytes=layout.slot_bytes,
+                              chunks=[[arena.ext.ShardRange(**r._asdict()) for r in chunk] for chunk in info.chunks])
+    plan = arena.plans[key] = Plan(native, tuple(info.out_offset), layout.slot_bytes)
+    return plan
+
+
+def all_gather_into_params(arena, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> bool:
+    """TIDE-AG of ``shards`` into ``outs`` bound in a slot (``Arena.bind_outputs``, ``Arena.slot_views``):
+    True, or False when ``outs`` lie in no slot at their plan's places (nothing issued; the caller gathers
+    another way)."""
+    if arena.leases.held is not None:  # outputs can only be bound in a held lease; record the stream
+        arena.region()
+    slot = _candidate_slot(arena, outs)
+    if slot is None:
+        _check(arena, shards, outs)
+        return False
+    key = (OP, *[(s.shape, o.dtype) for s, o in zip(shards, outs)])
+    plan = arena.plans.get(key) or _new_plan(arena, key, shards, outs)
+    base = arena.slot_address(slot)
+    if plan.slot_bytes > arena.slot_bytes or not all(
+            o.numel() == 0 or o.data_ptr() == base + off for o, off in zip(outs, plan.out_offset)):
+        return False
+    if issue.watched(arena, OP, arena.native.all_gather, plan=plan.native, shards=shards, outs=outs,
+                     slot=slot) != "tide":
+        issue.refuse(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
+                     *_lists(shards, outs))
+    return True

@@ -1,0 +1,77 @@
+"""How the collectives' drivers enter the extension: a new plan agreed by every rank first, each call
+watched from before it issues anything, and the flag report the watchdog prints when one never completes.
+
+    agree_plan(arena, op, desc)          every rank reaches its next new plan with the same call
+    watched(arena, op, call, **kw)       one extension call under the watchdog: what it ran
+    check_args(arena, op, check, *lists) raise the error of arguments the transport cannot take
+    refuse(arena, op, check, *lists)     the same, for arguments the extension refused
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Iterator
+
+from tide import agreement
+from tide.transport import board, flag_report, watchdog
+
+log = logging.getLogger("tide.transport")
+
+
+def agree_plan(arena, op: str, desc: str) -> None:
+    """Every rank reaches its next new plan with the same call (one store round trip per plan): ranks that
+    issue another op, layout or dtype there raise, naming both calls."""
+    arena.plans_agreed += 1
+    n = arena.plans_agreed
+    agreement.agree(arena.store, f"{arena.store_prefix}/plan{n}", arena.rank, arena.world_size, desc, arena.timeout_s,
+                    f"tide.{op} (group {arena.label}, new plan #{n})")
+    if n == 1:
+        log.info("tide.transport: %r, %d bytes of symmetric memory, %d leased", arena, arena.symmetric_bytes,
+                 arena.data_bytes)
+
+
+def watched(arena, op: str, call, **kw) -> str:
+    """One call into the extension, watched from before it issues anything; its outcome's name."""
+    done = watchdog.Completion(arena.ext, arena.device.index)
+    watchdog.WATCHDOG.track(done, op, arena.label, arena.timeout_s, functools.partial(report, arena))
+    ran, op_id = None, None
+    try:
+        ran, op_id = call(**kw)
+    finally:
+        done.issued(op_id if ran == "tide" else None)
+    return ran
+
+
+def check_args(arena, op: str, check, *named_lists) -> None:
+    """Raise the error of arguments the transport cannot take: ``check()``'s (tide.meta.checks, which words
+    every argument error of every backend), else the one condition the transport adds: every tensor on
+    the arena's device."""
+    check()
+    for name, tensors in named_lists:
+        for i, t in enumerate(tensors):
+            if t.device != arena.device:
+                raise ValueError(f"tide.{op}: {name}[{i}] is on {t.device} but the group's arena is on {arena.device}")
+
+
+def refuse(arena, op: str, check, *named_lists) -> None:
+    """Raise the error of arguments the extension refused (:func:`check_args`)."""
+    check_args(arena, op, check, *named_lists)
+    raise AssertionError(f"tide.{op}: the extension refused arguments that pass every check")
+
+
+def report(arena, wait_s: float = 1.5) -> Iterator[str]:
+    """The watchdog's report lines: what this rank and its peers have issued, and their processes' state
+    (the issued board, tide/transport/board.py: no CUDA call), then which peers' flag words are behind it
+    (tide/transport/flag_report.py), from a host copy of the words taken on a stream of the extension's
+    own, without the GIL. That copy needs the driver, which a launch blocked on the stalled streams' full
+    queue can hold: the lines that need no driver go out first."""
+    progress = arena.native.progress()
+    yield "  " + flag_report.issued(progress)
+    if arena.board is not None:  # the peers' issued work and processes, read with no CUDA call
+        yield from board.report(arena.board.records(), arena.rank, arena.ranks)
+    status = arena.native.read_flags(arena.report_host, wait_s)
+    if status != "ok":
+        yield ("  flag words unreadable: " + (f"their copy to the host did not finish in {wait_s:g} s"
+                                              if status == "timeout" else f"their copy failed: {status}"))
+        return
+    yield flag_report.describe(arena.report_host.tolist(), arena.flag_index, progress, arena.rank, arena.ranks)

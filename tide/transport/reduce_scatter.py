@@ -1,0 +1,56 @@
+"""TIDE-RS's driver: the reduce-scatter of gradients into this rank's fp32 shard grads (the pushes and
+sums themselves are csrc/transport/reduce_scatter.cpp, whose header has the protocol and the staging
+layout).
+
+Each call shape's plan (:func:`tide.meta.plans.rs_plan_info`: every destination's rounds, packed for
+the arena's staging entries, and this rank's padding) is built here the first time, after its
+arguments are checked and every rank agreed on it, and handed to the extension with every call.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tide import agreement
+from tide.meta import checks, plans
+from tide.transport import issue
+
+OP = "reduce_scatter_params_"
+
+
+def native_rounds(ext, rounds: list) -> list:
+    """``rounds[d][j]`` (:class:`tide.meta.plans.RsPiece`) as the extension's named ``RsChunk`` records."""
+    return [[[ext.RsChunk(**c._asdict()) for c in rnd] for rnd in per_dest] for per_dest in rounds]
+
+
+def native_plan(ext, info: plans.RsPlanInfo, dtypes: Sequence[torch.dtype]):
+    """The extension's RsPlan of ``info``'s rounds and padding."""
+    return ext.RsPlan(rounds=native_rounds(ext, info.rounds), pads=[ext.ShardRange(**p._asdict()) for p in info.pads],
+                      grad_dtype=list(dtypes))
+
+
+def _new_plan(arena, key: tuple, grads, shard_grads, check):
+    issue.check_args(arena, OP, check, ("grads", grads), ("shard_grads", shard_grads))
+    issue.agree_plan(arena, OP, agreement.call_desc(OP, (grads,)))
+    dtypes = [g.dtype for g in grads]
+    info = plans.rs_plan_info([g.shape for g in grads], dtypes, arena.world_size, arena.rank, arena.entry_bytes)
+    plan = arena.plans[key] = native_plan(arena.ext, info, dtypes)
+    return plan
+
+
+def reduce_scatter_params(arena, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
+                          accumulate: bool) -> None:
+    """TIDE-RS into this rank's fp32 ``shard_grads``, reading every gradient where it lies. A slot that
+    holds some of them (FSDP's Slot-Reuse hooks put gradients at their parameters' places there) is busy
+    until the reduce-scatter has read them."""
+    def check():
+        checks.check_reduce_scatter_params(OP, grads, shard_grads, arena.world_size)
+
+    arena.region()
+    key = (OP, *[(g.shape, g.dtype) for g in grads])
+    plan = arena.plans.get(key) or _new_plan(arena, key, grads, shard_grads, check)
+    if issue.watched(arena, OP, arena.native.reduce_scatter, plan=plan, grads=grads, shard_grads=shard_grads,
+                     scale=float(scale), accumulate=bool(accumulate)) != "tide":
+        issue.refuse(arena, OP, check, ("grads", grads), ("shard_grads", shard_grads))
+    arena.read_from_slots(grads)
