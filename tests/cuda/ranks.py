@@ -317,7 +317,7 @@ def lease_cycles(rank: int, world_size: int, seed: int, cycles: int) -> dict:
         arena.release()  # no barrier: the flags alone keep peers out of a released region
     torch.cuda.synchronize()
     store = dist.distributed_c10d._get_default_store()
-    old_keys = [f"{arena._store_prefix}/lease{n}/{rank}" for n in range(1, cycles - 1)]
+    old_keys = [f"{arena.store_prefix}/lease{n}/{rank}" for n in range(1, cycles - 1)]
     return {"leases": arena.leases.count, "mode": arena.leases.mode, "addresses": addresses,
             "kept_intact": kept is not None and all(bits_equal(k, c) for k, c in zip(kept, kept_copy)),
             "old_keys_left": [k for k in old_keys if store.check([k])]}
