@@ -148,11 +148,13 @@ def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, resu
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
-        # Rank 0 hosts the store: leaving before the parent has every rank's result would pull it from
-        # under a peer still reading it (an exchange's last get, say).
-        release.wait(pg_timeout_s)
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, "error", traceback.format_exc()))
+    try:
+        # Rank 0 hosts the store: leaving before the parent has every rank's result would pull it from
+        # under a peer still reading it (an exchange's last get, say, or the record of a call that raised
+        # here and that the peer is about to raise on too).
+        release.wait(pg_timeout_s)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
