@@ -77,8 +77,10 @@ def _kill(procs) -> None:
 
 
 # What the server CPU ranks fork from imports once, before its first fork (its threads must not hold locks
-# then: importing these starts none that run).
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "tide")
+# then: importing these starts none that run). They read what they read of the environment at import from
+# the caller's environment when the server started (its first CPU run); tide is not among them, so that a
+# run's ``env`` reaches every setting of TIDE's (``TIDE_TRACE`` is read at import).
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo")
 
 
 def _context(device_type: str):
