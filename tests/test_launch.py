@@ -64,3 +64,21 @@ def test_a_hang_times_out_and_shows_where_each_rank_waited(capfd):
 def test_a_rank_dying_after_its_result_is_reported():
     with pytest.raises(RankError, match=r"every rank returned its result, but rank 1 exited with code [1-9][0-9]*$"):
         run_ranks(_dies_after_returning, 2, timeout=120)
+
+
+def _prints_and_reads(rank, world_size, name):
+    import os
+
+    print(f"rank {rank} says hello", flush=True)
+    return os.environ.get(name)
+
+
+def test_ranks_get_the_callers_environment_and_output_of_the_moment(capfd, monkeypatch):
+    """CPU ranks fork from a server that an earlier run started: each still gets the environment the caller
+    has now, and writes to the caller's stdout of now."""
+    with capfd.disabled():  # the server is up, with the environment and stdout of before
+        run_ranks(_rank_and_size, 2, timeout=120)
+    monkeypatch.setenv("TIDE_LAUNCH_TEST_VARIABLE", "now")
+    assert run_ranks(_prints_and_reads, 2, "TIDE_LAUNCH_TEST_VARIABLE", timeout=120) == ["now", "now"]
+    out = capfd.readouterr().out
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out

@@ -103,13 +103,23 @@ class _Caller:
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return (_Caller, (dict(os.environ), (reduction.DupFd(1), reduction.DupFd(2))))
+        fds = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed in the caller: the rank keeps the server's
+                fds.append(None)
+            else:
+                fds.append(reduction.DupFd(fd))
+        return (_Caller, (dict(os.environ), tuple(fds)))
 
     def adopt(self) -> None:
         """In the rank: take over the caller's environment and its stdout and stderr."""
         os.environ.clear()
         os.environ.update(self.env)
         for target, fd in zip((1, 2), self.fds):
+            if fd is None:
+                continue
             fd = fd.detach()
             if fd != target:
                 os.dup2(fd, target)
