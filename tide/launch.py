@@ -6,6 +6,11 @@ with a non-zero code is reported even after it has returned its result, and a ru
 ``timeout`` is killed and reported (a hung collective never blocks the caller). Every rank killed, at the
 deadline or because a peer raised, first prints its kernel state and every thread's stack on stderr.
 
+CPU ranks start by a fork of a server process that imported torch once (multiprocessing's forkserver,
+:data:`PRELOAD`): a fraction of a second per rank instead of several seconds of importing torch anew, and
+still a fresh process with nothing of earlier runs in it. They get the caller's environment and its current
+stdout and stderr, as spawned ranks would. CUDA ranks are spawned.
+
 A rank ends with ``os._exit`` once its result is handed over and its process group destroyed: on torch
 2.13 the interpreter's own teardown aborts in gloo now and then (SIGABRT after a clean run, stock
 FSDP2 scripts alike), which would otherwise fail a run that succeeded.
@@ -71,6 +76,56 @@ def _kill(procs) -> None:
         p.join()
 
 
+# What the server CPU ranks fork from imports once, before its first fork (its threads must not hold locks
+# then: importing these starts none that run). They read what they read of the environment at import from
+# the caller's environment when the server started (its first CPU run); tide is not among them, so that a
+# run's ``env`` reaches every setting of TIDE's (``TIDE_TRACE`` is read at import).
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo")
+
+
+def _context(device_type: str):
+    """Fork CPU ranks from the server (one per calling process, started by its first run); spawn CUDA ranks
+    (a fork must not inherit a CUDA context, and a CUDA rank's start is short beside its set-up)."""
+    if device_type == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+class _Caller:
+    """The caller's environment, stdout and stderr, handed to a rank it starts: a rank forked from the server
+    would otherwise have the server's (pytest's capture of the caller's output at the time, say)."""
+
+    def __init__(self, env=None, fds=None):
+        self.env, self.fds = env, fds
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        fds = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed in the caller: the rank keeps the server's
+                fds.append(None)
+            else:
+                fds.append(reduction.DupFd(fd))
+        return (_Caller, (dict(os.environ), tuple(fds)))
+
+    def adopt(self) -> None:
+        """In the rank: take over the caller's environment and its stdout and stderr."""
+        os.environ.clear()
+        os.environ.update(self.env)
+        for target, fd in zip((1, 2), self.fds):
+            if fd is None:
+                continue
+            fd = fd.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
 class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""
 
@@ -81,8 +136,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, results, pg_timeout_s, release):
+def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, results, pg_timeout_s, release, caller):
     import faulthandler
+
+    caller.adopt()
 
     faulthandler.enable()  # a rank killed by a signal prints its Python stack on stderr
     faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a hung rank's stacks, before it is killed
@@ -103,11 +160,13 @@ def _rank_main(rank, world_size, port, backend, device_type, env, fn, args, resu
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
-        # Rank 0 hosts the store: leaving before the parent has every rank's result would pull it from
-        # under a peer still reading it (an exchange's last get, say).
-        release.wait(pg_timeout_s)
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, "error", traceback.format_exc()))
+    try:
+        # Rank 0 hosts the store: leaving before the parent has every rank's result would pull it from
+        # under a peer still reading it (an exchange's last get, say, or the record of a call that raised
+        # here and that the peer is about to raise on too).
+        release.wait(pg_timeout_s)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -136,9 +195,10 @@ def run_ranks(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return the per-rank results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks, each a process of its own; return the
+    per-rank results.
 
-    ``fn`` must be importable by module path (spawn pickles it by name) and return something
+    ``fn`` must be importable by module path (it is pickled by name) and return something
     picklable. CUDA ranks get :data:`CUDA_RANK_ENV` (multicast off; ``env`` may add to it). Raises :class:`RankError` if any rank raised, :class:`TimeoutError` after ``timeout``
     seconds (all ranks are killed either way).
     """
@@ -154,14 +214,14 @@ def run_ranks(
             raise ValueError(f"run_ranks: NCCL needs one GPU per rank: {world_size} ranks, {gpus} GPUs "
                              "(ranks can share a GPU over gloo)")
         env = {**CUDA_RANK_ENV, **(env or {})}
-    ctx = mp.get_context("spawn")
+    ctx = _context(device_type)
     results, release = ctx.Queue(), ctx.Event()
     port = free_port()
     pg_timeout_s = max(10, int(timeout))
     procs = [
         ctx.Process(target=_rank_main, daemon=True,
                     args=(r, world_size, port, backend, device_type, dict(env or {}), fn, args, results,
-                          pg_timeout_s, release))
+                          pg_timeout_s, release, _Caller()))
         for r in range(world_size)
     ]
     for p in procs:
@@ -219,12 +279,12 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, back
     process groups' own timeout is ``pg_timeout``."""
     if device_type == "cuda":
         env = {**CUDA_RANK_ENV, **(env or {})}
-    ctx = mp.get_context("spawn")
+    ctx = _context(device_type)
     results, release = ctx.Queue(), ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world_size, port, backend, device_type, dict(env or {}), fn, args, results,
-                               pg_timeout, release))
+                               pg_timeout, release, _Caller()))
              for r in range(world_size)]
     start, start_wall = time.monotonic(), time.time()
 

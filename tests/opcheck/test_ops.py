@@ -1,9 +1,13 @@
 """opcheck of every tide op, eager results against a float64 reference, and torch.compile parity.
 
-Each test spawns 2 and 3 gloo ranks (tide.launch.run_ranks: a rank that fails or hangs fails the test
-within the timeout). Shapes shard unevenly; data is fresh per test run; outputs are poisoned first.
+One run of 2 and one of 3 gloo ranks (tide.launch.run_ranks: a rank that fails or hangs fails the run
+within the timeout) goes through the three checks, so that each rank starts dynamo and AOTAutograd once;
+the tests each judge their check's part (its result, or its traceback on the rank that raised). Shapes
+shard unevenly; data is fresh per test run (the seed is in every assertion message); outputs are
+poisoned first.
 """
 import random
+import traceback
 
 import pytest
 import torch
@@ -71,14 +75,13 @@ def _opcheck_all(rank, ws, seed):
     return {op: {k: str(v) if v != "SUCCESS" else v for k, v in r.items()} for op, r in results.items()}
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_opcheck_every_op(world_size):
-    per_rank = run_ranks(_opcheck_all, world_size, _seed(), timeout=300)
-    for rank, results in enumerate(per_rank):
+def test_opcheck_every_op(checked):
+    seed = checked[0]
+    for rank, results in enumerate(_part(checked, "opcheck")):
         assert set(results) == {"all_gather_into_params_", "reduce_scatter_params_", "all_gather", "reduce_scatter"}
         for op, r in results.items():
-            assert tuple(r) == OPCHECK_UTILS, (rank, op, r)
-            assert all(v == "SUCCESS" for v in r.values()), f"rank {rank} {op}: {r}"
+            assert tuple(r) == OPCHECK_UTILS, (seed, rank, op, r)
+            assert all(v == "SUCCESS" for v in r.values()), f"seed {seed} rank {rank} {op}: {r}"
 
 
 def _check_semantics(rank, ws, seed):
@@ -144,9 +147,8 @@ def _check_semantics(rank, ws, seed):
     return True
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_results_match_float64_reference(world_size):
-    assert run_ranks(_check_semantics, world_size, _seed(), timeout=300) == [True] * world_size
+def test_results_match_float64_reference(checked):
+    assert _part(checked, "semantics") == [True] * len(checked[1])
 
 
 def _check_compile(rank, ws, seed):
@@ -197,6 +199,33 @@ def _check_compile(rank, ws, seed):
     return True
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_torch_compile_fullgraph_matches_eager(world_size):
-    assert run_ranks(_check_compile, world_size, _seed(), timeout=600) == [True] * world_size
+def test_torch_compile_fullgraph_matches_eager(checked):
+    assert _part(checked, "compile") == [True] * len(checked[1])
+
+
+def _every_check(rank, ws, seed):
+    """The three checks in turn on this rank: each one's result, or its traceback. A check that raised on one
+    rank leaves the others' next calls unmatched: those raise too (TIDE's call check), within the timeout."""
+    parts = {}
+    for part, check in (("semantics", _check_semantics), ("opcheck", _opcheck_all), ("compile", _check_compile)):
+        try:
+            parts[part] = ("ok", check(rank, ws, seed))
+        except Exception:  # noqa: BLE001 - judged by the part's test
+            parts[part] = ("error", traceback.format_exc())
+    return parts
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)
+def checked(request):
+    seed = _seed()
+    # TIDE's timeout well above any of these calls, and below the run's: a check that raised on one rank
+    # fails the others' next call in minutes, not at the end of the run.
+    return seed, run_ranks(_every_check, request.param, seed, timeout=600, env={"TIDE_TIMEOUT_S": "120"})
+
+
+def _part(checked, part):
+    """Every rank's result of ``part``; the tracebacks of the ranks where it raised fail the test."""
+    seed, per_rank = checked
+    raised = [f"rank {rank}:\n{parts[part][1]}" for rank, parts in enumerate(per_rank) if parts[part][0] != "ok"]
+    assert not raised, f"seed {seed} world size {len(per_rank)}: {part} raised on\n" + "\n".join(raised)
+    return [parts[part][1] for parts in per_rank]
