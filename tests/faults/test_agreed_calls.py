@@ -21,7 +21,7 @@ PG_TIMEOUT_S = 30.0
 ENV = {"TIDE_TIMEOUT_S": str(TIMEOUT_S)}
 BAD = ("shape", "world_size", "non_contiguous", "requires_grad_out", "requires_grad_input", "outs_alias",
        "outs_overlap_partly", "out_over_another_shard", "shard_grads_alias", "shard_grad_over_its_grad",
-       "empty_lists", "functional_zero_d", "unknown_group")
+       "empty_lists", "functional_zero_d", "unknown_group", "unknown_group_slow_watchers")
 
 
 def _call(kind, rank, W, name, bad="", value=None):
@@ -54,7 +54,7 @@ def _call(kind, rank, W, name, bad="", value=None):
             shards[1] = outs[0].view(-1)[:4].view(1, 4)
         elif bad == "empty_lists":
             shards, outs = [], []
-        elif bad == "unknown_group":  # cannot reach the group's exchange: a notice in the default store
+        elif bad.startswith("unknown_group"):  # cannot reach the group's exchange: a notice in the default store
             name = "no-such-group"
         if bad == "functional_zero_d":
             torch.ops.tide.all_gather([torch.tensor(v)], w, name)
@@ -93,11 +93,25 @@ def _out_of_step(rank, W, marker):
             return {"ok": False, "type": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}
 
     # 1. One rank's bad input (rank 1), each case followed by a good call on the same group.
+    # unknown_group_slow_watchers: the peers' watchers pause after reading rank 1's notice, before its
+    # tombstone lands; rank 1 must not go on (and publish its next call in that slot) until it has.
+    from tide.ops.call_groups import GroupState
+
+    read_notice = GroupState.notice
+
+    def slow_notice(self, p, since_wall):
+        notice = read_notice(self, p, since_wall)
+        if notice is not None:
+            time.sleep(1.0)
+        return notice
+
     g = dist.new_group(backend="gloo").group_name
     for case in BAD:
         kind = "rs" if case.startswith("shard_grad") else "ag"
+        GroupState.notice = slow_notice if case == "unknown_group_slow_watchers" else read_notice
         res[f"bad:{case}"] = attempt(lambda: _call(kind, rank, W, g, case if rank == 1 else ""))
         res[f"after:{case}"] = attempt(lambda: _call("ag", rank, W, g))
+    GroupState.notice = read_notice
     # 2. A skipped call among calls of one layout, each declaring its step: caught at the next call.
     g = dist.new_group(backend="gloo").group_name
     res["identity"] = []

@@ -165,8 +165,13 @@ class GroupState:
             if notice["wall"] < since_wall - self.timeout_s or registry.used_notices.get(g, 0) >= notice["seq"]:
                 return None
             registry.used_notices[g] = notice["seq"]
-        store.set(f"{key}/taken/{notice['seq']}", str(self.rank))  # the refusing rank waits for this
         return notice
+
+    def notice_taken(self, p: int, notice: dict) -> None:
+        """Tell peer ``p``, waiting in :func:`notify_refusal`, that its notice took the place of its record.
+        Only once that tombstone is in place: a peer released earlier could publish its next call into the
+        slot first and be paired with this call."""
+        self._notice_server.watch.set(f"{_notice_key(self.global_ranks[p])}/taken/{notice['seq']}", str(self.rank))
 
     def last_record(self, p: int, before: int, store) -> dict | None:
         """Peer ``p``'s latest record (or tombstone) of a call before ``before``, looking :data:`SCAN_BACK` back."""

@@ -113,6 +113,8 @@ class Watcher:
                     continue
                 tomb = {"tomb": "refused", "by": state.rank, "n": w.n, **notice}
             store.compare_set(key, "", json.dumps(tomb))
+            if tomb["tomb"] == "refused":
+                state.notice_taken(p, notice)
             if trace.ENABLED:
                 trace.event(f"calls: {w.op} call {w.n} on group {state.name}: rank {p}'s record replaced ({tomb['tomb']})")
 
