@@ -19,7 +19,7 @@ multinode_calls: Counter = Counter()
 logged_reasons: set = set()
 
 # ---- tide.topology
-topologies: dict = {}  # (process-group name, local world size) -> Topology | None
+topologies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> {local world size: Topology | None}
 
 # ---- tide.transport.arena and tide.transport.node_leg
 arenas: dict = {}  # global ranks, in group-rank order -> Arena

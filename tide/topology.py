@@ -60,12 +60,13 @@ def of_ranks(ranks: Sequence[int], local_size: int | None) -> Topology | None:
 
 
 def of_group(group: dist.ProcessGroup) -> Topology | None:
-    """The topology of ``group`` (cached per group and local world size)."""
+    """The topology of ``group`` (cached per group object, so a group re-created under the same name with
+    other ranks gets its own, and per local world size)."""
     local_size = local_world_size()
-    key = (group.group_name, local_size)
-    if key not in registry.topologies:
-        registry.topologies[key] = of_ranks(dist.get_process_group_ranks(group), local_size)
-    return registry.topologies[key]
+    per_size = registry.topologies.setdefault(group, {})
+    if local_size not in per_size:
+        per_size[local_size] = of_ranks(dist.get_process_group_ranks(group), local_size)
+    return per_size[local_size]
 
 
 def is_multinode(topology: Topology | None) -> bool:

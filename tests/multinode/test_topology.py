@@ -83,3 +83,18 @@ def test_enable_takes_or_refuses_local_world_size(value, want):
     from tide.launch import run_ranks
 
     assert run_ranks(_enable_with, 1, value, timeout=120) == [want]
+
+
+def test_a_group_recreated_under_the_same_name_with_other_ranks_gets_its_own_topology(monkeypatch):
+    class Group:  # what of_group reads of a process group: its name, its ranks (looked up below)
+        group_name = "7"
+
+        def __init__(self, ranks):
+            self.ranks = ranks
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(topology.dist, "get_process_group_ranks", lambda group: group.ranks)
+    first, second = Group([0, 1, 2, 3]), Group([0, 1])
+    assert topology.of_group(first) == Topology(2, 2)
+    assert topology.of_group(second) == Topology(1, 2)
+    assert topology.of_group(first) == Topology(2, 2)
