@@ -15,7 +15,6 @@ TIDE = pathlib.Path(knobs.__file__).resolve().parent
 @pytest.mark.parametrize("reader, value, expected", [
     (lambda: knobs.positive_int("TIDE_X", 7), "12", 12),
     (lambda: knobs.positive_int("TIDE_X", 7), "", 7),
-    (lambda: knobs.non_negative_int("TIDE_X", 7), "0", 0),
     (lambda: knobs.positive_float("TIDE_X", None), "2.5", 2.5),
     (lambda: knobs.positive_float("TIDE_X", None), "", None),
     (lambda: knobs.choice("TIDE_X", ("a", "b"), "a"), "b", "b"),
@@ -33,7 +32,6 @@ def test_valid_values_and_defaults(monkeypatch, reader, value, expected):
     (lambda: knobs.positive_int("TIDE_X", 7), "abc", "an integer >= 1"),
     (lambda: knobs.positive_int("TIDE_X", 7), "0", "an integer >= 1"),
     (lambda: knobs.positive_int("TIDE_X", 7), "1.5", "an integer >= 1"),
-    (lambda: knobs.non_negative_int("TIDE_X", 7), "-1", "an integer >= 0"),
     (lambda: knobs.positive_float("TIDE_X", None), "x", "a number > 0"),
     (lambda: knobs.positive_float("TIDE_X", None), "-3", "a number > 0"),
     (lambda: knobs.positive_float("TIDE_X", None), "nan", "a number > 0"),

@@ -22,27 +22,18 @@ def _bad(name: str, value: str, accepted: str) -> ValueError:
     return ValueError(f"tide: {name} must be {accepted}, got {value!r}")
 
 
-def _int(name: str, default: T, low: int, accepted: str) -> int | T:
+def positive_int(name: str, default: T) -> int | T:
+    """``name`` as an integer >= 1, else ``default`` when unset."""
     value = _raw(name)
     if value is None:
         return default
     try:
         number = int(value)
     except ValueError:
-        raise _bad(name, value, accepted) from None
-    if number < low:
-        raise _bad(name, value, accepted)
+        raise _bad(name, value, "an integer >= 1") from None
+    if number < 1:
+        raise _bad(name, value, "an integer >= 1")
     return number
-
-
-def positive_int(name: str, default: T) -> int | T:
-    """``name`` as an integer >= 1, else ``default`` when unset."""
-    return _int(name, default, 1, "an integer >= 1")
-
-
-def non_negative_int(name: str, default: T) -> int | T:
-    """``name`` as an integer >= 0, else ``default`` when unset."""
-    return _int(name, default, 0, "an integer >= 0")
 
 
 def positive_float(name: str, default: T) -> float | T:
