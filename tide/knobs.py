@@ -22,32 +22,27 @@ def _bad(name: str, value: str, accepted: str) -> ValueError:
     return ValueError(f"tide: {name} must be {accepted}, got {value!r}")
 
 
-def positive_int(name: str, default: T) -> int | T:
-    """``name`` as an integer >= 1, else ``default`` when unset."""
+def _number(name: str, default: T, parse, accepted: str, ok) -> int | float | T:
     value = _raw(name)
     if value is None:
         return default
     try:
-        number = int(value)
+        number = parse(value)
     except ValueError:
-        raise _bad(name, value, "an integer >= 1") from None
-    if number < 1:
-        raise _bad(name, value, "an integer >= 1")
+        raise _bad(name, value, accepted) from None
+    if not ok(number):
+        raise _bad(name, value, accepted)
     return number
+
+
+def positive_int(name: str, default: T) -> int | T:
+    """``name`` as an integer >= 1, else ``default`` when unset."""
+    return _number(name, default, int, "an integer >= 1", lambda n: n >= 1)
 
 
 def positive_float(name: str, default: T) -> float | T:
     """``name`` as a finite number > 0, else ``default`` when unset."""
-    value = _raw(name)
-    if value is None:
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise _bad(name, value, "a number > 0") from None
-    if not 0 < number < float("inf"):
-        raise _bad(name, value, "a number > 0")
-    return number
+    return _number(name, default, float, "a number > 0", lambda n: 0 < n < float("inf"))
 
 
 def choice(name: str, choices: Collection[str], default: str) -> str:
