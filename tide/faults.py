@@ -37,7 +37,8 @@ def _fault(fault_file: str | None) -> None:
             f.write(repr(time.time()))
 
 
-def _die(fault_file: str | None) -> None:
+def die(fault_file: str | None) -> None:
+    """Record the fault's time, then end this process at once (no teardown: its GPU work is cut off)."""
     _fault(fault_file)
     os._exit(DIED)
 
@@ -86,7 +87,7 @@ def op_sequence(rank: int, world_size: int, device_type: str, scenario: str, see
         if faulty and scenario == "other_plan":
             _fault(fault_file)
         if faulty and scenario.startswith("dies_in") and dev.type == "cpu":
-            _die(fault_file)
+            die(fault_file)
         if faulty and scenario == "stalls":
             stall(fault_file)
         if kind == "ag":
@@ -102,7 +103,7 @@ def op_sequence(rank: int, world_size: int, device_type: str, scenario: str, see
             shard_grads = [torch.empty(r, c, device=dev) for r, c in rows]
             torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 1.0 / W, False, W, name)
         if faulty and scenario.startswith("dies_in"):
-            _die(fault_file)
+            die(fault_file)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return "finished"
@@ -137,15 +138,15 @@ def fsdp_steps(rank: int, world_size: int, device_type: str, scenario: str, rs_m
         def dying(*args):
             calls[0] += 1
             if calls[0] == fault_at and dev.type == "cpu":
-                _die(fault_file)
+                die(fault_file)
             issue(*args)
             if calls[0] == fault_at:
-                _die(fault_file)
+                die(fault_file)
 
         setattr(seam, hook, dying)
     for step in range(steps):
         if scenario == "dies_between_steps" and rank == FAULTY_RANK and step == fault_at:
-            _die(fault_file)
+            die(fault_file)
         if scenario == "skips_a_step" and rank == FAULTY_RANK and step == fault_at:
             _fault(fault_file)
             continue

@@ -34,10 +34,12 @@ from tide.models import PRESETS, Llama, LlamaConfig, batch, loss_fn
 
 def fsdp_model(cfg: LlamaConfig, *, device, mp_policy: MixedPrecisionPolicy | None = None, use_tide: bool = False,
                rs_mode: str = "in_place", prefetch: bool = False, seed: int = 0, before_shard=None,
-               **fsdp_kwargs) -> Llama:
+               outer_units: bool = False, **fsdp_kwargs) -> Llama:
     """The model with ``fully_shard`` on every block and on the root; ``fsdp_kwargs`` go to every call.
     ``prefetch`` sets explicit forward/backward prefetch of the next/previous block; ``before_shard(model)``
-    may change the model before sharding."""
+    may change the model before sharding. ``outer_units`` shards the embedding, the final norm and the head
+    as units of their own, so the root holds no parameter and every collective is a unit's (a CUDA graph
+    captured over a gloo group, where the root's stock collectives could not be captured)."""
     torch.manual_seed(seed)
     with torch.device(device):  # built where it trains: no host copy of a large model
         model = Llama(cfg)
@@ -47,6 +49,12 @@ def fsdp_model(cfg: LlamaConfig, *, device, mp_policy: MixedPrecisionPolicy | No
         fsdp_kwargs["mp_policy"] = mp_policy
     for layer in model.layers:
         fully_shard(layer, **fsdp_kwargs)
+    if outer_units:
+        if cfg.tie_embeddings:
+            raise ValueError("tide.train.fsdp_model: outer_units needs untied embeddings (the head shares the "
+                             "embedding's weight)")
+        for unit in (model.embed, model.norm, model.head):
+            fully_shard(unit, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     if prefetch:
         layers = list(model.layers)

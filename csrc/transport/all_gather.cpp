@@ -13,6 +13,8 @@
 //                        slot after "chunk c" (cast ranges) or from the shard itself (same dtype); then
 //                        post ag_ready[i][r] = v with 4-B copies (they follow the data on P);
 //   S:                   wait ag_ready[i][p] >= v for every peer; wait for P.
+// Captured into a CUDA graph, the same steps run with the captured protocol's words (flags.h): each set
+// to 1 and reset by its reader after its wait, so every replay starts from the words the last one left.
 // "free" flags (write after read) are stream-memop writes into the peer's word: the stream has finished
 // reading when it reaches them. "ready" flags (read after write) are 4-B copy-engine copies that follow
 // the data on the same stream, as in NCCL's CE collectives.
@@ -54,7 +56,7 @@ bool args_ok(const Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& 
 const char* ran_name(Ran r) { return r == Ran::kTide ? "tide" : "bad_args"; }
 
 Ran all_gather(Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
-               const std::vector<at::Tensor>& outs, int64_t slot) {
+               const std::vector<at::Tensor>& outs, int64_t slot, int64_t mark) {
   const char* op = "all_gather_into_params_";
   if (!args_ok(a, plan, shards, outs)) return Ran::kBadArgs;
   TORCH_CHECK_VALUE(slot >= 0 && slot < a.layout().flags.K && plan.slot_bytes <= a.layout().slot_bytes, "tide.", op,
@@ -64,12 +66,14 @@ Ran all_gather(Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shar
   HostTimer total(a.host_ns(kTotal));
   a.count_call(true);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a.device()));
-  cudaStream_t S = current_stream(a.device(), op);
+  const Issue is = issue_on_current_stream(a.device(), op, mark);
+  cudaStream_t S = is.stream;
+  a.start(is);
   {
     HostTimer t(a.host_ns(kEvent));
     TIDE_CUDA(cudaEventRecord(a.ev_start(), S));
   }
-  const uint32_t v = a.open_slot(slot, a.ev_start());
+  const uint32_t v = a.open_slot(slot, a.ev_start(), is);
   const int64_t rank = a.rank(), world = a.world();
   const uint64_t mine = a.slot_base(rank, slot);
   CopyList& data = a.data_copies();
@@ -97,7 +101,7 @@ Ran all_gather(Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shar
     if (casts) a.join(a.ag_push(), S, a.chunk_event(c));
     a.issue_copies(data, a.ag_push(), false);
   }
-  a.close_slot(slot, v, S);
+  a.close_slot(slot, v, is);
   return Ran::kTide;
 }
 

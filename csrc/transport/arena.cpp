@@ -2,6 +2,7 @@
 // counters the collectives (collectives.h) share.
 #include "transport/arena.h"
 
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -10,6 +11,7 @@
 #include <thread>
 
 #include "transport/completions.h"
+#include "transport/replays.h"
 
 namespace tide {
 namespace {
@@ -93,9 +95,18 @@ void Arena::check_leased(const char* op) const {
                 "leases it before every op)");
 }
 
-void Arena::mark_completion(cudaStream_t stream) {
+void Arena::start(const Issue& is) {
+  if (is.captured()) memops(is.stream, {replays::begin(device_, is.mark)}, {});
+}
+
+void Arena::finish(const Issue& is) {
+  if (is.captured()) {
+    HostTimer t(host_ns_[kKernel]);
+    replays::end(device_, is.mark, is.stream);
+    return;
+  }
   const driver::MemOp write = completions::claim(device_);
-  memops(stream, {write}, {});
+  memops(is.stream, {write}, {});
   last_op_ = write.value;
 }
 
@@ -127,19 +138,23 @@ void Arena::launch_sum(SumArgs& a) {
   a.nseg = 0;
 }
 
-cudaStream_t current_stream(int64_t device, const char* op) {
+Issue issue_on_current_stream(int64_t device, const char* op, int64_t mark) {
   cudaStream_t s = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   TIDE_CUDA(cudaStreamIsCapturing(s, &status));
-  TORCH_CHECK(status == cudaStreamCaptureStatusNone, "tide.", op, ": the CUDA transport cannot run while the "
-              "current stream is capturing a CUDA graph (the tide ops take the stock path under capture)");
-  return s;
+  TORCH_CHECK(status != cudaStreamCaptureStatusInvalidated, "tide.", op, ": the current stream's CUDA-graph capture "
+              "was invalidated by an earlier error");
+  const bool capturing = status == cudaStreamCaptureStatusActive;
+  TORCH_CHECK(capturing == (mark >= 0), "tide.", op, capturing ? ": the current stream is capturing a CUDA graph but "
+              "the call has no replay mark (tide/transport/issue.py claims one)" : ": a replay mark was given but "
+              "the current stream is not capturing a CUDA graph");
+  return Issue{s, mark};
 }
 
-uint32_t Arena::open_slot(int64_t slot, cudaEvent_t start) {
+uint32_t Arena::open_slot(int64_t slot, cudaEvent_t start, const Issue& is) {
   const FlagLayout& f = layout_.flags;
-  uint32_t v;
-  {
+  uint32_t v = 1;
+  if (!is.captured()) {
     std::lock_guard<std::mutex> lock(progress_mu_);
     v = ++ag_uses_[slot];
     publish_locked();
@@ -149,32 +164,44 @@ uint32_t Arena::open_slot(int64_t slot, cudaEvent_t start) {
     TIDE_CUDA(cudaStreamWaitEvent(ag_push_, start, 0));
   }
   if (world_ > 1) {  // my slot may be written: post "free" into every peer, then wait for every peer's
-    std::vector<driver::MemOp> writes, waits;
+    std::vector<driver::MemOp> writes, waits, resets;
     for (int64_t k = 1; k < world_; ++k) {
       const int64_t p = (rank_ + k) % world_;
-      writes.push_back(driver::MemOp{peer_flag(p, f.ag_free(slot, rank_)), v});
-      waits.push_back(driver::MemOp{local_flag(f.ag_free(slot, p)), v});
+      if (is.captured()) {
+        writes.push_back(driver::MemOp{peer_flag(p, f.g_ag_free(slot, rank_)), 1});
+        waits.push_back(driver::MemOp{local_flag(f.g_ag_free(slot, p)), 1});
+        resets.push_back(driver::MemOp{local_flag(f.g_ag_free(slot, p)), 0});
+      } else {
+        writes.push_back(driver::MemOp{peer_flag(p, f.ag_free(slot, rank_)), v});
+        waits.push_back(driver::MemOp{local_flag(f.ag_free(slot, p)), v});
+      }
     }
-    writes.push_back(driver::MemOp{local_flag(f.ag_src(slot)), v});  // read by the "ready" copies
+    if (!is.captured()) writes.push_back(driver::MemOp{local_flag(f.ag_src(slot)), v});  // read by the "ready" copies
     memops(ag_push_, writes, waits);
+    memops(ag_push_, resets, {});
   }
   return v;
 }
 
-void Arena::close_slot(int64_t slot, uint32_t v, cudaStream_t S) {
+void Arena::close_slot(int64_t slot, uint32_t v, const Issue& is) {
   const FlagLayout& f = layout_.flags;
   if (world_ > 1) {  // my pieces are in every peer's slot: post "ready", then wait for every peer's
-    std::vector<driver::MemOp> waits;
+    std::vector<driver::MemOp> waits, resets;
+    const int64_t src = is.captured() ? f.one() : f.ag_src(slot);
     for (int64_t k = 1; k < world_; ++k) {
       const int64_t p = (rank_ + k) % world_;
-      flags_.add(peer_flag(p, f.ag_ready(slot, rank_)), local_flag(f.ag_src(slot)), 4);
-      waits.push_back(driver::MemOp{local_flag(f.ag_ready(slot, p)), v});
+      const int64_t ready_in_peer = is.captured() ? f.g_ag_ready(slot, rank_) : f.ag_ready(slot, rank_);
+      const int64_t ready_here = is.captured() ? f.g_ag_ready(slot, p) : f.ag_ready(slot, p);
+      flags_.add(peer_flag(p, ready_in_peer), local_flag(src), 4);
+      waits.push_back(driver::MemOp{local_flag(ready_here), v});
+      if (is.captured()) resets.push_back(driver::MemOp{local_flag(ready_here), 0});
     }
     issue_copies(flags_, ag_push_, true);
-    memops(S, {}, waits);
+    memops(is.stream, {}, waits);
+    memops(is.stream, resets, {});
   }
-  join(S, ag_push_, ev_ag_push_);
-  mark_completion(S);
+  join(is.stream, ag_push_, ev_ag_push_);
+  finish(is);
 }
 
 std::vector<int64_t> Arena::count_rounds(const std::vector<int64_t>& rounds, bool& fresh) {
@@ -191,6 +218,7 @@ std::vector<int64_t> Arena::count_rounds(const std::vector<int64_t>& rounds, boo
 
 cudaEvent_t Arena::chunk_event(size_t c) {
   while (ev_chunk_.size() <= c) {
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);  // created during a capture too
     cudaEvent_t e = nullptr;
     TIDE_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     ev_chunk_.push_back(e);

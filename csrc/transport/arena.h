@@ -43,8 +43,17 @@ class HostTimer {
 
 inline uint64_t ptr_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
-// The current stream of `device`, refused (naming `op`) while it captures a CUDA graph.
-cudaStream_t current_stream(int64_t device, const char* op);
+// How one op call issues on the caller's stream S: eagerly (flag values count up on the host, a
+// completion word for the watchdog: completions.h), or into the CUDA graph S is capturing (the captured
+// protocol of flags.h, a replay mark for the watchdog: replays.h).
+struct Issue {
+  cudaStream_t stream;
+  int64_t mark;  // the replay mark when captured, else -1
+  bool captured() const { return mark >= 0; }
+};
+
+// The current stream of `device` for `op`: `mark` (>= 0) must be given exactly when it is capturing.
+Issue issue_on_current_stream(int64_t device, const char* op, int64_t mark);
 
 class Arena {
  public:
@@ -93,14 +102,18 @@ class Arena {
   CopyList& data_copies() { return data_; }
   CopyList& flag_copies() { return flags_; }
   int64_t& host_ns(HostCat c) { return host_ns_[c]; }
-  // One use of slot i by an all-gather: counts it (v), makes P wait for `start`, then the "free" handshake.
-  uint32_t open_slot(int64_t slot, cudaEvent_t start);
-  // After P's copies: "ready" into every peer; S waits for every peer's and for P; the op's completion.
-  void close_slot(int64_t slot, uint32_t v, cudaStream_t S);
+  // An op's first stream operation (captured: its replay mark opens) and its last (the completion word,
+  // or the replay mark's close).
+  void start(const Issue& is);
+  void finish(const Issue& is);
+  // One use of slot i by an all-gather: counts it (v; eager), makes P wait for `start`, then the "free"
+  // handshake.
+  uint32_t open_slot(int64_t slot, cudaEvent_t start, const Issue& is);
+  // After P's copies: "ready" into every peer; S waits for every peer's and for P; the op's finish.
+  void close_slot(int64_t slot, uint32_t v, const Issue& is);
   // A reduce-scatter's start: its rounds counted per destination (R skipped after a new lease, `fresh`),
   // returning the rounds per destination before it, which its flag values build on.
   std::vector<int64_t> count_rounds(const std::vector<int64_t>& rounds, bool& fresh);
-  void mark_completion(cudaStream_t stream);  // the op's last stream operation
   void count_call(bool all_gather) { ++(all_gather ? ag_calls_ : rs_calls_); }
 
   // ---- what this rank has issued (safe from the watchdog's thread while an op runs: the ops release the GIL)

@@ -16,6 +16,7 @@
 #include "transport/flags.h"
 #include "transport/ipc.h"
 #include "transport/nccl_p2p.h"
+#include "transport/replays.h"
 
 namespace tide {
 namespace {
@@ -52,6 +53,11 @@ py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int6
   index["rs_ready"] = table(f.R, f.W, [&](int64_t s, int64_t q) { return f.rs_ready(s, q); });
   index["rs_free"] = table(f.W, f.R, [&](int64_t dst, int64_t s) { return f.rs_free(dst, s); });
   index["rs_push_src"] = table(f.W, f.R, [&](int64_t dst, int64_t s) { return f.rs_push_src(dst, s); });
+  index["g_ag_free"] = table(f.K, f.W, [&](int64_t i, int64_t p) { return f.g_ag_free(i, p); });
+  index["g_ag_ready"] = table(f.K, f.W, [&](int64_t i, int64_t p) { return f.g_ag_ready(i, p); });
+  index["g_rs_ready"] = table(f.R, f.W, [&](int64_t s, int64_t q) { return f.g_rs_ready(s, q); });
+  index["g_rs_free"] = table(f.W, f.R, [&](int64_t dst, int64_t s) { return f.g_rs_free(dst, s); });
+  index["one"] = f.one();
   d["flag_index"] = index;
   return d;
 }
@@ -248,16 +254,17 @@ void bind_arena(pybind11::module_& m) {
       // The collectives (collectives.h) return (what ran, the op's id for tide.transport's watchdog:
       // completions.h); each is handed its plan, the all-gather its slot.
       .def("all_gather", [](Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
-                            const std::vector<at::Tensor>& outs, int64_t slot) {
-             const Ran ran = all_gather(a, plan, shards, outs, slot);
+                            const std::vector<at::Tensor>& outs, int64_t slot, int64_t mark) {
+             const Ran ran = all_gather(a, plan, shards, outs, slot, mark);
              return std::make_pair(std::string(ran_name(ran)), a.last_op());
-           }, py::arg("plan"), py::arg("shards"), py::arg("outs"), py::arg("slot"), py::call_guard<py::gil_scoped_release>())
+           }, py::arg("plan"), py::arg("shards"), py::arg("outs"), py::arg("slot"), py::arg("mark") = -1,
+           py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", [](Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                                const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate) {
-             const Ran ran = reduce_scatter(a, plan, grads, shard_grads, scale, accumulate);
+                                const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t mark) {
+             const Ran ran = reduce_scatter(a, plan, grads, shard_grads, scale, accumulate, mark);
              return std::make_pair(std::string(ran_name(ran)), a.last_op());
            }, py::arg("plan"), py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("mark") = -1, py::call_guard<py::gil_scoped_release>())
       .def("push_spans", [](Arena& a, int64_t slot, uint64_t start, const std::vector<uint64_t>& landed,
                             const std::vector<std::vector<int64_t>>& spans) {
              push_spans(a, slot, start, landed, spans);
@@ -295,6 +302,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("arena_layout", &arena_layout, py::arg("num_slots"), py::arg("ring_depth"), py::arg("world"),
         py::arg("slot_bytes"), py::arg("entry_bytes"));
   m.def("op_completed", &completions::completed, py::arg("device"), py::arg("op"));
+  // Replay marks of captured ops (replays.h): claimed at capture, read by the watchdog.
+  m.def("replay_claim", &replays::claim, py::arg("device"));
+  m.def("replay_states", &replays::states, py::arg("device"), py::arg("first"), py::arg("count"));
+  // The id of the CUDA-graph capture the current stream of `device` is in, 0 when it captures none: what
+  // tells a lease or a slot event of one capture from another's, or from eager work.
+  m.def("capture_id", [](int64_t device) -> uint64_t {
+    cudaStream_t s = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    TIDE_CUDA(cudaStreamGetCaptureInfo(s, &status, &id));
+    return status == cudaStreamCaptureStatusActive ? id : 0;
+  }, py::arg("device"));
   m.def("sum_rows", &sum_rows, py::arg("outs"), py::arg("rows"), py::arg("owns"), py::arg("own_row"), py::arg("scale"),
         py::arg("accumulate"), py::arg("ctas"));
   m.def("cast_into", &cast_into, py::arg("dst"), py::arg("src"), py::arg("max_ctas"));

@@ -19,16 +19,17 @@ namespace tide {
 enum class Ran { kTide, kBadArgs };
 const char* ran_name(Ran r);
 
-// TIDE-AG of `shards` into `outs`, which Python found bound in slot `slot` at the plan's places.
+// TIDE-AG of `shards` into `outs`, which Python found bound in slot `slot` at the plan's places; `mark`
+// is the call's replay mark when the current stream captures a CUDA graph, else -1 (arena.h: Issue).
 Ran all_gather(Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
-               const std::vector<at::Tensor>& outs, int64_t slot);
+               const std::vector<at::Tensor>& outs, int64_t slot, int64_t mark);
 
-// TIDE-RS of `grads` into this rank's fp32 `shard_grads`.
+// TIDE-RS of `grads` into this rank's fp32 `shard_grads` (`mark` as for all_gather).
 Ran reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                   const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate);
+                   const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t mark);
 // The rounds of a reduce-scatter plan, issued: shared by reduce_scatter and the node leg's partials.
 void run_reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                        const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate);
+                        const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate, int64_t mark);
 
 // The node leg's plans and calls (node_leg.cpp).
 std::shared_ptr<PartialsPlan> partials_plan(const Arena& a, RsPlan plan);

@@ -7,10 +7,15 @@ namespace tide {
 void CopyList::issue(cudaStream_t stream, bool flags, CopyCounters& counters) {
   if (dst_.empty()) return;
   cudaError_t err = cudaSuccess;
-  // cudaMemcpyBatchAsync refuses the legacy default stream (an op called on torch's default stream).
+  // cudaMemcpyBatchAsync refuses the legacy default stream (an op called on torch's default stream), and
+  // has no graph-node form: a stream capturing a CUDA graph gets one memcpy node per copy (peer copies
+  // in a graph still run on the copy engines).
   const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (!legacy) err = cudaStreamIsCapturing(stream, &capture);
+  TORCH_CHECK(err == cudaSuccess, "tide.transport: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
 #if CUDART_VERSION >= 13000
-  if (dst_.size() > 1 && !legacy) {
+  if (dst_.size() > 1 && !legacy && capture == cudaStreamCaptureStatusNone) {
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;

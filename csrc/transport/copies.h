@@ -1,4 +1,5 @@
-// Copy-engine copies, issued as one cudaMemcpyBatchAsync per list (NCCL's CE collectives do the same).
+// Copy-engine copies, issued as one cudaMemcpyBatchAsync per list (NCCL's CE collectives do the same);
+// under CUDA-graph capture, as one memcpy node per copy (the batch call cannot be captured).
 //
 // Measured on 2 x H200 over NV18 (bench/ce_patterns.cu, docs/performance.md): one batch of all the
 // pieces on one stream reaches 380-389 GB/s per direction from 256 MiB (a single copy: 390), while one

@@ -26,6 +26,15 @@
 //                   issued an op after the lease (tide/transport/lease.py).
 //   ag_src[i], rs_push_src[d][s]: the local source words of the "ready" copies. One word per slot /
 //   (destination, ring slot), so no copy can read a value meant for another.
+//
+// The captured protocol (an op issued into a CUDA graph) has words of its own, because a value baked
+// into a graph node is the same at every replay: sequence numbers cannot grow there. Each of its words
+// has one writer, which sets it to 1, and one reader, which waits for 1 and resets it to 0 right after
+// (on the same stream). A writer sets a word again only after an answer the reader sends once it has
+// reset it, and every captured op consumes every word it sets, so each op leaves them all 0: a replay
+// finds them as the previous one left them, and eager ops never read them.
+//   g_ag_free[i][p], g_ag_ready[i][p], g_rs_ready[s][q], g_rs_free[d][s]: as above, 1 for "posted".
+//   one: a word that holds 1 for the arena's life, the source of the captured "ready" copies.
 #pragma once
 
 #include <cstdint>
@@ -40,7 +49,13 @@ struct FlagLayout {
   int64_t rs_free(int64_t d, int64_t s) const { return 2 * K * W + R * W + d * R + s; }
   int64_t ag_src(int64_t slot) const { return 2 * K * W + 2 * R * W + slot; }
   int64_t rs_push_src(int64_t d, int64_t s) const { return 2 * K * W + 2 * R * W + K + d * R + s; }
-  int64_t words() const { return 2 * K * W + 3 * R * W + K; }
+  int64_t graph_base() const { return 2 * K * W + 3 * R * W + K; }
+  int64_t g_ag_free(int64_t slot, int64_t p) const { return graph_base() + slot * W + p; }
+  int64_t g_ag_ready(int64_t slot, int64_t p) const { return graph_base() + (K + slot) * W + p; }
+  int64_t g_rs_ready(int64_t s, int64_t q) const { return graph_base() + 2 * K * W + s * W + q; }
+  int64_t g_rs_free(int64_t d, int64_t s) const { return graph_base() + 2 * K * W + R * W + d * R + s; }
+  int64_t one() const { return graph_base() + 2 * K * W + 2 * R * W; }
+  int64_t words() const { return one() + 1; }
 };
 
 constexpr int64_t kPage = 4096;

@@ -2,6 +2,7 @@
 #include "transport/ipc.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
@@ -27,6 +28,9 @@ Export export_segment(const at::Tensor& t) {
     return e;
   }
   cudaIpcMemHandle_t h;
+  // A lease taken while the training step is being captured into a CUDA graph (its region then lies in
+  // the graph's pool): the IPC calls capture nothing, and need the relaxed mode to be allowed then.
+  c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
   const cudaError_t err = cudaIpcGetMemHandle(&h, base);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
@@ -45,6 +49,7 @@ int64_t open_segment(const std::string& handle, int64_t device) {
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
   void* base = nullptr;
+  c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);  // as in export_segment
   const cudaError_t err = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
   TORCH_CHECK(err == cudaSuccess, "tide.transport.ipc: cudaIpcOpenMemHandle failed: ", cudaGetErrorString(err));
   return reinterpret_cast<int64_t>(base);
@@ -52,6 +57,7 @@ int64_t open_segment(const std::string& handle, int64_t device) {
 
 void close_segment(int64_t base, int64_t device) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
   const cudaError_t err = cudaIpcCloseMemHandle(reinterpret_cast<void*>(base));
   TORCH_CHECK(err == cudaSuccess, "tide.transport.ipc: cudaIpcCloseMemHandle failed: ", cudaGetErrorString(err));
 }

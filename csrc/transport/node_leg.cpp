@@ -61,7 +61,7 @@ void reduce_partials(Arena& a, const PartialsPlan& p, const std::vector<at::Tens
                     "tide.", op, ": the node partials must be a contiguous fp32 tensor on the node arena's device "
                     "with at least ", num(p.out_need), " elements");
   a.check_leased(op);
-  run_reduce_scatter(a, p.rs, grads, std::vector<at::Tensor>(grads.size(), out), 1.0f, false);
+  run_reduce_scatter(a, p.rs, grads, std::vector<at::Tensor>(grads.size(), out), 1.0f, false, -1);
 }
 
 namespace {
@@ -91,8 +91,8 @@ void push_spans(Arena& a, int64_t slot, uint64_t start, const std::vector<uint64
   HostTimer total(a.host_ns(kTotal));
   a.count_call(true);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a.device()));
-  cudaStream_t S = current_stream(a.device(), "all_gather_into_params_");
-  const uint32_t v = a.open_slot(slot, reinterpret_cast<cudaEvent_t>(start));
+  const Issue is = issue_on_current_stream(a.device(), "all_gather_into_params_", -1);  // eager only
+  const uint32_t v = a.open_slot(slot, reinterpret_cast<cudaEvent_t>(start), is);
   const int64_t rank = a.rank(), world = a.world();
   const uint64_t mine = a.slot_base(rank, slot);
   CopyList& data = a.data_copies();
@@ -107,7 +107,7 @@ void push_spans(Arena& a, int64_t slot, uint64_t start, const std::vector<uint64
                  static_cast<size_t>(spans[b][i + 1]));
     a.issue_copies(data, a.ag_push(), false);
   }
-  a.close_slot(slot, v, S);
+  a.close_slot(slot, v, is);
 }
 
 }  // namespace tide

@@ -19,7 +19,13 @@
 //   op after the lease (flags.h). Every rank issues rounds in one order, a push depends only on its
 //   destination's issue or sums R rounds back and a sum only on pushes of its own round, so no wait
 //   cycle can form. No kernel ever spins on a flag.
+// Captured into a CUDA graph, an op is self-contained (flags.h, the captured protocol): its rounds count
+// from 1, D permits its first min(R, rounds) at its start and, after summing round j, round j + R only
+// if that round exists; each wait resets its word. Every permit is used within the op, so none is left
+// for the next replay, and the eager permits (into the eager lease's ring) are never touched.
 #include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
 
 #include "transport/collectives.h"
 
@@ -61,15 +67,20 @@ struct RsRun {
   const std::vector<at::Tensor>& shard_grads;
   float scale;
   bool accumulate;
-  std::vector<int64_t> before;  // rounds per destination before this op
+  bool captured;
+  std::vector<int64_t> before;  // rounds per destination before this op (captured: 0)
   std::vector<driver::MemOp> permits;
 
   const FlagLayout& f() const { return a.layout().flags; }
+  int64_t free_word(int64_t d, int64_t s) const { return captured ? f().g_rs_free(d, s) : f().rs_free(d, s); }
+  int64_t ready_word(int64_t s, int64_t q) const { return captured ? f().g_rs_ready(s, q) : f().rs_ready(s, q); }
+  uint32_t value(uint32_t g) const { return captured ? 1 : g; }
 
   // rs_free[me][(g - 1) % R] = g into every producer: it may push its round g to me.
   void permit(uint32_t g) {
     for (int64_t k = 1; k < a.world(); ++k)
-      permits.push_back(driver::MemOp{a.peer_flag((a.rank() + k) % a.world(), f().rs_free(a.rank(), (g - 1) % f().R)), g});
+      permits.push_back(driver::MemOp{a.peer_flag((a.rank() + k) % a.world(), free_word(a.rank(), (g - 1) % f().R)),
+                                      value(g)});
   }
 
   // Padding rows of the shard grads are zero unless the op accumulates.
@@ -87,7 +98,7 @@ struct RsRun {
 
   // My round-j pieces for every destination, rotated so that the W producers start on different peers.
   void push_round(int64_t j) {
-    std::vector<driver::MemOp> writes, waits;
+    std::vector<driver::MemOp> writes, waits, resets;
     CopyList& data = a.data_copies();
     CopyList& flags = a.flag_copies();
     for (int64_t k = 1; k < a.world(); ++k) {
@@ -95,17 +106,21 @@ struct RsRun {
       if (j >= static_cast<int64_t>(plan.rounds[d].size())) continue;
       const uint32_t g = static_cast<uint32_t>(before[d] + j + 1);
       const int64_t s = (g - 1) % f().R;
-      waits.push_back(driver::MemOp{a.local_flag(f().rs_free(d, s)), g});
-      writes.push_back(driver::MemOp{a.local_flag(f().rs_push_src(d, s)), g});
+      waits.push_back(driver::MemOp{a.local_flag(free_word(d, s)), value(g)});
+      if (captured)
+        resets.push_back(driver::MemOp{a.local_flag(free_word(d, s)), 0});
+      else
+        writes.push_back(driver::MemOp{a.local_flag(f().rs_push_src(d, s)), g});
       for (const RsChunk& c : plan.rounds[d][j]) {
         const int sz = dtype_size(plan.grad_dtype[c.param]);
         data.add(a.entry(d, s, a.rank()) + c.entry_offset, ptr_of(grads[c.param]) + c.grad_offset * sz,
                  static_cast<size_t>(c.numel * sz));
       }
-      flags.add(a.peer_flag(d, f().rs_ready(s, a.rank())), a.local_flag(f().rs_push_src(d, s)), 4);
+      flags.add(a.peer_flag(d, ready_word(s, a.rank())), a.local_flag(captured ? f().one() : f().rs_push_src(d, s)), 4);
     }
-    if (writes.empty()) return;
+    if (waits.empty()) return;
     a.memops(a.rs_push(), writes, waits);
+    a.memops(a.rs_push(), resets, {});
     a.issue_copies(data, a.rs_push(), false);
     a.issue_copies(flags, a.rs_push(), true);
   }
@@ -117,10 +132,14 @@ struct RsRun {
     const uint32_t g = static_cast<uint32_t>(before[rank] + j + 1);
     const int64_t s = (g - 1) % f().R;
     if (world > 1) {
-      std::vector<driver::MemOp> waits;
-      for (int64_t q = 0; q < world; ++q)
-        if (q != rank) waits.push_back(driver::MemOp{a.local_flag(f().rs_ready(s, q)), g});
+      std::vector<driver::MemOp> waits, resets;
+      for (int64_t q = 0; q < world; ++q) {
+        if (q == rank) continue;
+        waits.push_back(driver::MemOp{a.local_flag(ready_word(s, q)), value(g)});
+        if (captured) resets.push_back(driver::MemOp{a.local_flag(ready_word(s, q)), 0});
+      }
       a.memops(a.reduce(), permits, waits);
+      a.memops(a.reduce(), resets, {});
       permits.clear();
     }
     SumArgs sum{};
@@ -141,30 +160,35 @@ struct RsRun {
     }
     a.launch_sum(sum);
     // Written by a stream memop straight into the producers' flags: the sum has read the entries when
-    // the stream reaches it (a write-after-read order, so no data has to land first).
-    permit(g + static_cast<uint32_t>(f().R));
+    // the stream reaches it (a write-after-read order, so no data has to land first). Captured, only for
+    // a round of this op.
+    if (!captured || j + f().R < static_cast<int64_t>(plan.rounds[rank].size())) permit(g + static_cast<uint32_t>(f().R));
   }
 };
 
 }  // namespace
 
 void run_reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                        const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate) {
+                        const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate, int64_t mark) {
   HostTimer total(a.host_ns(kTotal));
   a.count_call(false);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a.device()));
-  cudaStream_t S = current_stream(a.device(), "reduce_scatter_params_");
+  const Issue is = issue_on_current_stream(a.device(), "reduce_scatter_params_", mark);
+  cudaStream_t S = is.stream;
+  a.start(is);
   // Counted (and mirrored to the issued board) before anything launches, as an all-gather's use is: a
   // launch can block behind a dead peer's flags, and the peers' reports must see this op as issued.
   std::vector<int64_t> rounds;
   for (const auto& per_dest : plan.rounds) rounds.push_back(static_cast<int64_t>(per_dest.size()));
-  bool fresh = false;
-  RsRun run{a, plan, grads, shard_grads, scale, accumulate, a.count_rounds(rounds, fresh), {}};
+  bool fresh = is.captured();
+  RsRun run{a, plan, grads, shard_grads, scale, accumulate, is.captured(),
+            is.captured() ? std::vector<int64_t>(a.world(), 0) : a.count_rounds(rounds, fresh), {}};
   a.join(a.rs_push(), S, a.ev_start());
   TIDE_CUDA(cudaStreamWaitEvent(a.reduce(), a.ev_start(), 0));
   // Permits go out on D, which has waited for S: after a lease, the ring is leased and this op issued.
+  const int64_t first_permits = is.captured() ? std::min(a.layout().flags.R, rounds[a.rank()]) : a.layout().flags.R;
   if (fresh)
-    for (int64_t j = 0; j < a.layout().flags.R; ++j) run.permit(static_cast<uint32_t>(run.before[a.rank()] + j + 1));
+    for (int64_t j = 0; j < first_permits; ++j) run.permit(static_cast<uint32_t>(run.before[a.rank()] + j + 1));
   run.zero_pads();
   for (int64_t j = 0; j < plan.max_rounds; ++j) {
     run.push_round(j);
@@ -173,15 +197,15 @@ void run_reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tens
   a.memops(a.reduce(), run.permits, {});
   a.join(S, a.rs_push(), a.ev_rs_push());
   a.join(S, a.reduce(), a.ev_reduce());
-  a.mark_completion(S);
+  a.finish(is);
 }
 
 Ran reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                   const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate) {
+                   const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t mark) {
   if (!args_ok(a, plan, grads, shard_grads) || static_cast<int64_t>(plan.rounds.size()) != a.world())
     return Ran::kBadArgs;
   a.check_leased("reduce_scatter_params_");
-  run_reduce_scatter(a, plan, grads, shard_grads, static_cast<float>(scale), accumulate);
+  run_reduce_scatter(a, plan, grads, shard_grads, static_cast<float>(scale), accumulate, mark);
   return Ran::kTide;
 }
 

@@ -495,7 +495,8 @@ def profile_zero_sm(rank: int, world_size: int, trace_dir: str) -> dict:
 
 
 def fallbacks(rank: int, world_size: int) -> dict:
-    """One NCCL rank: TIDE path, stock path without an arena, stock path under CUDA-graph capture."""
+    """One NCCL rank: stock path without an arena, the TIDE path, and under CUDA-graph capture into outputs
+    bound in an eager lease the stock path, captured."""
     import tide
     from tide import transport
     from tide.transport import probe
@@ -518,7 +519,7 @@ def fallbacks(rank: int, world_size: int) -> dict:
     transport.enable(group, slot_bytes=1 << 16).bind_outputs(outs, 0)
     run(outs)  # TIDE
     tide_ok = all(bits_equal(o, w) for o, w in zip(outs, want))
-    # Under graph capture: stock collectives (NCCL), captured and replayed.
+    # Captured into a graph while the outputs lie in the eager lease: stock collectives (NCCL), replayed.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -10,9 +10,9 @@ must show that the TIDE seam ran, that the transport (not the reference backend)
 collective, and how the all-gather outputs used the arena's slots.
 
 Fallbacks: async unshard takes stock (the reduce still runs on the transport). CUDA-graph capture: the
-seam's predicates are checked under a real capture (both collectives answer ``cuda_graph_capture``);
-capturing a whole FSDP step is not practical here (gloo collectives cannot be captured), and the op-level
-capture fallback runs in test_transport.py (NCCL, one rank).
+seam's predicates are asked under a real capture for a model whose arena does not exist yet (both
+collectives answer ``capture_before_arena``: a rendezvous cannot be captured); captured steps on TIDE are
+tests/cuda/test_capture.py.
 """
 from __future__ import annotations
 
@@ -89,8 +89,9 @@ def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool
 
 
 def _graph_capture_predicates(rank: int) -> dict:
-    """Train one TIDE step (arena created), then ask the seam's predicates inside a real CUDA-graph
-    capture of a trivial kernel: both collectives must answer cuda_graph_capture."""
+    """Train one TIDE step (its arena created, then dropped by disable), then ask the seam's predicates
+    for a fresh TIDE model that never ran a step, inside a real CUDA-graph capture of a trivial kernel:
+    both collectives answer capture_before_arena."""
     import tide.fsdp
     from tide.fsdp import fallbacks
 
@@ -241,11 +242,11 @@ def test_async_unshard_takes_stock(fsdp_run):
         assert "all_gather_into_params_:tide" not in t["transport"]
 
 
-def test_graph_capture_takes_stock(fsdp_run):
+def test_capture_before_the_arena_takes_stock(fsdp_run):
     ws, _, results = fsdp_run
     if ws != 2:
         pytest.skip("fallbacks run on 2 ranks")
     for res in results:
         r = res["graph_capture"]
-        assert r["ag"] == "cuda_graph_capture" and r["rs"] == "cuda_graph_capture", r
+        assert r["ag"] == "capture_before_arena" and r["rs"] == "capture_before_arena", r
         assert r["replayed"] == [1.0] * 4

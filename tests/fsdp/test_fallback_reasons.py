@@ -24,6 +24,8 @@ def _param(**kw):
 
 
 class _Group:
+    group_name = "stand-in"
+
     def __init__(self, size=2):
         self._size = size
 
@@ -94,7 +96,7 @@ CASES = {
 
 
 def test_every_reason_has_a_case():
-    assert set(CASES) | {"cuda_graph_capture", "compiling", "functorch"} == set(fallbacks.REASONS)
+    assert set(CASES) | {"capture_before_arena", "capture_multinode", "compiling", "functorch"} == set(fallbacks.REASONS)
 
 
 @pytest.mark.parametrize("reason", sorted(CASES))
@@ -137,10 +139,22 @@ def test_tracing_reasons(reason, patch, monkeypatch):
     assert _ag() == reason and _rs() == reason
 
 
-def test_cuda_graph_capture(monkeypatch):
+@pytest.mark.parametrize("arena, multinode, reason", [
+    (None, False, "capture_before_arena"),  # the arena's rendezvous cannot be captured
+    (object(), False, None),  # captured on TIDE
+    (object(), True, "capture_multinode"),
+])
+def test_under_capture(arena, multinode, reason, monkeypatch):
+    from tide import topology
+    from tide.meta.multinode import Topology
+    from tide.transport import node_leg
+
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert _ag(device=CUDA, contract=None) == "cuda_graph_capture"
-    assert _rs(device=CUDA, contract=None) == "cuda_graph_capture"
+    monkeypatch.setattr(node_leg, "serving", lambda name: arena)
+    nodes = Topology(num_nodes=2, local_size=1) if multinode else None
+    monkeypatch.setattr(topology, "of_group", lambda group: nodes)
+    assert _ag(device=CUDA, contract=None) == reason
+    assert _rs(device=CUDA, contract=None) == reason
     assert _ag() is None  # a CPU group is never capturing
 
 

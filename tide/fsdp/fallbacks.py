@@ -24,7 +24,7 @@ from tide.meta.multinode import Topology
 
 # Every reason a call takes the stock path.
 REASONS = (
-    "not_enabled", "cuda_graph_capture", "compiling", "functorch", "async_op", "world_size_1",
+    "not_enabled", "capture_before_arena", "capture_multinode", "compiling", "functorch", "async_op", "world_size_1",
     "compute_capability", "nvlink_domain", "post_forward_mesh", "keep_unsharded_storage", "all_gather_output_fn",
     "shard_dim", "cpu_offload", "all_gather_extension", "dtensor_param", "mixed_param_dtypes", "unsupported_dtype",
     "reduce_dtype", "reduce_scatter_input_fn", "hsdp", "all_reduce_hook", "noncontiguous_grad", "arena_busy",
@@ -47,8 +47,6 @@ def group_dtype(p) -> torch.dtype:
 
 
 def common_reason(device: torch.device) -> str | None:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return "cuda_graph_capture"
     if compat.is_tracing():
         return "compiling"
     if compat.functorch_active():
@@ -122,6 +120,19 @@ def _device_reason(device: torch.device, group, comm) -> str | None:
     return comm.contract[0]
 
 
+def capture_reason(device: torch.device, group) -> str | None:
+    """Under CUDA-graph capture, what TIDE cannot capture: a group whose arena does not exist yet (its
+    rendezvous is collective host work; run one step eagerly first, as torchtitan's warm-up does), and a
+    multi-node group (its rails' exchanges are not captured)."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return None
+    if topology.is_multinode(topology.of_group(group)):
+        return "capture_multinode"
+    from tide.transport import node_leg
+
+    return "capture_before_arena" if node_leg.serving(group.group_name) is None else None
+
+
 def param_reason(p) -> str | None:
     if p.fsdp_placement.dim != 0:
         return "shard_dim"
@@ -173,7 +184,7 @@ def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
         return "async_op"
     if group.size() == 1:
         return "world_size_1"
-    if (reason := _device_reason(device, group, comm)) is not None:
+    if (reason := _device_reason(device, group, comm) or capture_reason(device, group)) is not None:
         return reason
     for p in fsdp_params:
         if p.sharded_state != ShardedState.SHARDED:
@@ -204,7 +215,7 @@ def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, all_
         return "reduce_scatter_input_fn"
     if rs_group is None or rs_group.size() == 1:
         return "world_size_1"
-    if (reason := _device_reason(device, rs_group, comm)) is not None:
+    if (reason := _device_reason(device, rs_group, comm) or capture_reason(device, rs_group)) is not None:
         return reason
     if all_reduce_group is not None:
         return "hsdp"

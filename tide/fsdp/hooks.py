@@ -74,5 +74,4 @@ def movable(param_group, fsdp_param, param) -> bool:
         or (compat.reduce_dtype(fsdp_param) or grad.dtype) != torch.float32
         or not param_group.reduce_grads or not param_group.reshard_after_backward
         or compat.holds_unreduced_accumulation(fsdp_param) or grad.dtype != param.dtype
-        or grad.shape != param.shape or not grad.is_contiguous()
-        or (grad.is_cuda and torch.cuda.is_current_stream_capturing()))
+        or grad.shape != param.shape or not grad.is_contiguous())

@@ -1,9 +1,10 @@
 """CUDA kernels of the mutating ``tide`` ops: the TIDE transport when the group has an arena.
 
-For a CUDA call: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``) and
-the current stream is not capturing a CUDA graph, the transport runs (the all-gather when its outputs
-are bound in an arena slot: zero-copy); otherwise the reference backend runs (the stock collectives,
-layout-aware), and ``tide.stats()["ops"]`` counts why. Every call first raises the transport watchdog's
+For a CUDA call: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``), the
+transport runs (the all-gather when its outputs are bound in an arena slot: zero-copy), eagerly or
+captured into the CUDA graph the current stream is capturing (docs/design.md, "Captured into a CUDA
+graph"); otherwise the reference backend runs (the stock collectives, layout-aware), and
+``tide.stats()["ops"]`` counts why. Every call first raises the transport watchdog's
 error if an earlier TIDE op timed out (``tide.transport.watchdog``). The extension checks the
 arguments (the messages of :mod:`tide.meta.checks`); the drivers (``tide.transport.all_gather``,
 ``tide.transport.reduce_scatter``) find the plan and the slot and enter the extension once. The functional ``all_gather`` / ``reduce_scatter`` are the
@@ -41,11 +42,11 @@ def _arena_for(op: str, group_name: str, world_size: int):
         else:
             counters.count_op(op, "no_arena")
         return None
-    if torch.cuda.is_current_stream_capturing():
-        counters.count_op(op, "cuda_graph_capture")
-        return None
     if a.world_size != world_size:
         raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has {a.world_size} ranks")
+    if a.leases.held_elsewhere():  # e.g. outputs bound in an eager lease, gathered inside a capture
+        counters.count_op(op, "lease_across_capture")
+        return None
     return a
 
 

@@ -4,7 +4,8 @@ finds the same arena; the arenas themselves sit in :mod:`tide.registry`). The co
 an arena are drivers of their own: :mod:`tide.transport.all_gather`, :mod:`tide.transport.reduce_scatter`
 and :mod:`tide.transport.node_leg`.
 
-One arena per set of ranks, rendezvoused once (never inside CUDA-graph capture). Its byte layout and
+One arena per set of ranks, rendezvoused once (never inside CUDA-graph capture; its ops may be captured:
+docs/design.md, "Captured into a CUDA graph"). Its byte layout and
 flag words are defined once, in ``csrc/transport/flags.h``; this module asks the extension for the
 offsets. Two regions per rank:
 
@@ -132,6 +133,7 @@ class Arena:
         if bases[self.rank] != self.flags.data_ptr():
             raise RuntimeError("tide.transport.Arena: symmetric buffer does not start at its allocation base")
         self.flags.zero_()
+        self.flags.view(torch.int32)[self.flag_index["one"]] = 1  # the captured "ready" copies' source (flags.h)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
         self.native = self.ext.Arena(rank=self.rank, world=W, flag_bases=bases, device=self.device.index,
@@ -140,11 +142,12 @@ class Arena:
                                  cast_ctas=self.cast_ctas)
         if self.board is not None:
             self.native.publish_progress_to(self.board.progress_address())
-        self.slots = SlotLeases(self.num_slots)
+        self.slots = SlotLeases(self.num_slots, context=lambda: self.ext.capture_id(self.device.index))
         c = self.native
         self.leases = Leases(self.ext, group, self.store, self.store_prefix, self.rank, W, self.device,
                              self.data_bytes, self.timeout_s, self.label,
-                             set_bases=lambda bases: c.set_data_bases(bases=bases), sync_pushes=c.sync_pushes)
+                             set_bases=lambda bases: c.set_data_bases(bases=bases), sync_pushes=c.sync_pushes,
+                             context=lambda: self.ext.capture_id(self.device.index))
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
         self.report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
         self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
@@ -185,6 +188,7 @@ class Arena:
         watchdog.WATCHDOG.check()
         torch.cuda.synchronize(self.device)  # nothing of this rank writes into a peer's region any more
         self.native.publish_progress_to(0)
+        watchdog.WATCHDOG.forget_captured(self.store_prefix)  # its graphs cannot replay once it is closed
         self.leases.close()
         self.native = None  # destroys the streams and events
         self.plans.clear()

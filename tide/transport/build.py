@@ -36,6 +36,7 @@ SOURCES = (
     "transport/driver.cpp",
     "transport/copies.cpp",
     "transport/completions.cpp",
+    "transport/replays.cu",
     "transport/ipc.cpp",
     "transport/nccl_p2p.cpp",
     "transport/arena.cpp",

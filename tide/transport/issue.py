@@ -2,7 +2,8 @@
 watched from before it issues anything, and the flag report the watchdog prints when one never completes.
 
     agree_plan(arena, op, desc)          every rank reaches its next new plan with the same call
-    watched(arena, op, call, **kw)       one extension call under the watchdog: what it ran
+    watched(arena, op, call, **kw)       one extension call under the watchdog (eager, or captured into a
+                                         CUDA graph with a replay mark): what it ran
     check_args(arena, op, check, *lists) raise the error of arguments the transport cannot take
     refuse(arena, op, check, *lists)     the same, for arguments the extension refused
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 from typing import Iterator
+
+import torch
 
 from tide import agreement
 from tide.transport import board, flag_report, watchdog
@@ -31,7 +34,17 @@ def agree_plan(arena, op: str, desc: str) -> None:
 
 
 def watched(arena, op: str, call, **kw) -> str:
-    """One call into the extension, watched from before it issues anything; its outcome's name."""
+    """One call into the extension, watched from before it issues anything; its outcome's name. A call on
+    a stream that captures a CUDA graph is issued with a replay mark, which the watchdog watches at every
+    replay of the graph (tide/transport/watchdog.py)."""
+    if torch.version.cuda is not None and torch.cuda.is_current_stream_capturing():
+        ext, device = arena.ext, arena.device.index
+        mark = ext.replay_claim(device)
+        ran, _ = call(mark=mark, **kw)
+        if ran == "tide":
+            watchdog.WATCHDOG.track_captured(ext.replay_states, device, mark, op, arena.label, arena.timeout_s,
+                                             functools.partial(report, arena), owner=arena.store_prefix)
+        return ran
     done = watchdog.Completion(arena.ext, arena.device.index)
     watchdog.WATCHDOG.track(done, op, arena.label, arena.timeout_s, functools.partial(report, arena))
     ran, op_id = None, None

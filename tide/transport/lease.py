@@ -24,6 +24,12 @@ tide/fsdp/wiring.py); the freed block then serves the activations.
   names). A released region stays alive while outputs bound into its slots or
   gradient views point into it (their storages hold it), and the allocator reuses it only after every
   stream that used it (``record_stream``) has passed that use.
+- **Under CUDA-graph capture.** A lease taken while the step is captured is an ordinary lease of the
+  graph's private pool, exchanged at capture; its addresses are baked into the graph and stay valid
+  for the graph's life (the pool keeps its segments). A mapping opened or used inside a capture is kept
+  for the arena's life (a replay writes through it), and none is closed during a capture (closing waits
+  for this rank's pushes, which a capture cannot). A region held across a capture's boundary is refused:
+  the capture would bake in memory that eager work uses too.
 - **Fallback.** Legacy IPC cannot export expandable segments or cudaMallocAsync pools. When any rank's
   export fails at the first lease, every rank puts the region in symmetric memory for the arena's life
   instead (its peak then includes the region, as before leasing), and :attr:`Leases.mode` says why.
@@ -50,15 +56,18 @@ class Leases:
         nbytes: the region's size (identical on every rank).
         set_bases: called with every rank's region address at each new lease.
         sync_pushes: waits until none of this rank's copies still writes into a peer's region.
+        context: the id of the CUDA-graph capture in progress, 0 when none.
     """
 
     def __init__(self, ext, group, store, prefix: str, rank: int, world: int, device: torch.device, nbytes: int,
                  timeout_s: float, label: str, set_bases: Callable[[list[int]], None],
-                 sync_pushes: Callable[[], None]) -> None:
+                 sync_pushes: Callable[[], None], context: Callable[[], int] = lambda: 0) -> None:
         self._ext, self._group, self._store, self._prefix = ext, group, store, prefix
         self.rank, self.world, self.device, self.nbytes = rank, world, device, nbytes
         self._timeout_s, self._label = timeout_s, label
-        self._set_bases, self._sync_pushes = set_bases, sync_pushes
+        self._set_bases, self._sync_pushes, self._context = set_bases, sync_pushes, context
+        self._leased_in = 0  # the context the held region was leased in
+        self._kept: set[bytes] = set()  # handles a captured graph writes through: never closed
         self.mode = "allocator"  # or "symmetric (<why>)" once any rank's export failed
         self.count = 0  # leases taken, all ranks alike
         self.maps_opened = 0  # peer segments mapped so far (the allocator moved a lease when this grows)
@@ -77,12 +86,18 @@ class Leases:
     def acquire(self) -> torch.Tensor:
         """The leased region; a new lease (collective: every rank at the same point) when none is held.
         After a failed lease every later one raises that error: the ranks' lease numbers may differ."""
+        if self.held_elsewhere():
+            raise RuntimeError(f"tide.transport: the data region of the arena of {self._label} was leased "
+                               f"{'inside a CUDA-graph capture' if self._leased_in else 'outside the CUDA-graph capture'} "
+                               "and is still held: capture whole phases (a lease ends after the root's forward and "
+                               "at the end of backward), or release the arena's lease first")
         if self._region is None:
             self._streams = set()
             if self._failed is not None:
                 raise RuntimeError(self._failed)
             start = time.perf_counter()
             try:
+                self._leased_in = self._context()
                 self._lease()
             except Exception as e:
                 self._failed = f"{e} (the arena cannot lease again; disable it)"
@@ -90,6 +105,12 @@ class Leases:
             finally:
                 self.seconds += time.perf_counter() - start
         return self._region
+
+    def held_elsewhere(self) -> bool:
+        """Whether the held region was leased in another context than the current one: outside the
+        CUDA-graph capture in progress, or inside one when none is (a capture must not bake in memory
+        that eager work uses, nor eager work use a graph's)."""
+        return self._region is not None and self._symmetric is None and self._leased_in != self._context()
 
     def first_use_on(self, stream_id: int) -> bool:
         """Whether the held region is used on this stream for the first time (it is then to be recorded)."""
@@ -147,12 +168,15 @@ class Leases:
         handle = bytes.fromhex(hex_handle)
         maps = self._mapped[peer]
         base = maps.pop(handle, None)
+        capturing = self._leased_in != 0
+        if capturing:
+            self._kept.add(handle)
         if base is None:
             base = self._ext.ipc_open(handle=handle, device=self.device.index)
             self.maps_opened += 1
-            if len(maps) >= MAPPINGS_PER_PEER:  # the oldest handle goes, once no push can still target it
+            closable = [h for h in maps if h not in self._kept]
+            if len(closable) >= MAPPINGS_PER_PEER and not capturing:  # the oldest goes, once no push can target it
                 self._sync_pushes()
-                old = next(iter(maps))
-                self._ext.ipc_close(base=maps.pop(old), device=self.device.index)
+                self._ext.ipc_close(base=maps.pop(closable[0]), device=self.device.index)
         maps[handle] = base  # the most recent last
         return base + int(offset)

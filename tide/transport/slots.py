@@ -9,18 +9,25 @@ event. Every decision depends only on host-side state that evolves identically o
 groups are unsharded), never on timing, so all ranks choose the same slot for every all-gather: the
 peers push into that slot index.
 
+An event belongs to the context it was recorded in: eager work, or one CUDA-graph capture
+(``context()``, the capture's id; 0 when eager). A stream waits only for an event of its own context:
+CUDA refuses a wait across a capture's boundary, and none is needed there. A capture's first use of a
+slot lies in a region leased inside that capture (tide/transport/lease.py), and a replay's work is
+ordered after everything queued before it on its stream, as work after it is after the whole replay.
+
 Pure Python; streams and events are whatever the caller passes (``stream.wait_event(event)``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 class SlotLeases:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, context: Callable[[], int] = lambda: 0) -> None:
         self.num_slots = num_slots
+        self._context = context
         self._bound: list = [None] * num_slots  # per slot: [(storage, address)] of the bound outputs
-        self._event: list = [None] * num_slots  # per slot: event of its last use off the compute stream
+        self._event: list = [None] * num_slots  # per slot: (event, context) of its last use off the compute stream
         self._last_slot: dict[int, int] = {}  # id(owner key) -> slot its outputs were last bound in
         self._cursor = 0
 
@@ -47,9 +54,11 @@ class SlotLeases:
         return slot
 
     def wait(self, slot: int, stream) -> None:
-        """Order ``stream`` after the last use of ``slot`` off the compute stream."""
-        if self._event[slot] is not None:
-            stream.wait_event(self._event[slot])
+        """Order ``stream`` after the last use of ``slot`` off the compute stream, if that use was in the
+        current context."""
+        last = self._event[slot]
+        if last is not None and last[1] == self._context():
+            stream.wait_event(last[0])
 
     def bind(self, slot: int, storages: Sequence, owners: Sequence = ()) -> None:
         """Record the storages just bound into ``slot`` (and, for each owner key, that it lives there)."""
@@ -59,11 +68,12 @@ class SlotLeases:
 
     def used(self, slot: int, event) -> None:
         """``event`` completes the latest use of ``slot`` off the compute stream."""
-        self._event[slot] = event
+        self._event[slot] = (event, self._context())
 
     def event(self, slot: int):
         """The event of ``slot``'s latest use off the compute stream (None before any)."""
-        return self._event[slot]
+        last = self._event[slot]
+        return None if last is None else last[0]
 
     def last_slot(self, owner) -> int | None:
         """The slot ``owner``'s outputs were last bound in."""

@@ -17,6 +17,11 @@ thread
    seconds, whatever the training thread is doing (it may be blocked on the stalled GPU): like stock
    FSDP2 under ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, continuing after a failed collective is not safe.
 
+An op captured into a CUDA graph runs at every replay, with no host call to track it: it has a replay
+mark instead (``csrc/transport/replays.h``: pinned words its first stream operation sets active and its
+last, a one-thread kernel, counts done and clears). The thread watches every captured op for the
+arena's life; one that stays active with its done count unchanged for ``timeout_s`` expires the same way.
+
 The report gets at most :data:`REPORT_S`, so a survivor of a dead peer ends within timeout + poll +
 report + grace < timeout + 15 s. A report wedged in a call that keeps the GIL (a torch CUDA call blocked
 in the driver) would stall every Python thread, this one too; so before anything else the thread arms a
@@ -69,6 +74,28 @@ class _Pending:
     traced_late: bool = False
 
 
+@dataclass
+class _Captured:
+    mark: int  # the op's replay mark (csrc/transport/replays.h)
+    op: str
+    group: str
+    timeout_s: float
+    describe: Callable[[], Iterable[str]]
+    owner: object  # what the mark belongs to (an arena's key): forgotten together
+    since: float | None = None  # when it was first seen active with its current done count
+    done: int = -1
+
+    def stalled(self, active: int, done: int, now: float) -> bool:
+        """Whether the op, seen (``active``, ``done``) at ``now``, has been in one replay past its timeout."""
+        if not active:
+            self.since = None
+            return False
+        if self.since is None or done != self.done:
+            self.since, self.done = now, done
+            return False
+        return now - self.since > self.timeout_s
+
+
 class Watchdog:
     """Tracks issued ops until they complete; on expiry reports, fails the next op, then ends the process."""
 
@@ -76,6 +103,8 @@ class Watchdog:
         self.poll_s, self.grace_s, self.exit_code = poll_s, grace_s, exit_code
         self.error: TideTimeoutError | None = None
         self._pending: list[_Pending] = []
+        self._captured: dict[int, list[_Captured]] = {}  # device -> its captured ops
+        self._read_marks: Callable[[int, int, int], list] | None = None  # (device, first, count) -> (active, done)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -85,9 +114,48 @@ class Watchdog:
             trace.event(f"watchdog: tracking {op} on group {group}")
         with self._lock:
             self._pending.append(_Pending(done, op, group, timeout_s, describe))
+        self._start()
+
+    def track_captured(self, read_marks: Callable[[int, int, int], list], device: int, mark: int, op: str,
+                       group: str, timeout_s: float, describe: Callable[[], Iterable[str]], owner: object) -> None:
+        """Watch one op captured into a CUDA graph, at every replay, until :meth:`forget_captured` (``owner``):
+        ``read_marks(device, first, count)`` reads the (active, done) words of replay marks."""
+        with self._lock:
+            self._read_marks = read_marks
+            self._captured.setdefault(device, []).append(_Captured(mark, op, group, timeout_s, describe, owner))
+        self._start()
+
+    def forget_captured(self, owner: object) -> None:
+        """Stop watching the captured ops of ``owner`` (its arena closed: its graphs cannot replay)."""
+        with self._lock:
+            for device, ops in list(self._captured.items()):
+                self._captured[device] = [c for c in ops if c.owner is not owner]
+
+    def captured(self) -> int:
+        with self._lock:
+            return sum(map(len, self._captured.values()))
+
+    def _start(self) -> None:
+        with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tide-watchdog", daemon=True)
                 self._thread.start()
+
+    def _stalled_captured(self, now: float) -> _Pending | None:
+        """The captured op stalled longest in a replay past its timeout, as a pending op, or None."""
+        worst = None
+        for device, ops in self._captured.items():
+            if not ops:
+                continue
+            first = min(c.mark for c in ops)
+            states = self._read_marks(device, first, max(c.mark for c in ops) - first + 1)
+            for c in ops:
+                if c.stalled(*states[c.mark - first], now) and (worst is None or c.since < worst.since):
+                    worst = c
+        if worst is None:
+            return None
+        return _Pending(None, f"{worst.op} (captured in a CUDA graph, replaying)", worst.group, worst.timeout_s,
+                        worst.describe, issued=worst.since)
 
     def check(self) -> None:
         """Raise the watchdog's error, if an op has timed out (the training thread calls this per op)."""
@@ -108,6 +176,9 @@ class Watchdog:
                     (completed if p.done.query() else still).append(p)
                 self._pending = still
                 late = [p for p in self._pending if now - p.issued > p.timeout_s]
+                replaying = self._stalled_captured(now)
+                if replaying is not None:
+                    late.append(replaying)
             if trace.ENABLED:
                 _trace_slow(completed, still, now)
             if late:
@@ -119,7 +190,8 @@ class Watchdog:
         # flag report that blocks in the driver, with or without the GIL, cannot keep the process alive.
         grace = min(self.grace_s, p.timeout_s)
         faulthandler.dump_traceback_later(REPORT_S + grace + 1, exit=True)
-        headline = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it was issued "
+        headline = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it "
+                    f"{'was issued' if p.done is not None else 'began this replay'} "
                     f"(timeout {p.timeout_s:g} s: TIDE_TIMEOUT_S, else the process group's timeout). A peer died, "
                     f"stalled, or issued a different sequence of TIDE ops.")
         # The headline goes out at once: a training thread that raises and ends early still leaves it.

@@ -1,0 +1,199 @@
+"""What decides captured against eager issue, on CPU with stand-ins (capture itself needs CUDA:
+tests/cuda/test_capture.py runs it): the replay mark an op is issued with, the watchdog's view of
+captured ops, slot events and leases kept within their capture, mappings a graph writes through kept."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.transport.test_lease import RANK, WORLD, RecordingIpc, handle_of, make, publish_peers
+from tide.ops import cuda as cuda_ops
+from tide.transport import issue, lease, watchdog
+from tide.transport.slots import SlotLeases
+
+
+class Context:
+    """The capture id the extension would answer: 0 eager, else the capture's."""
+
+    def __init__(self) -> None:
+        self.id = 0
+
+    def __call__(self) -> int:
+        return self.id
+
+
+class Stream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+# ------------------------------------------------------------------------------------------ issue
+class Ext:
+    def __init__(self) -> None:
+        self.claimed = 0
+
+    def replay_claim(self, device):
+        self.claimed += 1
+        return 40 + self.claimed
+
+    def replay_states(self, device, first, count):
+        return [(0, 0)] * count
+
+    def op_completed(self, device, op):
+        return True
+
+
+def _arena(ext):
+    return types.SimpleNamespace(ext=ext, device=torch.device("cuda", 0), label="g", timeout_s=9.0,
+                                 store_prefix="tide/arena/0_1/1")
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_a_call_is_issued_with_a_replay_mark_exactly_under_capture(capturing, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # as a CUDA build (this may be a CPU one)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    tracked = []
+    monkeypatch.setattr(watchdog.WATCHDOG, "track_captured", lambda *a, **kw: tracked.append((a, kw)))
+    monkeypatch.setattr(watchdog.WATCHDOG, "track", lambda *a: tracked.append(("eager", a)))
+    ext, calls = Ext(), []
+
+    def call(**kw):
+        calls.append(kw)
+        return "tide", 17
+
+    assert issue.watched(_arena(ext), "reduce_scatter_params_", call, plan="p") == "tide"
+    if capturing:
+        assert calls == [{"plan": "p", "mark": 41}] and ext.claimed == 1
+        (args, kw), = tracked
+        assert args[2] == 41 and args[3] == "reduce_scatter_params_" and kw == {"owner": "tide/arena/0_1/1"}
+    else:
+        assert calls == [{"plan": "p"}] and ext.claimed == 0 and tracked[0][0] == "eager"
+
+
+def test_a_refused_captured_call_is_not_watched(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    tracked = []
+    monkeypatch.setattr(watchdog.WATCHDOG, "track_captured", lambda *a, **kw: tracked.append(a))
+    assert issue.watched(_arena(Ext()), "all_gather_into_params_", lambda **kw: ("bad_args", 0)) == "bad_args"
+    assert tracked == []
+
+
+def test_an_op_whose_lease_lies_across_a_capture_takes_the_reference_path(monkeypatch):
+    """A capture must not bake in an eager lease (nor eager work use a graph's): per call, with a reason."""
+    counted = []
+    monkeypatch.setattr(cuda_ops.counters, "count_op", lambda op, *why, **kw: counted.append((op, why)))
+    arena = types.SimpleNamespace(world_size=2, leases=types.SimpleNamespace(held_elsewhere=lambda: True))
+    monkeypatch.setattr(cuda_ops._transport, "arena", types.SimpleNamespace(get=lambda name: arena), raising=False)
+    monkeypatch.setattr(cuda_ops._transport, "WATCHDOG", types.SimpleNamespace(check=lambda: None), raising=False)
+    assert cuda_ops._arena_for("reduce_scatter_params_", "g", 2) is None
+    assert counted == [("reduce_scatter_params_", ("lease_across_capture",))]
+    arena.leases.held_elsewhere = lambda: False
+    assert cuda_ops._arena_for("reduce_scatter_params_", "g", 2) is arena
+
+
+# ------------------------------------------------------------------------------------------ watchdog
+def test_a_captured_op_expires_only_when_one_replay_stays_active_past_its_timeout():
+    c = watchdog._Captured(mark=3, op="all_gather_into_params_", group="g", timeout_s=5.0, describe=lambda: [],
+                           owner="a")
+    assert not c.stalled(0, 0, now=0.0)  # idle between replays
+    assert not c.stalled(1, 0, now=1.0)  # replay 1 began
+    assert not c.stalled(1, 0, now=5.5)  # 4.5 s in
+    assert not c.stalled(1, 1, now=7.0)  # replay 1 finished, replay 2 is active: its own clock
+    assert not c.stalled(0, 2, now=20.0)
+    assert not c.stalled(1, 2, now=21.0)
+    assert c.stalled(1, 2, now=26.5)  # one replay active for 5.5 s
+
+
+def test_the_watchdog_reads_every_captured_op_of_a_device_in_one_call_and_forgets_an_arena():
+    dog = watchdog.Watchdog()
+    dog._start = lambda: None  # no thread: polled by hand
+    words = {5: (1, 0), 6: (0, 3), 9: (1, 7)}
+    reads = []
+
+    def read(device, first, count):
+        reads.append((device, first, count))
+        return [words.get(k, (0, 0)) for k in range(first, first + count)]
+
+    for mark in (5, 6, 9):
+        dog.track_captured(read, 0, mark, "reduce_scatter_params_", "g", 2.0, lambda: ["report"], owner="arena-a")
+    assert dog._stalled_captured(now=0.0) is None and reads == [(0, 5, 5)]
+    late = dog._stalled_captured(now=2.5)
+    assert late is not None and late.issued == 0.0 and "replaying" in late.op and late.done is None
+    dog.forget_captured("arena-a")
+    assert dog.captured() == 0 and dog._stalled_captured(now=9.0) is None
+
+
+# ------------------------------------------------------------------------------------------ slots
+def test_a_slot_event_is_waited_for_only_within_its_own_capture():
+    ctx, s = Context(), Stream()
+    slots = SlotLeases(2, context=ctx)
+    slots.used(0, "eager-event")
+    slots.wait(0, s)
+    ctx.id = 11  # a capture began: the eager event is not waited for inside it (CUDA refuses the wait)
+    slots.wait(0, s)
+    slots.used(0, "captured-event")
+    slots.wait(0, s)
+    ctx.id = 0  # the capture ended: its event is not waited for by eager work
+    slots.wait(0, s)
+    assert s.waited == ["eager-event", "captured-event"] and slots.event(0) == "captured-event"
+
+
+# ------------------------------------------------------------------------------------------ leases
+def _leases(ctx):
+    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
+    leases = make(store, ipc, bases, syncs)
+    leases._context = ctx
+    return store, ipc, leases, syncs
+
+
+def test_a_lease_held_across_a_capture_boundary_is_refused():
+    ctx = Context()
+    store, _, leases, _ = _leases(ctx)
+    publish_peers(store, 1, generation=0)
+    leases.acquire()
+    ctx.id = 5
+    assert leases.held_elsewhere()
+    with pytest.raises(RuntimeError, match="leased outside the CUDA-graph capture and is still held"):
+        leases.acquire()
+    leases.release()
+    publish_peers(store, 2, generation=0)
+    leases.acquire()  # leased inside the capture
+    ctx.id = 0
+    with pytest.raises(RuntimeError, match="leased inside a CUDA-graph capture"):
+        leases.acquire()
+
+
+def test_mappings_a_graph_writes_through_are_never_closed():
+    ctx = Context()
+    store, ipc, leases, syncs = _leases(ctx)
+    ctx.id = 3  # the first lease inside a capture: the graph writes through these mappings at every replay
+    publish_peers(store, 1, generation=1)
+    leases.acquire()
+    leases.release()
+    ctx.id = 0
+    for n in range(2, lease.MAPPINGS_PER_PEER + 4):  # eager leases in ever new segments
+        publish_peers(store, n, generation=n)
+        leases.acquire()
+        leases.release()
+    kept = {leases._mapped[p][handle_of(p, 1)] for p in range(WORLD) if p != RANK}
+    assert len(kept) == 2 and not kept & set(ipc.closed) and ipc.closed and len(syncs) == len(ipc.closed)
+
+
+def test_no_mapping_is_closed_during_a_capture():
+    ctx = Context()
+    store, ipc, leases, syncs = _leases(ctx)
+    for n in range(1, lease.MAPPINGS_PER_PEER + 1):
+        publish_peers(store, n, generation=n)
+        leases.acquire()
+        leases.release()
+    ctx.id = 8  # one more segment per peer, inside a capture: closing would wait for pushes a capture holds
+    publish_peers(store, lease.MAPPINGS_PER_PEER + 1, generation=99)
+    leases.acquire()
+    assert ipc.closed == [] and syncs == []
