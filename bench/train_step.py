@@ -23,6 +23,14 @@ round point-to-point; stock is unchanged) and writes ``<name>_multinode.csv``: t
 these GPUs, not what it gains across real nodes. ``--segments`` records the caching allocator's history on
 rank 0 (slower) and writes ``<name>_segments.csv``: per variant, the segments the allocator created, summed by
 the Python frame that asked for each (where reserved memory goes; it found three causes of the multi-node step's reserved memory).
+
+``--cuda-graphs`` adds the captured variants ``stock_graph``, ``tide_in_place_graph`` and
+``tide_slot_reuse_graph``: forward and backward captured in one CUDA graph as torchtitan captures them
+(``tide.graph_step.GraphStep``: an eager step, then capture, then replays; the optimizer outside), beside
+the eager ones, and writes ``<name>_graphs.csv``. Every variant of such a run shards the embedding, norm and
+head as units of their own (``tide.train.fsdp_model(outer_units=True)``), so the root holds no parameter:
+over gloo (ranks sharing a GPU) only TIDE's collectives can be captured, and ``stock_graph`` is left out
+there. With graphs, ``peak_reserved_mib`` is the figure to compare: a graph's pool keeps its segments.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, log2_axes, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
 VARIANTS = ("stock", "stock_nccl_ce", "tide_in_place", "tide_slot_reuse")
+GRAPH_VARIANTS = ("stock_graph", "tide_in_place_graph", "tide_slot_reuse_graph")
 DEFAULT_TOKENS = {"llama8b": "1024,4096,8192", "moe": "1024,4096"}
 CSV_NAMES = {"llama8b": "train_step_8b", "moe": "train_step_moe"}
 COLUMNS = ("variant", "tokens_per_gpu", "median_step_ms", "peak_mib", "graphs_built_per_step", "gpus", "ranks", "date",
@@ -75,8 +84,25 @@ def segment_sites(snapshot: dict) -> list[dict]:
             for site, (count, nbytes) in sorted(sums.items(), key=lambda kv: -kv[1][1])]
 
 
+def _graph_step(model, optim, cfg, rank, device, batch_size, seq):
+    """The step function of a captured variant: eager at its first call, captured at its second."""
+    from tide.graph_step import GraphStep
+    from tide.models import batch, loss_fn
+
+    captured = GraphStep(model, loss_fn)
+
+    def step(i):
+        tokens, targets = batch(cfg, i, rank, batch_size, device=device, seq_len=seq)
+        loss = captured(tokens, targets)
+        optim.step()
+        captured.zero_grad(optim)
+        return loss
+
+    return step, captured
+
+
 def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_size, steps, warmup, prefetch,
-                  segments):
+                  segments, graphs_run):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import tide.fsdp
@@ -89,9 +115,10 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     cfg = dataclasses.replace(PRESETS[preset], n_layers=blocks, seq_len=max(tokens_list) // batch_size)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    tide_mode = {"tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}.get(variant)
+    captured = variant.endswith("_graph")
+    tide_mode = {"tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}.get(variant.removesuffix("_graph"))
     model = fsdp_model(cfg, device=device, mp_policy=mp, use_tide=tide_mode is not None,
-                       rs_mode=tide_mode or "in_place", prefetch=prefetch, seed=0)
+                       rs_mode=tide_mode or "in_place", prefetch=prefetch, seed=0, outer_units=graphs_run)
     if variant == "stock_nccl_ce":
         import nccl_ce
 
@@ -102,22 +129,26 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
     rows = []
     for tokens in tokens_list:
         seq = tokens // batch_size
-
-        def step(i):
-            return train_step(model, optim, cfg, i, rank, device=device, batch_size=batch_size, seq_len=seq)
+        graph = None
+        if captured:
+            step, graph = _graph_step(model, optim, cfg, rank, device, batch_size, seq)
+        else:
+            def step(i):
+                return train_step(model, optim, cfg, i, rank, device=device, batch_size=batch_size, seq_len=seq)
 
         tide.reset_stats()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         for i in range(warmup):
             step(i)
-        times, loss = [], None
+        times, issue_times, loss = [], [], None
         leasing_s = -sum(a.leases.seconds for a in transport.arenas())
         for i in range(warmup, warmup + steps):
             torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
             loss = step(i)
+            issue_times.append(time.perf_counter() - t0)  # the host's part: the step is queued, not done
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         leasing_s += sum(a.leases.seconds for a in transport.arenas())
@@ -128,7 +159,8 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
                      "peak_mib": (torch.cuda.max_memory_allocated(device) + arena_bytes) / 2**20,
                      "peak_reserved_mib": (torch.cuda.max_memory_reserved(device) + arena_bytes) / 2**20,
                      "device_used_mib": (total - free) / 2**20,
-                     "graphs_built_per_step": graphs, "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+                     "graphs_built_per_step": graphs, "host_issue_ms": statistics.median(issue_times) * 1e3,
+                     "p90_step_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                      "arena_mib": arena_bytes / 2**20, "final_loss": float(loss), "stats": str(tide.stats()["fsdp"]),
                      "arena_stats": str(tide.stats()["wiring"]),
                      "multinode_stats": str(tide.stats()["multinode"]),  # rail rounds by implementation
@@ -137,7 +169,9 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
                      "leases": sum(a.leases.count for a in transport.arenas()),
                      "peer_maps": sum(a.leases.maps_opened for a in transport.arenas()),
                      # the measured steps' time in the data region's leases (the store exchange included)
-                     "lease_ms_per_step": leasing_s / steps * 1e3})
+                     "lease_ms_per_step": leasing_s / steps * 1e3,
+                     "capture_s": graph.capture_s if graph is not None else 0.0})
+        del step, graph  # a captured step's graph and pool go before the next token count's
         if rank == 0:
             r = rows[-1]
             print(f"{variant:16s} {tokens:6d} tok/GPU  median {r['median_step_ms']:8.2f} ms  peak {r['peak_mib']:9.1f} MiB"
@@ -168,6 +202,8 @@ def main(argv=None):
                    help="no explicit forward/backward prefetch: FSDP2's implicit overlap alone")
     p.add_argument("--segments", action="store_true",
                    help="record the allocator's history on rank 0 and write <name>_segments.csv (slower)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="add the captured variants (" + ", ".join(GRAPH_VARIANTS) + "); writes <name>_graphs.csv")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
     require_cuda("train_step.py")
@@ -177,9 +213,12 @@ def main(argv=None):
     if args.preset not in PRESETS:
         p.error(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
     tokens = [int(t) for t in (args.tokens or DEFAULT_TOKENS.get(args.preset, "256")).split(",")]
-    variants = args.variants.split(",")
-    if bad := [v for v in variants if v not in VARIANTS]:
-        p.error(f"--variants: unknown {bad}; choose from {VARIANTS}")
+    variants = args.variants.split(",") + (list(GRAPH_VARIANTS) if args.cuda_graphs else [])
+    known = VARIANTS + (GRAPH_VARIANTS if args.cuda_graphs else ())
+    if bad := [v for v in variants if v not in known]:
+        p.error(f"--variants: unknown {bad}; choose from {known}")
+    if args.cuda_graphs and args.warmup < 2:
+        p.error("--cuda-graphs needs --warmup >= 2 (an eager step, then the capture)")
     if args.blocks < 1 or args.batch < 1 or any(t % args.batch for t in tokens):
         p.error("--blocks and --batch must be >= 1 and every --tokens value a multiple of --batch")
     gpus = torch.cuda.device_count()
@@ -197,10 +236,15 @@ def main(argv=None):
         if why_not is not None:
             print(f"train_step.py: no stock_nccl_ce variant: {why_not}")
             variants.remove("stock_nccl_ce")
+    if "stock_graph" in variants and backend != "nccl":
+        print("train_step.py: no stock_graph variant: ranks share a GPU, and stock's gloo collectives cannot be captured")
+        variants.remove("stock_graph")
+    if args.cuda_graphs and L is not None:
+        p.error("--cuda-graphs and --local-world-size: a multi-node step is not captured (capture_multinode)")
     rows, segment_rows = [], []
     for variant in variants:
         per_rank = run_ranks(_variant_rank, ranks, variant, args.preset, args.blocks, tokens, args.batch, args.steps,
-                             args.warmup, not args.implicit_prefetch, args.segments, backend=backend,
+                             args.warmup, not args.implicit_prefetch, args.segments, args.cuda_graphs, backend=backend,
                              device_type="cuda", env=env, timeout=580)
         for i, r in enumerate(per_rank[0][0]):
             rows.append({**r, "median_step_ms": max(pr[0][i]["median_step_ms"] for pr in per_rank)})
@@ -210,12 +254,14 @@ def main(argv=None):
         mode = f"{ranks // L} nodes x {L} EMULATED, {mode}"
     if args.implicit_prefetch:
         mode += ", implicit prefetch only"
+    if args.cuda_graphs:
+        mode += ", embedding/norm/head as units"
     meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, preset=args.preset, blocks=args.blocks, batch=args.batch,
                     steps=args.steps, warmup=args.warmup, mode=mode, local_world_size=L or ranks,
                     prefetch="implicit" if args.implicit_prefetch else "explicit")
     rows = [{**{k: {**r, **meta}[k] for k in COLUMNS}, **r, **meta} for r in rows]
     name = (CSV_NAMES.get(args.preset, f"train_step_{args.preset}") + ("_multinode" if L is not None else "")
-            + ("_implicit" if args.implicit_prefetch else ""))
+            + ("_implicit" if args.implicit_prefetch else "") + ("_graphs" if args.cuda_graphs else ""))
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
     if args.segments:

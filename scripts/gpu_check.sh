@@ -3,9 +3,11 @@
 # print a summary table last. Usage:
 #   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
 #     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
-#     tests_transport tests_fsdp_cuda tests_multinode tests_memory_model tests_faults fault_campaign kernels collectives
+#     tests_transport tests_capture tests_fsdp_cuda tests_multinode tests_memory_model tests_faults fault_campaign kernels
+#     collectives
 #     collectives_multinode multinode_host timeline ce_patterns lease_probe (2+ GPUs) overlap sm_room rs_ctas (2+ GPUs)
-#     host_time train_step_8b train_step_multinode (2+ GPUs) train_step_moe memory layout_conversion
+#     host_time train_step_8b train_step_multinode (2+ GPUs) train_step_moe train_step_8b_graphs
+#     train_step_moe_graphs memory layout_conversion
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
 # the environment in $OUT/env.txt and the summary in $OUT/summary.txt ($OUT: the device tool's output
@@ -73,7 +75,8 @@ overlap_args=(--reps 10)
 stage build 240 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
 stage tests_transport 200 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
   --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py \
-  --ignore=tests/cuda/test_multinode_cuda.py
+  --ignore=tests/cuda/test_multinode_cuda.py --ignore=tests/cuda/test_capture.py
+TIDE_TRACE=1 stage tests_capture 300 $PY -m pytest tests/cuda/test_capture.py -q -rfEs -p no:cacheprovider --timeout=200
 stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
 stage tests_multinode 300 $PY -m pytest tests/cuda/test_multinode_cuda.py -q -rfEs -p no:cacheprovider --timeout=290
 stage tests_memory_model 90 $PY -m pytest tests/cuda/test_memory_model.py -q -rfEs -p no:cacheprovider --timeout=85
@@ -101,6 +104,10 @@ stage train_step_8b 280 $PY bench/train_step.py --preset llama8b --steps 10 --ou
 [ "$gpus" -ge 2 ] && stage train_step_multinode 200 $PY bench/train_step.py --preset llama8b --tokens 1024,4096 \
   --variants stock,tide_in_place --local-world-size 1 --steps 8 --out "$WORK/results"
 stage train_step_moe 220 $PY bench/train_step.py --preset moe --steps 10 --out "$WORK/results"
+stage train_step_8b_graphs 280 $PY bench/train_step.py --preset llama8b --cuda-graphs --tokens 1024,4096 \
+  --variants stock,tide_in_place,tide_slot_reuse --steps 10 --out "$WORK/results"
+stage train_step_moe_graphs 220 $PY bench/train_step.py --preset moe --cuda-graphs --tokens 1024,4096 \
+  --variants stock,tide_in_place,tide_slot_reuse --steps 10 --out "$WORK/results"
 memory_ranks=8; [ "$gpus" -ge 2 ] && memory_ranks=$gpus
 stage memory 180 $PY bench/bench_memory.py --ranks $memory_ranks --dims 2048,4096,6144 --out "$WORK/results"
 stage layout_conversion 50 $PY bench/layout_conversion.py --reps 10 --out "$WORK/results"
@@ -116,7 +123,7 @@ tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
   echo "==================== environment"
   cat "$OUT/env.txt"
   echo "==================== tests (last lines)"
-  for t in tests_transport tests_fsdp_cuda tests_multinode tests_memory_model tests_faults; do
+  for t in tests_transport tests_capture tests_fsdp_cuda tests_multinode tests_memory_model tests_faults; do
     [ -f "$WORK/logs/$t.log" ] && tail -n 12 "$WORK/logs/$t.log"
   done
   echo "==================== benchmark summaries"

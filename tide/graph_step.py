@@ -1,17 +1,19 @@
-"""A training step's forward and backward captured in one CUDA graph, as torchtitan's ``CUDAGraphWrapper``
-captures it: the first call runs eagerly (FSDP2's lazy init, TIDE's arenas and plans), the second
-captures the step and replays it, every later call replays it. Inputs are copied into static buffers;
-the optimizer steps outside the graph, between replays.
+"""A training step's forward and backward captured in one CUDA graph, as torchtitan 0.3's
+``CUDAGraphWrapper`` captures it (its default, ``training.disable_cuda_graphs = False``): the first call
+runs eagerly on a side stream (FSDP2's lazy init, TIDE's arenas and plans), the second captures the step
+on that stream (``capture_error_mode="thread_local"``) and replays it, every later call replays it.
+Inputs are copied into static buffers; the optimizer steps outside the graph, between replays, and
+gradients are zeroed in place, never set to None, as torchtitan's trainer zeroes them with graphs on.
 
     step = GraphStep(model, loss_fn)
     for tokens, targets in data:
         loss = step(tokens, targets)   # eager, then captured + replayed, then replayed
         optim.step()
-        step.zero_grad(optim)          # set_to_none on the eager call only: a replay writes the same grads
+        step.zero_grad(optim)          # zero_grad(set_to_none=False)
 
-The gradients the capture creates live in the graph's private pool, and every replay writes them again:
-they must stay the params' ``.grad``. A call that finds another ``.grad`` (``zero_grad(set_to_none=True)``
-after the capture) raises instead of replaying into gradients nobody reads.
+The replays accumulate into the gradients that existed at the capture: they must stay the params'
+``.grad``. A call that finds another ``.grad`` (``zero_grad(set_to_none=True)`` after the capture) raises
+instead of replaying into gradients nobody reads.
 """
 from __future__ import annotations
 
@@ -38,13 +40,18 @@ class GraphStep:
         self._calls = 0
         self._tokens = self._targets = self._loss = None
         self._grads: list = []
+        self._stream = torch.cuda.Stream()
 
     def __call__(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This step's loss (a tensor the next replay overwrites: read it before then)."""
         self._calls += 1
         if self._calls == 1:
-            loss = self.loss_fn(self.model(tokens), targets)
-            loss.backward()
+            current = torch.cuda.current_stream()
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                loss = self.loss_fn(self.model(tokens), targets)
+                loss.backward()
+            current.wait_stream(self._stream)
             return loss.detach()
         if self.graph is None:
             self._capture(tokens, targets)
@@ -56,22 +63,18 @@ class GraphStep:
         self.replays += 1
         return self._loss
 
-    def zero_grad(self, optim: torch.optim.Optimizer) -> None:
-        """The optimizer's ``zero_grad``: gradients set to None after the eager call (the capture then
-        creates its own), left alone once captured (each replay overwrites them)."""
-        if self.graph is None:
-            optim.zero_grad(set_to_none=True)
+    @staticmethod
+    def zero_grad(optim: torch.optim.Optimizer) -> None:
+        """The optimizer's ``zero_grad``, in place: the captured step accumulates into these gradients."""
+        optim.zero_grad(set_to_none=False)
 
     def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         import time
 
         start = time.perf_counter()
         self._tokens, self._targets = tokens.clone(), targets.clone()
-        for p in self.model.parameters():
-            p.grad = None  # created inside the capture, in the graph's pool: every replay writes them
-        torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=self._stream, capture_error_mode="thread_local"):
             loss = self.loss_fn(self.model(self._tokens), self._targets)
             loss.backward()
             self._loss = loss.detach()

@@ -7,9 +7,9 @@ replay is compared bit for bit with the reference backend and with the eager tra
 inputs, run between the replays.
 
 FSDP2 level: torchtitan's pattern (tide.graph_step.GraphStep): one eager step, then forward + backward
-captured and replayed, the optimizer outside the graph; the losses and every step's gradients are
-compared with eager TIDE (bit for bit) and eager stock FSDP2 (within the reduce's tolerances) trained
-from the same seed on the same data.
+captured and replayed, the optimizer outside the graph, gradients zeroed in place; the losses and every
+step's gradients are compared with eager TIDE (bit for bit) and eager stock FSDP2 (within the reduce's
+tolerances) trained from the same seed on the same data.
 """
 from __future__ import annotations
 
@@ -187,11 +187,17 @@ def _train(rank: int, variant: str, rs_mode: str, prefetch: bool, steps: int) ->
         losses.append(loss.item())
         grads.append([p.grad.to_local().float().cpu().numpy().copy() for p in model.parameters()])
         optim.step()
-        step.zero_grad(optim) if step is not None else optim.zero_grad(set_to_none=True)
+        optim.zero_grad(set_to_none=False)  # as GraphStep.zero_grad: every variant accumulates into zeros
     torch.cuda.synchronize()
     stats = tide.stats()
     out = {"losses": losses, "grads": grads, "fsdp": stats["fsdp"], "ops": stats["ops"], "wiring": stats["wiring"],
            "replays": step.replays if step is not None else 0}
+    if step is not None:  # gradients set to None after the capture: the next call refuses to replay
+        optim.zero_grad(set_to_none=True)
+        try:
+            step(tokens, targets)
+        except RuntimeError as e:
+            out["stale_grads"] = str(e)
     del step
     torch.cuda.synchronize()
     if variant != "stock":

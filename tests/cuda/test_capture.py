@@ -40,6 +40,7 @@ def test_captured_training_bitexact(ext):
             stock, eager, graph = (res[name][v] for v in ("stock", "tide", "tide_graph"))
             what = f"rank {rank} {name}"
             assert graph["replays"] == STEPS - 1, (what, graph["replays"])
+            assert "no longer the gradient the captured step writes" in graph.get("stale_grads", ""), (what, graph)
             assert graph["losses"] == eager["losses"], (what, graph["losses"], eager["losses"])
             for s, (gs, es) in enumerate(zip(graph["grads"], eager["grads"])):
                 for i, (g, e) in enumerate(zip(gs, es)):
