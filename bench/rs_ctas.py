@@ -1,7 +1,7 @@
-"""TIDE-RS's summing grid, 16 CTAs against one per SM: the evidence two targets ask for.
+"""TIDE-RS's summing grid, one CTA per SM (the default) against 16: the evidence its targets ask for.
 
-One target asks TIDE-RS to sum on at most 16 CTAs; another asks it to slow a one-wave GEMM by <= 3 % while
-its time beside the GEMM stays <= 1.5x NCCL bf16's time alone. A one-wave GEMM holds every SM, so a
+TIDE-RS's SM time must stay at most a quarter of NCCL bf16's at 256 MiB with busbw at or above it, and it
+must slow a one-wave GEMM by <= 3 % while its time beside the GEMM stays <= 1.5x NCCL bf16's time alone. A one-wave GEMM holds every SM, so a
 summing grid waits for its wave to end and then delays the next GEMM's CTAs on the SMs it takes: the
 shortest burst over every SM delays it least (``sm_room.py``). This script measures both settings of
 ``TIDE_RS_CTAS`` in one run, alternated ``--rounds`` times so that the machine's drift falls on both:

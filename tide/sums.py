@@ -12,7 +12,7 @@ destination's node partials (node order).
 
 :func:`sum_rows_` is the reference: torch ops, any device, this order by construction. :func:`sum_rows`
 is what the multi-node schedule calls: on CUDA the bounded-grid summing kernel of TIDE-RS
-(csrc/ops/sum_contributions.cu, ``TIDE_RS_CTAS`` CTAs), bit for bit the same; on CPU, or when the CUDA
+(csrc/ops/sum_contributions.cu, :func:`summing_ctas` CTAs), bit for bit the same; on CPU, or when the CUDA
 extension cannot be built, the reference. ``tide.stats()["multinode"]`` counts which ran (``sum:kernel``,
 ``sum:torch``).
 """
@@ -25,7 +25,6 @@ from typing import Sequence
 import torch
 
 from tide import counters, knobs
-from tide.meta.plans import DEFAULT_SUM_CTAS
 
 log = logging.getLogger("tide")
 
@@ -58,15 +57,23 @@ def sum_rows_(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[t
         torch._foreach_copy_(dsts, pieces)
 
 
+def summing_ctas(device: torch.device | int) -> int:
+    """CTAs of TIDE-RS's summing kernel on ``device`` (the arena's and the multi-node sums'): ``TIDE_RS_CTAS``,
+    else one per SM. Its cost is its SM time, not its CTA count: one short burst over every SM beats a long
+    one on a few (docs/performance.md, "Summing grid")."""
+    ctas = knobs.positive_int("TIDE_RS_CTAS", None)
+    return ctas if ctas is not None else torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @functools.cache
 def _kernel():
-    """The extension's ``sum_rows`` on ``TIDE_RS_CTAS`` CTAs (read once, as the arena reads it), or None when
-    the CUDA extension cannot be built here (logged once)."""
+    """The extension's ``sum_rows`` on :func:`summing_ctas` CTAs (read once, as the arena reads it), or None
+    when the CUDA extension cannot be built here (logged once)."""
     from tide.transport import build
 
-    ctas = knobs.positive_int("TIDE_RS_CTAS", DEFAULT_SUM_CTAS)
+    knobs.positive_int("TIDE_RS_CTAS", None)  # a bad value raises, here too, before anything is built
     try:
-        return functools.partial(build.load().sum_rows, ctas=ctas)
+        return functools.partial(build.load().sum_rows, ctas=summing_ctas(torch.cuda.current_device()))
     except Exception as e:  # no nvcc, a failed build: the reference computes the same bits, slower
         log.warning("tide: the summing kernel is unavailable (%s: %s); multi-node sums run as torch ops",
                     type(e).__name__, e)

@@ -118,3 +118,53 @@ def test_a_board_that_cannot_be_created_is_none_on_every_rank(monkeypatch, tmp_p
     store = _DictStore()
     assert board.IssuedBoard.rendezvous(store, "k", 0, 2, K) is None
     assert board.IssuedBoard.rendezvous(store, "k", 1, 2, K) is None
+
+
+# ------------------------------------------------------------------------------------------ leases on the board
+def _boards(world: int) -> list:
+    """Every rank's mapping of one board, in this process (threads play the ranks)."""
+    store = _DictStore()
+    maps = [board.IssuedBoard.rendezvous(store, "b", 0, world, K)]
+    maps += [board.IssuedBoard.rendezvous(store, "b", r, world, K) for r in range(1, world)]
+    return maps
+
+
+def test_lease_values_cross_the_board_in_rank_order_lease_after_lease():
+    import threading
+
+    world = 3
+    maps = _boards(world)
+    got = [dict() for _ in range(world)]
+
+    def rank(r):
+        for n in range(2, 8):  # both slots, each reused: a rank publishes n + 2 only after reading n + 1
+            got[r][n] = maps[r].exchange_lease(n, f"handle{r}:{n * 100 + r}", 5.0, "lease")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for r in range(world):
+        for n in range(2, 8):
+            assert got[r][n] == [f"handle{p}:{n * 100 + p}" for p in range(world)], (r, n, got[r][n])
+
+
+def test_a_peer_that_never_publishes_its_lease_is_named_after_the_timeout():
+    maps = _boards(3)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"lease #2: rank\(s\) \[1, 2\] did not reach this call within 0.3 s"):
+        maps[0].exchange_lease(2, "x:0", 0.3, "lease #2")
+    assert time.monotonic() - start < 2
+
+
+def test_a_long_value_is_cut_to_the_slot():
+    maps = _boards(2)
+    value = "error:" + "e" * 400
+    import threading
+
+    t = threading.Thread(target=maps[1].exchange_lease, args=(2, "h:1", 5.0, "lease"))
+    t.start()
+    out = maps[0].exchange_lease(2, value, 5.0, "lease")
+    t.join(5)
+    assert out[0] == value[:248] and out[1] == "h:1"

@@ -55,7 +55,7 @@ def test_a_lease_exchanges_maps_and_releases():
     publish_peers(store, 1, generation=0)
     region = leases.acquire()
     assert region.nbytes == NBYTES and leases.count == 1 and leases.mode == "allocator"
-    assert store.get(f"tide/test/lease1/{RANK}").decode() == f"{MY_HANDLE.hex()}:256"
+    assert store.get(f"tide/test/lease1/{RANK}").decode() == f"{MY_HANDLE.hex()}:256;board=0"  # no board here
     mine, peers = bases[-1][RANK], [b for p, b in enumerate(bases[-1]) if p != RANK]
     assert mine == region.data_ptr() and len(ipc.opened) == 2 and all(b % (1 << 30) == 64 for b in peers)
     assert leases.acquire() is region and leases.count == 1  # held: no new lease
@@ -127,3 +127,34 @@ def test_the_time_spent_leasing_includes_waiting_for_the_peers():
     held = leases.seconds
     leases.acquire()  # held: no lease, no time
     assert leases.seconds == held
+
+
+class RecordingBoard:
+    """The issued board's lease exchange, answering for the peers as they would."""
+
+    def __init__(self) -> None:
+        self.leases = []
+
+    def exchange_lease(self, n, value, timeout_s, what):
+        self.leases.append(n)
+        return [value if p == RANK else f"{handle_of(p, 0).hex()}:{64 * n}" for p in range(WORLD)]
+
+
+@pytest.mark.parametrize("peers_mapped_it", [True, False])
+def test_leases_after_the_first_go_by_the_board_when_every_rank_mapped_it(peers_mapped_it):
+    store, ipc, bases = dist.HashStore(), RecordingIpc(), []
+    b = RecordingBoard()
+    leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 5.0, "test",
+                    set_bases=bases.append, sync_pushes=lambda: None, board=b)
+    for p in range(WORLD):
+        if p != RANK:
+            store.set(f"tide/test/lease1/{p}", f"{handle_of(p, 0).hex()}:64;board={int(peers_mapped_it)}")
+    leases.acquire()
+    assert store.get(f"tide/test/lease1/{RANK}").decode().endswith(";board=1")
+    assert all(b % (1 << 30) == 64 for p, b in enumerate(bases[-1]) if p != RANK)  # the flag is not the offset
+    leases.release()
+    if not peers_mapped_it:  # a peer without the board: every lease stays on the store
+        publish_peers(store, 2, generation=0, offset=128)
+    leases.acquire()
+    assert b.leases == ([2] if peers_mapped_it else [])
+    assert all(b % (1 << 30) == 128 for p, b in enumerate(bases[-1]) if p != RANK)

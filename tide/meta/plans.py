@@ -21,8 +21,6 @@ import torch
 from tide.meta.layout import GroupLayout, align_up
 
 ALIGN = 16
-# CTAs of TIDE-RS's summing kernel unless TIDE_RS_CTAS says otherwise (the arena's and the multi-node sums').
-DEFAULT_SUM_CTAS = 16
 # Chunks split across staging entries at multiples of 8 elements: the remainder keeps the 16-B
 # alignment of the summing kernel's vector path in the gradient, the entry and the fp32 shard.
 SPLIT_ELEMS = 8

@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from tide import agreement, knobs, registry, timeouts, topology
+from tide import agreement, knobs, registry, sums, timeouts, topology
 from tide.meta import plans
 from tide.meta.layout import GroupLayout, align_up
 from tide.transport import board, watchdog
@@ -68,7 +68,7 @@ class Arena:
             the entries fill ``rs_ring_bytes``).
         ring_depth: R, staging slots per destination, each of W entries (``TIDE_RS_RING_DEPTH``): up to R
             rounds of a reduce-scatter are in flight.
-        sum_ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default 16).
+        sum_ctas: CTAs of the summing kernel (``TIDE_RS_CTAS``, default one per SM: :func:`tide.sums.summing_ctas`).
         cast_ctas: at most this many CTAs for TIDE-AG's own-shard kernel (``TIDE_AG_CAST_CTAS``, default 4 per
             SM: a short burst on every SM); fewer leave SMs and HBM bandwidth to the work beside it.
     """
@@ -92,7 +92,7 @@ class Arena:
         self.slot_bytes = align_up(int(slot_bytes), 4096)
         self.num_slots = num_slots if self.slot_bytes > 0 else 0
         self.ring_depth = ring_depth or knobs.positive_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
-        self.sum_ctas = sum_ctas or knobs.positive_int("TIDE_RS_CTAS", plans.DEFAULT_SUM_CTAS)
+        self.sum_ctas = sum_ctas or sums.summing_ctas(self.device)
         ring = rs_ring_bytes or knobs.positive_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.cast_ctas = cast_ctas or knobs.positive_int("TIDE_AG_CAST_CTAS", CAST_CTAS_PER_SM * sms)
@@ -147,7 +147,8 @@ class Arena:
         self.leases = Leases(self.ext, group, self.store, self.store_prefix, self.rank, W, self.device,
                              self.data_bytes, self.timeout_s, self.label,
                              set_bases=lambda bases: c.set_data_bases(bases=bases), sync_pushes=c.sync_pushes,
-                             context=lambda: self.ext.capture_id(self.device.index))
+                             context=lambda: self.ext.capture_id(self.device.index),
+                             board=self.board if self.board is not None and board.ORDERED_STORES else None)
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
         self.report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
         self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each

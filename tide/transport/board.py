@@ -13,6 +13,13 @@ record is ``2 + K + W`` uint32 words at word ``r * (2 + K + W)``:
     + 2 + i      all-gather uses of slot i < K   (the arena's ``ag_uses``, mirrored by the extension
     + 2 + K + d  reduce-scatter rounds toward destination d < W    under its progress lock: ``rs_rounds``)
 
+After them, two lease slots of 64 words each: ``(number, length, value bytes)``, where the ranks
+exchange each lease's handle and offset (:meth:`IssuedBoard.exchange_lease`) with plain memory reads
+instead of a store round trip: lease n goes in slot n % 2, its number written last. A peer publishes
+lease n + 2 only after it has read every rank's lease n + 1, which this rank publishes only after it has
+read lease n: no slot is overwritten before every rank has read it. Plain stores become visible in
+program order only on x86-64 (:data:`ORDERED_STORES`); elsewhere the leases go through the store.
+
 A rank that cannot open the file (a process on another host) has no board; the others' reports say its
 record is missing.
 """
@@ -21,7 +28,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 import struct
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -29,6 +38,9 @@ from tide import procfs
 
 _DIR = "/dev/shm"
 _HEADER = 2  # pid, mapped
+_LEASE_SLOT_WORDS = 64  # number, length, then the value's bytes
+_LEASE_VALUE_BYTES = 4 * (_LEASE_SLOT_WORDS - 2)
+ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,8 @@ class IssuedBoard:
 
     def __init__(self, path: str, rank: int, world: int, num_slots: int, create: bool) -> None:
         self.path, self.rank, self.world, self.num_slots = path, rank, world, num_slots
-        self.record_words = _HEADER + num_slots + world
+        self.progress_words = _HEADER + num_slots + world
+        self.record_words = self.progress_words + 2 * _LEASE_SLOT_WORDS
         size = 4 * self.record_words * world
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
@@ -93,11 +106,40 @@ class IssuedBoard:
         del view  # the mapping stays; only the export that would keep it from closing goes
         return address
 
+    def _lease_slot(self, rank: int, n: int) -> int:
+        return 4 * (self.record_words * rank + self.progress_words + (n % 2) * _LEASE_SLOT_WORDS)
+
+    def exchange_lease(self, n: int, value: str, timeout_s: float, what: str) -> list[str]:
+        """Publish this rank's ``value`` (at most 248 bytes are kept) for lease ``n`` and return every rank's,
+        in rank order; raises ``RuntimeError`` (starting with ``what``) when a peer has not published it
+        within ``timeout_s``."""
+        data = value.encode()[:_LEASE_VALUE_BYTES]
+        mine = self._lease_slot(self.rank, n)
+        self._map[mine + 8:mine + 8 + len(data)] = data
+        struct.pack_into("<I", self._map, mine + 4, len(data))
+        struct.pack_into("<I", self._map, mine, n)  # last: the record is complete
+        deadline, spins = time.monotonic() + timeout_s, 0
+        waiting = [p for p in range(self.world) if p != self.rank]
+        while waiting:
+            waiting = [p for p in waiting if struct.unpack_from("<I", self._map, self._lease_slot(p, n))[0] != n]
+            if waiting:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what}: rank(s) {waiting} did not reach this call within {timeout_s:g} s "
+                                       "(a peer died or issued fewer TIDE ops)")
+                spins += 1
+                time.sleep(0 if spins < 1000 else 5e-5)
+        out = []
+        for p in range(self.world):
+            at = self._lease_slot(p, n)
+            length = struct.unpack_from("<I", self._map, at + 4)[0]
+            out.append(bytes(self._map[at + 8:at + 8 + length]).decode(errors="replace"))
+        return out
+
     def records(self) -> list[Record]:
         words = struct.unpack_from(f"<{self.record_words * self.world}I", self._map)
         out = []
         for r in range(self.world):
-            w = words[r * self.record_words:(r + 1) * self.record_words]
+            w = words[r * self.record_words:r * self.record_words + self.progress_words]
             out.append(Record(pid=w[0], mapped=w[1] == 1, ag_uses=list(w[_HEADER:_HEADER + self.num_slots]),
                               rs_rounds=list(w[_HEADER + self.num_slots:])))
         return out

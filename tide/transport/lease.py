@@ -8,9 +8,10 @@ tide/fsdp/wiring.py); the freed block then serves the activations.
 
 - **Mapping.** Each rank exports the allocator segment that holds its region with legacy CUDA IPC
   (csrc/transport/ipc.h: torch never learns the segment is shared, so a freed lease is never parked).
-  At each lease the ranks exchange handle and offset through the store
-  (:func:`tide.agreement.exchange`: three requests whatever the world size), and map peers'
-  segments they have not mapped yet: the allocator hands the same block back phase after phase
+  At each lease the ranks exchange handle and offset: on the arena's issued board (host memory every
+  rank maps, tide/transport/board.py: plain reads, microseconds) after the first lease, else through the
+  store (:func:`tide.agreement.exchange`: three requests whatever the world size, about 0.7 ms a lease on
+  the GPU machine), and map peers' segments they have not mapped yet: the allocator hands the same block back phase after phase
   (``bench/lease_probe.py``), so a step maps nothing. A peer's mapping is closed when it drops out of the
   last ``MAPPINGS_PER_PEER`` handles seen, after this rank's pushes have drained: a segment a peer maps cannot go back to the
   device (``empty_cache``, the allocator's retry after a failed allocation), so few stay mapped.
@@ -57,15 +58,17 @@ class Leases:
         set_bases: called with every rank's region address at each new lease.
         sync_pushes: waits until none of this rank's copies still writes into a peer's region.
         context: the id of the CUDA-graph capture in progress, 0 when none.
+        board: the arena's issued board (its ``exchange_lease``), which carries every lease after the first;
+            None: the store carries them all.
     """
 
     def __init__(self, ext, group, store, prefix: str, rank: int, world: int, device: torch.device, nbytes: int,
                  timeout_s: float, label: str, set_bases: Callable[[list[int]], None],
-                 sync_pushes: Callable[[], None], context: Callable[[], int] = lambda: 0) -> None:
+                 sync_pushes: Callable[[], None], context: Callable[[], int] = lambda: 0, board=None) -> None:
         self._ext, self._group, self._store, self._prefix = ext, group, store, prefix
         self.rank, self.world, self.device, self.nbytes = rank, world, device, nbytes
         self._timeout_s, self._label = timeout_s, label
-        self._set_bases, self._sync_pushes, self._context = set_bases, sync_pushes, context
+        self._set_bases, self._sync_pushes, self._context, self._board = set_bases, sync_pushes, context, board
         self._leased_in = 0  # the context the held region was leased in
         self._kept: set[bytes] = set()  # handles a captured graph writes through: never closed
         self.mode = "allocator"  # or "symmetric (<why>)" once any rank's export failed
@@ -139,14 +142,17 @@ class Leases:
     def _lease(self) -> None:
         self.count += 1
         what = f"tide.transport: lease #{self.count} of the arena of {self._label}"
-        if self.count > 2:  # every peer has read lease n-2's key: it published lease n-1's after reading it
+        if self.count == 3 or (self.count > 3 and self._board is None):
+            # every peer has read lease n-2's key: it published lease n-1's after reading it
             self._store.delete_key(f"{self._prefix}/lease{self.count - 2}/{self.rank}")
         if self.mode == "allocator":
             region = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             handle, offset, error = self._ext.ipc_export(tensor=region)
             mine = f"error:{error.splitlines()[0]}" if error else f"{handle.hex()}:{offset}"
-            theirs = agreement.exchange(self._store, f"{self._prefix}/lease{self.count}", self.rank, self.world, mine,
-                                        self._timeout_s, what)
+            if self._board is not None and self.count > 1:
+                theirs = self._board.exchange_lease(self.count, mine, self._timeout_s, what)
+            else:
+                theirs = self._exchange_by_store(mine, what)
             errors = [(p, v[len("error:"):]) for p, v in enumerate(theirs) if v.startswith("error:")]
             if not errors:
                 self._region = region
@@ -161,6 +167,19 @@ class Leases:
         self._region = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._symmetric = symm_mem.rendezvous(self._region, self._group)
         self._set_bases([int(p) for p in self._symmetric.buffer_ptrs])
+
+    def _exchange_by_store(self, mine: str, what: str) -> list[str]:
+        """Every rank's lease value through the store. The first lease, which fixes the mode, also settles
+        whether the later ones go by the board: only if every rank mapped it."""
+        if self.count > 1:
+            return agreement.exchange(self._store, f"{self._prefix}/lease{self.count}", self.rank, self.world, mine,
+                                      self._timeout_s, what)
+        values = agreement.exchange(self._store, f"{self._prefix}/lease1", self.rank, self.world,
+                                    f"{mine};board={int(self._board is not None)}", self._timeout_s, what)
+        theirs = [v.rpartition(";board=") if ";board=" in v else (v, "", "0") for v in values]
+        if not all(flag == "1" for _, _, flag in theirs):
+            self._board = None
+        return [v for v, _, _ in theirs]
 
     def _map(self, peer: int, value: str) -> int:
         """Peer ``peer``'s region address here, mapping its segment unless this handle is mapped already."""
