@@ -145,9 +145,10 @@ Issue issue_on_current_stream(int64_t device, const char* op, int64_t mark) {
   TORCH_CHECK(status != cudaStreamCaptureStatusInvalidated, "tide.", op, ": the current stream's CUDA-graph capture "
               "was invalidated by an earlier error");
   const bool capturing = status == cudaStreamCaptureStatusActive;
-  TORCH_CHECK(capturing == (mark >= 0), "tide.", op, capturing ? ": the current stream is capturing a CUDA graph but "
-              "the call has no replay mark (tide/transport/issue.py claims one)" : ": a replay mark was given but "
-              "the current stream is not capturing a CUDA graph");
+  TORCH_CHECK(!capturing || mark >= 0, "tide.", op, ": the current stream is capturing a CUDA graph but the call has "
+              "no replay mark (tide/transport/issue.py claims one)");
+  TORCH_CHECK(capturing || mark < 0, "tide.", op, ": a replay mark was given but the current stream is not "
+              "capturing a CUDA graph");
   return Issue{s, mark};
 }
 
