@@ -114,7 +114,7 @@ def _graph_capture_predicates(rank: int) -> dict:
                                              g._all_gather_comm)
             grads = [torch.empty(p._orig_size, device=dev, dtype=torch.bfloat16) for p in g.fsdp_params]
             rs = fallbacks.reduce_reason(g.fsdp_params, grads, g._reduce_scatter_process_group,
-                                         g._reduce_scatter_comm, torch.float32, g.device, None, None)
+                                         g._reduce_scatter_comm, torch.float32, g.device)
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)

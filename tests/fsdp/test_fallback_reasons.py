@@ -55,14 +55,14 @@ def _ag(params=None, group=None, async_op=False, device=CPU, comm="tide", contra
     return fallbacks.all_gather_reason(params or [_param()], group or _Group(), async_op, device, comm)
 
 
-def _rs(params=None, grads=None, group=None, reduce_dtype=torch.float32, device=CPU, all_reduce_group=None,
-        hook=None, comm="tide", contract=..., custom_input_fn=False):
+def _rs(params=None, grads=None, group=None, reduce_dtype=torch.float32, device=CPU, comm="tide", contract=...,
+        custom_input_fn=False):
     comm = TideReduceScatter(None, "in_place") if comm == "tide" else comm
     if contract is not ...:
         comm.contract = (contract,)
     grads = grads if grads is not None else [torch.randn(4, 2).bfloat16()]
     return fallbacks.reduce_reason(params or [_param()], grads, group or _Group(), comm, reduce_dtype, device,
-                                   all_reduce_group, hook, custom_input_fn)
+                                   custom_input_fn)
 
 
 CASES = {
@@ -89,8 +89,6 @@ CASES = {
     "noncontiguous_grad": (None, lambda: _rs(grads=[torch.randn(3, 4).bfloat16().t()])),
     "reduce_dtype": (None, lambda: _rs(reduce_dtype=torch.bfloat16)),
     "reduce_scatter_input_fn": (None, lambda: _rs(custom_input_fn=True)),
-    "hsdp": (None, lambda: _rs(all_reduce_group=_Group(2))),
-    "all_reduce_hook": (None, lambda: _rs(hook=lambda g: g)),
     "arena_busy": (lambda: fallbacks.arena_reason("busy"), None),
 }
 

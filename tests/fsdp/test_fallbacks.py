@@ -37,8 +37,6 @@ def test_fallback_two_ranks(two_ranks, case, all_gather, reduce_scatter):
 
 
 @pytest.mark.parametrize("case, all_gather, reduce_scatter", [
-    # HSDP gathers over the shard group (TIDE) but reduces with an all-reduce (stock).
-    ("hsdp", {"tide"}, {"stock:hsdp"}),
     # reshard_after_forward=2: forward gathers on the full group (TIDE), backward from the post-forward mesh.
     ("reshard_int", {"tide", "stock:post_forward_mesh"}, {"tide"}),
 ])

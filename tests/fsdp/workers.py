@@ -75,6 +75,8 @@ def _train(cfg, rank, *, use_tide, steps, mp=None, accum=1, no_sync=False, prefe
     # so the test also compares the reduced gradients themselves.
     tokens, targets = batch(cfg, steps * accum, rank)
     loss_fn(model(tokens), targets).backward()
+    if not steps:  # no step trained: the paths that backward took
+        stats = tide.stats()["fsdp"]
     grads = [p.grad.full_tensor().numpy().copy() for p in model.parameters() if p.grad is not None]
     optim.zero_grad(set_to_none=True)
     return model, optim, {"losses": losses, "params": _full_params(model), "grads": grads,
@@ -183,16 +185,9 @@ def fallbacks_2(rank: int, world_size: int) -> dict:
 
 
 def fallbacks_4(rank: int, world_size: int) -> dict:
-    """HSDP (2 replicas x 2 shards) and reshard_after_forward=2 (post-forward mesh) on 4 ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    """reshard_after_forward=2 (post-forward mesh) on 4 ranks."""
     torch.set_num_threads(1)
-    tiny = PRESETS["tiny"]
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    return {
-        "hsdp": _pair(tiny, rank, steps=3, mesh=mesh, mp=BF16),
-        "reshard_int": _pair(tiny, rank, steps=3, reshard_after_forward=2, mp=BF16),
-    }
+    return {"reshard_int": _pair(PRESETS["tiny"], rank, steps=3, reshard_after_forward=2, mp=BF16)}
 
 
 def world_size_1(rank: int, world_size: int) -> dict:
@@ -370,3 +365,38 @@ def keep_unsharded_storage(rank: int, world_size: int) -> dict:
         for layer in model.layers:
             layer.set_keep_unsharded_storage(True)
     return _pair(PRESETS["tiny"], rank, steps=3, mp=BF16, stock_setup=keep, tide_setup=keep)
+
+
+def _partial_all_reduce_grads(model, cfg, rank, accum: int = 2) -> list:
+    """``accum`` micro-batches, the replicas' all-reduce on the last only (``set_requires_all_reduce``): the
+    earlier ones reduce-scatter into FSDP's partial output. The reduced full gradients."""
+    for a in range(accum):
+        model.set_requires_all_reduce(a == accum - 1)
+        tokens, targets = batch(cfg, a, rank)
+        (loss_fn(model(tokens), targets) / accum).backward()
+    return [p.grad.full_tensor().numpy().copy() for p in model.parameters() if p.grad is not None]
+
+
+def _halve_after_all_reduce(model):
+    model.set_all_reduce_hook(lambda grad: grad.mul_(0.5))
+
+
+def hsdp(rank: int, world_size: int, replicas: int, case: str, steps: int) -> dict:
+    """HSDP on a (replicas, world_size / replicas) mesh, stock then TIDE: ``plain`` steps, ``hook`` (an
+    all-reduce hook), ``force_sum`` (sums in the collectives, one divide after), each ``steps`` AdamW steps
+    and one more backward; ``partial``: the gradients of two micro-batches, the all-reduce on the last."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+    tiny = PRESETS["tiny"]
+    setup = {"hook": _halve_after_all_reduce,
+             "force_sum": lambda m: m.set_force_sum_reduction_for_comms(True)}.get(case)
+    if case != "partial":
+        return _pair(tiny, rank, steps=steps, mesh=mesh, mp=BF16, stock_setup=setup, tide_setup=setup)
+    out = {}
+    for name, use_tide in (("stock", False), ("tide", True)):
+        model = fsdp_model(tiny, device="cpu", mp_policy=BF16, use_tide=use_tide, mesh=mesh)
+        tide.reset_stats()
+        out[name] = {"grads": _partial_all_reduce_grads(model, tiny, rank), "stats": tide.stats()["fsdp"]}
+    return out

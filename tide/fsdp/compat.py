@@ -92,11 +92,14 @@ def reduce_arity(stock=_fsdp_collectives) -> int | None:
 REDUCE_ARITY = reduce_arity()
 
 
-def reduce_result(keep_alive, rs_event, rs_stream, post_event) -> tuple:
-    """``foreach_reduce``'s return value for this torch (no all-reduce, no partial output)."""
+def reduce_result(keep_alive, rs_event, post_stream, post_event, *, all_reduce_input=None, all_reduce_event=None,
+                  partial=None) -> tuple:
+    """``foreach_reduce``'s return value for this torch: the reduce input to keep alive, the reduce-scatter's
+    event, the stream and event after which the sharded gradients are ready, the all-reduce's buffer and
+    event (HSDP, an all-reduce hook), and the partial output of a step without all-reduce."""
     if REDUCE_ARITY == 7:
-        return keep_alive, rs_event, rs_stream, post_event, None, None, None
-    return keep_alive, rs_event, post_event, None, None, None
+        return keep_alive, rs_event, post_stream, post_event, all_reduce_input, all_reduce_event, partial
+    return keep_alive, rs_event, post_event, all_reduce_input, all_reduce_event, partial
 
 
 def warn_untested_once(fn: str) -> None:

@@ -27,7 +27,7 @@ REASONS = (
     "not_enabled", "capture_before_arena", "capture_multinode", "compiling", "functorch", "async_op", "world_size_1",
     "compute_capability", "nvlink_domain", "post_forward_mesh", "keep_unsharded_storage", "all_gather_output_fn",
     "shard_dim", "cpu_offload", "all_gather_extension", "dtensor_param", "mixed_param_dtypes", "unsupported_dtype",
-    "reduce_dtype", "reduce_scatter_input_fn", "hsdp", "all_reduce_hook", "noncontiguous_grad", "arena_busy",
+    "reduce_dtype", "reduce_scatter_input_fn", "noncontiguous_grad", "arena_busy",
 )
 # Besides these, on a torch whose FSDP2 signatures no seam wrapper fits, every call takes stock as
 # "untested_torch:<the function and its parameters>" (tide.fsdp.compat).
@@ -204,11 +204,11 @@ def arena_reason(plan_mode: str) -> str | None:
     return "arena_busy" if plan_mode == "busy" else None
 
 
-def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, all_reduce_group, all_reduce_hook,
-                  custom_input_fn: bool = False) -> str | None:
+def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, custom_input_fn: bool = False) -> str | None:
     """Why this ``foreach_reduce`` call must take the stock path, or None for TIDE. Gradients of several
     dtypes in one group (torch 2.15: fp32 norm weights beside bf16 ones) are TIDE's: each is summed in
-    fp32."""
+    fp32. HSDP's all-reduce and an all-reduce hook follow TIDE-RS as they follow stock's reduce-scatter
+    (tide.fsdp.replicate)."""
     if (reason := _call_reason(comm, TideReduceScatter, device)) is not None:
         return reason
     if custom_input_fn:
@@ -217,10 +217,6 @@ def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, all_
         return "world_size_1"
     if (reason := _device_reason(device, rs_group, comm) or capture_reason(device, rs_group)) is not None:
         return reason
-    if all_reduce_group is not None:
-        return "hsdp"
-    if all_reduce_hook is not None:
-        return "all_reduce_hook"
     for g in grads:
         if not g.is_contiguous():
             return "noncontiguous_grad"

@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState, _to_dtype_if_needed
 
 from tide import counters, registry, topology
-from tide.fsdp import compat, hooks, wiring
+from tide.fsdp import compat, hooks, replicate, wiring
 from tide.fsdp.comms import TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
 from tide.meta.call_site import call_identity
@@ -170,13 +170,12 @@ def _cast_runs(flat: torch.Tensor, fsdp_params, offsets, grad_dtypes) -> list[to
     return out
 
 
-def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes, device, divide_factor, arena=None):
+def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes, device, divide_factor, arena=None,
+                 across: replicate.Across = replicate.NONE):
     handle = _get_device_handle(device.type)
     world_size = rs_group.size()
-    # With an fp32 reduce and no all-reduce group, every branch of FSDP's _get_gradient_divide_factors
-    # (AVG, PREMUL_SUM(1/f), force-sum with post-divide by f) amounts to sum / f with f defaulting to
-    # the world size; TIDE applies it as one fp32 scale inside the reduction.
-    scale = 1.0 / (divide_factor if divide_factor is not None else world_size)
+    # Stock's divide factors for an fp32 reduce; TIDE-RS applies the reduce-scatter's as one fp32 scale.
+    f = replicate.factors(rs_group, across, divide_factor, device.type)
     # The grads are the reduce input and the keep-alive FSDP holds until the compute stream has waited
     # the reduce-scatter event (as stock does with its packed buffer).
     grads = list(unsharded_grads)
@@ -184,40 +183,51 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
     if arena is not None:  # leased (if it is not) on the compute stream, as for the all-gather
         arena.region()
     rs_stream.wait_stream(handle.current_stream())
+    in_place = (None if across.needs_buffer or f.divides_after
+                else _accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size))
     with handle.stream(rs_stream):
-        in_place = _accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size)
         if in_place is not None:
-            reduce_scatter_into_shards(grads, in_place, scale, True, world_size, rs_group, arena)
+            reduce_scatter_into_shards(grads, in_place, f.scale, True, world_size, rs_group, arena)
             rs_event = rs_stream.record_event()
-        else:
-            # Stock's reduce-output layout: padded shards back to back, each (c, *rest) (dim-0 sharding,
-            # so the contiguous strides of the unpadded shard are those of the padded one too).
-            offsets, total = [], 0
-            for p in fsdp_params:
-                offsets.append(total)
-                total += p.padded_sharded_param_size.numel()
-            flat = torch.empty(total, dtype=torch.float32, device=device)
-            as_strided = flat.as_strided
-            shards = [as_strided(p.padded_sharded_param_size, p.contiguous_sharded_stride, o)
-                      for p, o in zip(fsdp_params, offsets)]
-            reduce_scatter_into_shards(grads, shards, scale, False, world_size, rs_group, arena)
-            rs_event = rs_stream.record_event()
-            # Stock epilogue: cast to each gradient dtype, view each unpadded shard, accumulate or assign.
-            if all(d in (None, torch.float32) for d in grad_dtypes) and all(
-                    p.sharded_size == p.padded_sharded_param_size for p in fsdp_params):
-                new_grads = shards  # already the unpadded shards' views: saves a view op per param
-            else:
-                new_grads = _cast_runs(flat, fsdp_params, offsets, grad_dtypes)
-            for p, new_grad in zip(fsdp_params, new_grads):
-                if p.sharded_param.grad is not None:
-                    p.sharded_param.grad._local_tensor += new_grad
-                else:
-                    p.sharded_param.grad = p.to_sharded_dtensor(new_grad)
+            _post_accumulate_hooks(fsdp_params)
+            return compat.reduce_result(grads, rs_event, rs_stream, rs_stream.record_event())
+        # Stock's reduce-output layout: padded shards back to back, each (c, *rest) (dim-0 sharding,
+        # so the contiguous strides of the unpadded shard are those of the padded one too).
+        offsets, total = [], 0
         for p in fsdp_params:
-            for hook in (getattr(p.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
-                hook(p.sharded_param)
-        post_event = rs_stream.record_event()
-    return compat.reduce_result(grads, rs_event, rs_stream, post_event)
+            offsets.append(total)
+            total += p.padded_sharded_param_size.numel()
+        flat = torch.empty(total, dtype=torch.float32, device=device)
+        as_strided = flat.as_strided
+        shards = [as_strided(p.padded_sharded_param_size, p.contiguous_sharded_stride, o)
+                  for p, o in zip(fsdp_params, offsets)]
+        reduce_scatter_into_shards(grads, shards, f.scale, False, world_size, rs_group, arena)
+        rs_event = rs_stream.record_event()
+    after = replicate.finish(flat, across, f, rs_stream, handle)
+    if after.partial is not None:  # no all-reduce this step: stock assigns nothing either
+        return compat.reduce_result(grads, rs_event, rs_stream, rs_stream.record_event(), partial=after.partial)
+    with handle.stream(after.stream):
+        # Stock epilogue: cast to each gradient dtype, view each unpadded shard, accumulate or assign.
+        if all(d in (None, torch.float32) for d in grad_dtypes) and all(
+                p.sharded_size == p.padded_sharded_param_size for p in fsdp_params):
+            new_grads = shards  # already the unpadded shards' views: saves a view op per param
+        else:
+            new_grads = _cast_runs(flat, fsdp_params, offsets, grad_dtypes)
+        for p, new_grad in zip(fsdp_params, new_grads):
+            if p.sharded_param.grad is not None:
+                p.sharded_param.grad._local_tensor += new_grad
+            else:
+                p.sharded_param.grad = p.to_sharded_dtensor(new_grad)
+        _post_accumulate_hooks(fsdp_params)
+        post_event = after.stream.record_event()
+    return compat.reduce_result(grads, rs_event, after.stream, post_event, all_reduce_input=after.all_reduce_input,
+                                all_reduce_event=after.all_reduce_event)
+
+
+def _post_accumulate_hooks(fsdp_params) -> None:
+    for p in fsdp_params:
+        for hook in (getattr(p.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
+            hook(p.sharded_param)
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -296,11 +306,10 @@ def foreach_all_gather_copy_out_with_output_fn(all_gather_result, fsdp_params, g
 
 
 def _reduce(stock, fsdp_params, unsharded_grads, group, stream, comm, reduce_dtype, device, divide_factor,
-            all_reduce_group, all_reduce_hook, grad_dtypes, custom_input_fn: bool):
+            across: replicate.Across, grad_dtypes, custom_input_fn: bool):
     """Both ``foreach_reduce`` shapes: TIDE's reduce, or ``stock()`` for the reason it records."""
     WATCHDOG.check()
-    reason = reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device, all_reduce_group,
-                           all_reduce_hook, custom_input_fn)
+    reason = reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device, custom_input_fn)
     counters.count_fsdp("reduce_scatter", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
         out = stock()
@@ -311,7 +320,8 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, comm, reduce_dty
         wiring.release_at_backward_end()
     ref = registry.group_of_comm.get(comm)  # the group is known once it all-gathered on TIDE
     with _identity(ref() if ref is not None else None, "reduce_scatter", "backward"):
-        return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena)
+        return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena,
+                            across)
 
 
 @torch.no_grad()
@@ -325,9 +335,11 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
             fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
             orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
             all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms)
+    across = replicate.Across(all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
+                              all_reduce_hook, force_sum_reduction_for_comms)
     return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
-                   all_reduce_hook, [orig_dtype] * len(fsdp_params), False)
+                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, across,
+                   [orig_dtype] * len(fsdp_params), False)
 
 
 @torch.no_grad()
@@ -344,10 +356,11 @@ def foreach_reduce_per_param_dtype(fsdp_params, unsharded_grads, reduce_scatter_
             reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream, all_reduce_grads,
             partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms,
             prepare_reduce_scatter_inputs=prepare_reduce_scatter_inputs)
+    across = replicate.Across(all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
+                              all_reduce_hook, force_sum_reduction_for_comms)
     return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
-                   all_reduce_hook, [p.sharded_grad_dtype for p in fsdp_params],
-                   prepare_reduce_scatter_inputs is not _DEFAULT_RS_INPUT_FN)
+                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, across,
+                   [p.sharded_grad_dtype for p in fsdp_params], prepare_reduce_scatter_inputs is not _DEFAULT_RS_INPUT_FN)
 
 
 SHAPES = {
