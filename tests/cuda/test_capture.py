@@ -4,7 +4,8 @@ replays ends its peers in an error within the timeout + 15 s.
 
 Ranks share one GPU over gloo (symmetric memory) when there are fewer GPUs than ranks, and then nothing
 but TIDE ops communicates inside the captured region (gloo cannot be captured: stock FSDP2 is compared
-eagerly there); with a GPU per rank the same tests run over NCCL.
+eagerly there); with a GPU per rank the same tests run over NCCL, and the training test also compares stock
+FSDP2 captured the same way, bit for bit.
 """
 import pytest
 import torch
@@ -20,7 +21,8 @@ STEPS = REPLAYS + 2  # an eager step, the captured one (replayed at once), then 
 
 
 def _run(fn, world_size, *args, timeout=420):
-    return run_ranks(fn, world_size, *args, backend="gloo", device_type="cuda", env=ranks.ENV, timeout=timeout)
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"  # NCCL: one GPU per rank
+    return run_ranks(fn, world_size, *args, backend=backend, device_type="cuda", env=ranks.ENV, timeout=timeout)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -46,6 +48,12 @@ def test_captured_training_bitexact(ext):
                 for i, (g, e) in enumerate(zip(gs, es)):
                     assert g.tobytes() == e.tobytes(), f"{what} step {s} grad {i}: captured != eager TIDE"
             _assert_close_to_stock(what, graph, stock)
+            if "stock_graph" in res[name]:  # NCCL: stock captured the same way, bit for bit at W = 2
+                stock_graph = res[name]["stock_graph"]
+                assert graph["losses"] == stock_graph["losses"], (what, graph["losses"], stock_graph["losses"])
+                for s, (gs, ss) in enumerate(zip(graph["grads"], stock_graph["grads"])):
+                    for i, (g, e) in enumerate(zip(gs, ss)):
+                        assert g.tobytes() == e.tobytes(), f"{what} step {s} grad {i}: captured != stock captured"
             for kind in ("all_gather", "reduce_scatter"):
                 assert set(graph["fsdp"][kind]) == {"tide"}, (what, kind, graph["fsdp"])
             assert not any(":stock" in k for k in graph["ops"]), (what, graph["ops"])
