@@ -15,6 +15,10 @@ def _index(K, R, W):
         "rs_free": [[next(n) for _ in range(R)] for _ in range(W)],
         "ag_src": [next(n) for _ in range(K)],
         "rs_push_src": [[next(n) for _ in range(R)] for _ in range(W)],
+        "g_ag_free": [[next(n) for _ in range(W)] for _ in range(K)],
+        "g_ag_ready": [[next(n) for _ in range(W)] for _ in range(K)],
+        "g_rs_ready": [[next(n) for _ in range(W)] for _ in range(R)],
+        "g_rs_free": [[next(n) for _ in range(R)] for _ in range(W)],
     }, next(n)
 
 
@@ -80,3 +84,17 @@ def test_words_are_read_as_unsigned():
     words = [0] * n
     words[index["ag_free"][0][1]] = words[index["ag_ready"][0][1]] = -1  # 2**32 - 1 as int32
     assert flag_report.behind(words, index, {"ag_uses": [2**32 - 1], "rs_rounds": [0, 0]}, 0) == {}
+
+
+def test_the_captured_words_posted_and_not_yet_consumed_are_listed():
+    (index, n), rank = _index(2, 2, 3), 0
+    words = [0] * n
+    assert "none posted to this rank" in flag_report.captured(words, index, rank)
+    words[index["g_ag_free"][1][2]] = 1  # peer 2's slot 1 is free for my pieces
+    words[index["g_rs_ready"][0][1]] = 1  # peer 1's contribution to my ring slot 0 landed
+    words[index["g_rs_free"][2][1]] = 1  # peer 2 permits my push into its ring slot 1
+    words[index["g_ag_ready"][0][0]] = 1  # my own word: never listed
+    line = flag_report.captured(words, index, rank)
+    assert line == ("  captured ops' words posted to this rank and not yet consumed: all-gather slot 1 free at peer(s) "
+                    "[2]; reduce-scatter ring slot 0 contributions from peer(s) [1]; reduce-scatter permits from peer 2 "
+                    "for ring slot(s) [1]"), line

@@ -12,6 +12,10 @@ waits expect:
 - reduce-scatter: peer q is behind by ``rs_rounds[me] - max_s rs_ready[s][q]`` rounds of its
   contributions to me, and by ``rs_rounds[q] - max_s rs_free[q][s]`` rounds of permits for mine (q
   permits a round when it has issued the op that holds it and summed the round R before).
+
+Ops captured into a CUDA graph use words of their own, set to 1 by the peer that posts them and reset by
+this rank once it has waited for them (flags.h): :func:`captured` lists those that are set, i.e. posted
+and not yet consumed; a replay that stalls waits for one that is not.
 """
 from __future__ import annotations
 
@@ -61,6 +65,26 @@ def describe(words: Sequence[int], index: Mapping[str, list], progress: Mapping[
     if unposted:
         lines.append(f"  this rank's pieces for slot(s) {unposted} are not posted yet (waiting for peers' free flags)")
     return "\n".join(lines)
+
+
+def captured(words: Sequence[int], index: Mapping[str, list], rank: int) -> str:
+    """The captured protocol's words that are set on this rank (posted by a peer, not yet consumed)."""
+    value = [w & 0xFFFFFFFF for w in words]
+    posted = []
+    for i, row in enumerate(index["g_ag_free"]):
+        if peers := [p for p, w in enumerate(row) if p != rank and value[w]]:
+            posted.append(f"all-gather slot {i} free at peer(s) {peers}")
+    for i, row in enumerate(index["g_ag_ready"]):
+        if peers := [p for p, w in enumerate(row) if p != rank and value[w]]:
+            posted.append(f"all-gather slot {i} pieces from peer(s) {peers}")
+    for s, row in enumerate(index["g_rs_ready"]):
+        if peers := [q for q, w in enumerate(row) if q != rank and value[w]]:
+            posted.append(f"reduce-scatter ring slot {s} contributions from peer(s) {peers}")
+    for d, row in enumerate(index["g_rs_free"]):
+        if d != rank and (slots := [s for s, w in enumerate(row) if value[w]]):
+            posted.append(f"reduce-scatter permits from peer {d} for ring slot(s) {slots}")
+    return ("  captured ops' words posted to this rank and not yet consumed: " + "; ".join(posted) if posted
+            else "  captured ops' words: none posted to this rank (a replay waits for a peer that has not reached it)")
 
 
 def issued(progress: Mapping[str, list]) -> str:

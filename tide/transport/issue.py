@@ -87,4 +87,6 @@ def report(arena, wait_s: float = 1.5) -> Iterator[str]:
         yield ("  flag words unreadable: " + (f"their copy to the host did not finish in {wait_s:g} s"
                                               if status == "timeout" else f"their copy failed: {status}"))
         return
-    yield flag_report.describe(arena.report_host.tolist(), arena.flag_index, progress, arena.rank, arena.ranks)
+    words = arena.report_host.tolist()
+    yield flag_report.describe(words, arena.flag_index, progress, arena.rank, arena.ranks)
+    yield flag_report.captured(words, arena.flag_index, arena.rank)
