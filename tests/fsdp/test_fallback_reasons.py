@@ -77,8 +77,6 @@ CASES = {
     "post_forward_mesh": (lambda: _ag(params=[_param(sharded_state=ShardedState.SHARDED_POST_FORWARD)]), None),
     "keep_unsharded_storage": (lambda: _ag(params=[_param(), _param(keep_unsharded_storage=True)]), None),
     "all_gather_output_fn": (lambda: _ag(output_fn=lambda params, result, world_size: None), None),
-    "shard_dim": (lambda: _ag(params=[_param(fsdp_placement=types.SimpleNamespace(dim=1))]),
-                  lambda: _rs(params=[_param(fsdp_placement=types.SimpleNamespace(dim=1))])),
     "cpu_offload": (lambda: _ag(params=[_param(offload_to_cpu=True)]), lambda: _rs(params=[_param(offload_to_cpu=True)])),
     "dtensor_param": (lambda: _ag(params=[_param(is_dtensor=True)]), lambda: _rs(params=[_param(is_dtensor=True)])),
     "all_gather_extension": (lambda: _ag(params=[_param(_sharded_local_tensor=torch.empty(1).as_subclass(_Extension))]),

@@ -19,8 +19,6 @@ def four_ranks():
 
 
 @pytest.mark.parametrize("case, all_gather, reduce_scatter", [
-    # Shard(1) on the 2-D weights of every group: both collectives of every group fall back.
-    ("shard_dim", {"stock:shard_dim"}, {"stock:shard_dim"}),
     ("cpu_offload", {"stock:cpu_offload"}, {"stock:cpu_offload"}),
     # Every unshard async; reduces are unaffected.
     ("async_op", {"stock:async_op"}, {"tide"}),

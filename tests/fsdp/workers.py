@@ -177,7 +177,6 @@ def fallbacks_2(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     tiny = PRESETS["tiny"]
     return {
-        "shard_dim": _pair(tiny, rank, steps=3, shard_placement_fn=_shard_dim1(world_size)),
         "cpu_offload": _pair(tiny, rank, steps=3, offload_policy=CPUOffloadPolicy(pin_memory=False)),
         "async_op": _pair(tiny, rank, steps=3, stock_setup=_async_unshard, tide_setup=_async_unshard),
         "mixed_param_dtypes": _pair(tiny, rank, steps=3, before_shard=_frozen_bf16_param),
@@ -400,3 +399,24 @@ def hsdp(rank: int, world_size: int, replicas: int, case: str, steps: int) -> di
         tide.reset_stats()
         out[name] = {"grads": _partial_all_reduce_grads(model, tiny, rank), "stats": tide.stats()["fsdp"]}
     return out
+
+
+def _shard_experts_dim1(world_size: int):
+    """Shard(1) for 3-D expert weights (torchtitan's placement for MoE experts) and for 2-D weights whose
+    dim 1 divides evenly; dim 0 for the rest."""
+    from torch.distributed.tensor import Shard
+
+    def fn(param):
+        return Shard(1) if param.dim() >= 2 and param.shape[1] % world_size == 0 else None
+    return fn
+
+
+def shard_dims(rank: int, world_size: int, preset: str, steps: int) -> dict:
+    """``Shard(1)`` params beside dim-0 ones in the same groups, stock then TIDE."""
+    import dataclasses
+
+    torch.set_num_threads(1)
+    cfg = PRESETS[preset]
+    if preset == "tiny_moe":
+        cfg = dataclasses.replace(cfg, n_layers=2)
+    return _pair(cfg, rank, steps=steps, shard_placement_fn=_shard_experts_dim1(world_size))

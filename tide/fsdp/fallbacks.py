@@ -26,7 +26,7 @@ from tide.meta.multinode import Topology
 REASONS = (
     "not_enabled", "capture_before_arena", "capture_multinode", "compiling", "functorch", "async_op", "world_size_1",
     "compute_capability", "nvlink_domain", "post_forward_mesh", "keep_unsharded_storage", "all_gather_output_fn",
-    "shard_dim", "cpu_offload", "all_gather_extension", "dtensor_param", "mixed_param_dtypes", "unsupported_dtype",
+    "cpu_offload", "all_gather_extension", "dtensor_param", "mixed_param_dtypes", "unsupported_dtype",
     "reduce_dtype", "reduce_scatter_input_fn", "noncontiguous_grad", "arena_busy",
 )
 # Besides these, on a torch whose FSDP2 signatures no seam wrapper fits, every call takes stock as
@@ -134,8 +134,6 @@ def capture_reason(device: torch.device, group) -> str | None:
 
 
 def param_reason(p) -> str | None:
-    if p.fsdp_placement.dim != 0:
-        return "shard_dim"
     if p.offload_to_cpu:
         return "cpu_offload"
     if p.is_dtensor and not _data_parallel_spmd(p):

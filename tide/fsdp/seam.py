@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState, _to_dtype_if_needed
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from tide import counters, registry, topology
-from tide.fsdp import compat, hooks, replicate, wiring
+from tide.fsdp import compat, hooks, reduce_output, replicate, shard_dims, wiring
 from tide.fsdp.comms import TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
 from tide.meta.call_site import call_identity
@@ -112,62 +112,23 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
         with handle.stream(copy_in_stream):
             outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
     all_gather_stream.wait_stream(copy_in_stream)
-    shards = [p._sharded_param_data for p in fsdp_params]
+    shards, out_blocks = shard_dims.all_gather_args(fsdp_params, [p._sharded_param_data for p in fsdp_params], outs,
+                                                    world_size)
     # The unsharded params alias these outputs and autograd may have saved them (re-gather in
     # backward): keep their version counters as stock copy-out does. Inference tensors have none.
     preserved = tuple(o for o in outs if not o.is_inference())
     with handle.stream(all_gather_stream):
         if preserved:
             with torch.autograd._unsafe_preserve_version_counter(preserved):
-                all_gather_into_outputs(shards, outs, world_size, group)
+                all_gather_into_outputs(shards, out_blocks, world_size, group)
         else:
-            all_gather_into_outputs(shards, outs, world_size, group)
+            all_gather_into_outputs(shards, out_blocks, world_size, group)
         event = all_gather_stream.record_event()
     if mode == "bound":
         arena.slots.used(slot, event)
     if mode != "none":
         counters.count_wiring(f"ag:{mode}")
     return TideAllGatherResult(outs[0].new_empty(0), event, None, [], [], [])
-
-
-def _accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size: int) -> list[torch.Tensor] | None:
-    """The existing sharded grads' local tensors when the op can add straight into them, else None.
-
-    Decided identically on every rank (all ranks must issue the same collectives): every param already
-    has an fp32 DTensor grad, is reduced into fp32 and shards evenly, so no rank's local grad is shorter
-    than its padded shard.
-    """
-    if any(d not in (None, torch.float32) for d in grad_dtypes):
-        return None
-    locals_ = []
-    for p, g in zip(fsdp_params, grads):
-        existing = p.sharded_param.grad
-        if existing is None or g.dim() == 0 or g.shape[0] % world_size:
-            return None
-        local = existing._local_tensor
-        if local.dtype != torch.float32 or not local.is_contiguous():
-            return None
-        locals_.append(local)
-    return locals_
-
-
-def _cast_runs(flat: torch.Tensor, fsdp_params, offsets, grad_dtypes) -> list[torch.Tensor]:
-    """Each param's unpadded reduced shard in its gradient dtype: one cast per run of neighbouring
-    params with the same dtype (as stock casts its reduce output), views of ``flat`` where no cast is
-    needed."""
-    out, i, n = [], 0, len(fsdp_params)
-    while i < n:
-        dtype, j = grad_dtypes[i], i
-        while j < n and grad_dtypes[j] == dtype:
-            j += 1
-        end = offsets[j] if j < n else flat.numel()
-        run = flat.narrow(0, offsets[i], end - offsets[i])
-        cast = _to_dtype_if_needed(run, dtype)
-        for p, o in zip(fsdp_params[i:j], offsets[i:j]):
-            out.append(torch.as_strided(cast, size=p.sharded_size, stride=p.contiguous_sharded_stride,
-                                        storage_offset=cast.storage_offset() + o - offsets[i]))
-        i = j
-    return out
 
 
 def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes, device, divide_factor, arena=None,
@@ -184,12 +145,13 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
         arena.region()
     rs_stream.wait_stream(handle.current_stream())
     in_place = (None if across.needs_buffer or f.divides_after
-                else _accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size))
+                else reduce_output.accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size))
     with handle.stream(rs_stream):
         if in_place is not None:
-            reduce_scatter_into_shards(grads, in_place, f.scale, True, world_size, rs_group, arena)
+            reduce_scatter_into_shards(*shard_dims.reduce_scatter_args(fsdp_params, grads, in_place, world_size),
+                                       f.scale, True, world_size, rs_group, arena)
             rs_event = rs_stream.record_event()
-            _post_accumulate_hooks(fsdp_params)
+            reduce_output.post_accumulate_hooks(fsdp_params)
             return compat.reduce_result(grads, rs_event, rs_stream, rs_stream.record_event())
         # Stock's reduce-output layout: padded shards back to back, each (c, *rest) (dim-0 sharding,
         # so the contiguous strides of the unpadded shard are those of the padded one too).
@@ -201,7 +163,8 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
         as_strided = flat.as_strided
         shards = [as_strided(p.padded_sharded_param_size, p.contiguous_sharded_stride, o)
                   for p, o in zip(fsdp_params, offsets)]
-        reduce_scatter_into_shards(grads, shards, f.scale, False, world_size, rs_group, arena)
+        reduce_scatter_into_shards(*shard_dims.reduce_scatter_args(fsdp_params, grads, shards, world_size),
+                                   f.scale, False, world_size, rs_group, arena)
         rs_event = rs_stream.record_event()
     after = replicate.finish(flat, across, f, rs_stream, handle)
     if after.partial is not None:  # no all-reduce this step: stock assigns nothing either
@@ -212,22 +175,16 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
                 p.sharded_size == p.padded_sharded_param_size for p in fsdp_params):
             new_grads = shards  # already the unpadded shards' views: saves a view op per param
         else:
-            new_grads = _cast_runs(flat, fsdp_params, offsets, grad_dtypes)
+            new_grads = reduce_output.cast_runs(flat, fsdp_params, offsets, grad_dtypes)
         for p, new_grad in zip(fsdp_params, new_grads):
             if p.sharded_param.grad is not None:
                 p.sharded_param.grad._local_tensor += new_grad
             else:
                 p.sharded_param.grad = p.to_sharded_dtensor(new_grad)
-        _post_accumulate_hooks(fsdp_params)
+        reduce_output.post_accumulate_hooks(fsdp_params)
         post_event = after.stream.record_event()
     return compat.reduce_result(grads, rs_event, after.stream, post_event, all_reduce_input=after.all_reduce_input,
                                 all_reduce_event=after.all_reduce_event)
-
-
-def _post_accumulate_hooks(fsdp_params) -> None:
-    for p in fsdp_params:
-        for hook in (getattr(p.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
-            hook(p.sharded_param)
 
 
 # ---------------------------------------------------------------------------------------------- wrappers

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tide import counters, registry, topology, transport
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
+from tide.fsdp import shard_dims
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
 from tide.meta import plans
 from tide.transport import node_leg
@@ -76,8 +77,10 @@ def bindable(param_group) -> bool:
     their outputs the way stock does (allocator memory, gathered in place), so slots are sized for the
     blocks alone and stay free for the current and the prefetched block."""
     comm = getattr(param_group, "_all_gather_comm", None)
+    # A Shard(i > 0) param's blocks (tide.fsdp.shard_dims) are params of the op's plan, each padded to its own
+    # place in a slot: its output would not be one tensor there, so such groups keep stock's outputs.
     return (isinstance(comm, TideAllGather) and comm.leaf
-            and param_group.post_forward_mesh_info is not None)
+            and param_group.post_forward_mesh_info is not None and not shard_dims.sharded(param_group.fsdp_params))
 
 
 def _create_arena(group: dist.ProcessGroup, multinode: bool):
