@@ -31,6 +31,9 @@ the eager ones, and writes ``<name>_graphs.csv``. Every variant of such a run sh
 head as units of their own (``tide.train.fsdp_model(outer_units=True)``), so the root holds no parameter:
 over gloo (ranks sharing a GPU) only TIDE's collectives can be captured, and ``stock_graph`` is left out
 there. With graphs, ``peak_reserved_mib`` is the figure to compare: a graph's pool keeps its segments.
+
+``--hsdp R`` trains on a (R, ranks / R) replicate x shard mesh (``_hsdp<R>.csv``); ``--shard-experts`` places the
+MoE preset's 3-D expert weights with ``Shard(1)`` through ``shard_placement_fn`` (``_shard1.csv``).
 """
 from __future__ import annotations
 
@@ -101,8 +104,23 @@ def _graph_step(model, optim, cfg, rank, device, batch_size, seq):
     return step, captured
 
 
+def _layout_kwargs(world_size: int, hsdp: int | None, shard_experts: bool) -> dict:
+    """``fully_shard`` keywords of ``--hsdp R`` (a (R, W / R) replicate x shard mesh) and ``--shard-experts``
+    (``Shard(1)`` for the 3-D expert weights, as torchtitan places them)."""
+    kw = {}
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kw["mesh"] = init_device_mesh("cuda", (hsdp, world_size // hsdp), mesh_dim_names=("replicate", "shard"))
+    if shard_experts:
+        from torch.distributed.tensor import Shard
+
+        kw["shard_placement_fn"] = lambda param: Shard(1) if param.dim() == 3 else None
+    return kw
+
+
 def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_size, steps, warmup, prefetch,
-                  segments, graphs_run):
+                  segments, graphs_run, hsdp=None, shard_experts=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import tide.fsdp
@@ -118,7 +136,8 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
     captured = variant.endswith("_graph")
     tide_mode = {"tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}.get(variant.removesuffix("_graph"))
     model = fsdp_model(cfg, device=device, mp_policy=mp, use_tide=tide_mode is not None,
-                       rs_mode=tide_mode or "in_place", prefetch=prefetch, seed=0, outer_units=graphs_run)
+                       rs_mode=tide_mode or "in_place", prefetch=prefetch, seed=0, outer_units=graphs_run,
+                       **_layout_kwargs(world_size, hsdp, shard_experts))
     if variant == "stock_nccl_ce":
         import nccl_ce
 
@@ -202,6 +221,10 @@ def main(argv=None):
                    help="no explicit forward/backward prefetch: FSDP2's implicit overlap alone")
     p.add_argument("--segments", action="store_true",
                    help="record the allocator's history on rank 0 and write <name>_segments.csv (slower)")
+    p.add_argument("--hsdp", type=int, default=None, metavar="R",
+                   help="HSDP: R replicas of ranks/R shards each (writes <name>_hsdp<R>.csv)")
+    p.add_argument("--shard-experts", action="store_true",
+                   help="Shard(1) for the MoE preset's 3-D expert weights (writes <name>_shard1.csv)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="add the captured variants (" + ", ".join(GRAPH_VARIANTS) + "); writes <name>_graphs.csv")
     p.add_argument("--out", default=str(default_out()))
@@ -239,12 +262,17 @@ def main(argv=None):
     if "stock_graph" in variants and backend != "nccl":
         print("train_step.py: no stock_graph variant: ranks share a GPU, and stock's gloo collectives cannot be captured")
         variants.remove("stock_graph")
+    if args.hsdp is not None and not (1 <= args.hsdp < ranks and ranks % args.hsdp == 0):
+        p.error(f"--hsdp must divide the ranks ({ranks}) and be smaller, got {args.hsdp}")
+    if args.shard_experts and not PRESETS[args.preset].n_experts:
+        p.error(f"--shard-experts needs a preset with experts (moe, tiny_moe), got {args.preset!r}")
     if args.cuda_graphs and L is not None:
         p.error("--cuda-graphs and --local-world-size: a multi-node step is not captured (capture_multinode)")
     rows, segment_rows = [], []
     for variant in variants:
         per_rank = run_ranks(_variant_rank, ranks, variant, args.preset, args.blocks, tokens, args.batch, args.steps,
-                             args.warmup, not args.implicit_prefetch, args.segments, args.cuda_graphs, backend=backend,
+                             args.warmup, not args.implicit_prefetch, args.segments, args.cuda_graphs, args.hsdp,
+                             args.shard_experts, backend=backend,
                              device_type="cuda", env=env, timeout=580)
         for i, r in enumerate(per_rank[0][0]):
             rows.append({**r, "median_step_ms": max(pr[0][i]["median_step_ms"] for pr in per_rank)})
@@ -256,12 +284,17 @@ def main(argv=None):
         mode += ", implicit prefetch only"
     if args.cuda_graphs:
         mode += ", embedding/norm/head as units"
+    if args.hsdp:
+        mode += f", HSDP {args.hsdp} x {ranks // args.hsdp}"
+    if args.shard_experts:
+        mode += ", experts Shard(1)"
     meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, preset=args.preset, blocks=args.blocks, batch=args.batch,
                     steps=args.steps, warmup=args.warmup, mode=mode, local_world_size=L or ranks,
                     prefetch="implicit" if args.implicit_prefetch else "explicit")
     rows = [{**{k: {**r, **meta}[k] for k in COLUMNS}, **r, **meta} for r in rows]
     name = (CSV_NAMES.get(args.preset, f"train_step_{args.preset}") + ("_multinode" if L is not None else "")
-            + ("_implicit" if args.implicit_prefetch else "") + ("_graphs" if args.cuda_graphs else ""))
+            + ("_implicit" if args.implicit_prefetch else "") + ("_graphs" if args.cuda_graphs else "")
+            + (f"_hsdp{args.hsdp}" if args.hsdp else "") + ("_shard1" if args.shard_experts else ""))
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
     if args.segments:
