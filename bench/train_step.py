@@ -262,8 +262,8 @@ def main(argv=None):
     if "stock_graph" in variants and backend != "nccl":
         print("train_step.py: no stock_graph variant: ranks share a GPU, and stock's gloo collectives cannot be captured")
         variants.remove("stock_graph")
-    if args.hsdp is not None and not (1 <= args.hsdp < ranks and ranks % args.hsdp == 0):
-        p.error(f"--hsdp must divide the ranks ({ranks}) and be smaller, got {args.hsdp}")
+    if args.hsdp is not None and not (1 <= args.hsdp <= ranks and ranks % args.hsdp == 0):
+        p.error(f"--hsdp must divide the ranks ({ranks}), got {args.hsdp}")
     if args.shard_experts and not PRESETS[args.preset].n_experts:
         p.error(f"--shard-experts needs a preset with experts (moe, tiny_moe), got {args.preset!r}")
     if args.cuda_graphs and L is not None:

@@ -19,7 +19,7 @@ def test_shard_experts_places_only_the_3d_expert_weights_on_dim_1():
 
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "tiny", "--shard-experts"], "--shard-experts needs a preset with experts"),
-    (["--preset", "tiny", "--hsdp", "2", "--ranks", "2"], "--hsdp must divide the ranks"),
+    (["--preset", "tiny", "--hsdp", "3", "--ranks", "2"], "--hsdp must divide the ranks"),
 ])
 def test_bad_layout_flags_name_the_flag(argv, message, monkeypatch, capsys):
     monkeypatch.setattr(train_step, "require_cuda", lambda name: None)
