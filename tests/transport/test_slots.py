@@ -85,9 +85,11 @@ def test_users_wait_for_the_last_use():
 
 
 # ------------------------------------------------------------------------------------------ the FSDP plan
-def _group(nparams=3, numel=1024, leaf=True, raf=True):
+def _group(nparams=3, numel=1024, leaf=True, raf=True, shard_dim=0):
     params = [types.SimpleNamespace(_sharded_param_data=torch.empty(numel), param_dtype=torch.bfloat16,
-                                    orig_dtype=torch.float32) for _ in range(nparams)]
+                                    orig_dtype=torch.float32, fsdp_placement=types.SimpleNamespace(dim=0))
+              for _ in range(nparams)]
+    params[-1].fsdp_placement.dim = shard_dim
     group = types.SimpleNamespace(fsdp_params=params, post_forward_mesh_info=object() if raf else None)
     group._all_gather_comm = TideAllGather(None, group, leaf=leaf)
     return group
@@ -138,6 +140,7 @@ def test_blocks_with_prefetch_never_find_a_busy_slot():
 def test_groups_that_do_not_use_slots_are_gathered_directly():
     arena = _arena(wiring.slot_layout(_group().fsdp_params, 2).slot_bytes)
     assert _unshard(arena, _group(raf=False))[0] == "direct"  # reshard_after_forward=False
+    assert _unshard(arena, _group(shard_dim=1))[0] == "direct"  # a Shard(1) param's blocks fit no slot place
     assert _unshard(arena, _group(numel=4096))[0] == "direct"  # larger than a slot
     assert wiring.plan_all_gather(None, _group()._all_gather_comm, [], 2) == ("none", None)
 
