@@ -2,6 +2,7 @@
 
 #include "kernels.h"
 
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
@@ -27,15 +28,9 @@ Ring& ring(int64_t device) {
   static Ring rings[kMaxDevices];
   Ring& r = rings[device];
   std::call_once(r.allocated, [&] {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    void* host = nullptr;
-    void* dev = nullptr;
-    TORCH_CHECK(cudaHostAlloc(&host, kWords * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess,
-                "tide.completions: cudaHostAlloc failed");
-    std::memset(host, 0, kWords * sizeof(uint32_t));
-    TORCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess, "tide.completions: cudaHostGetDevicePointer failed");
-    r.host = static_cast<uint32_t*>(host);
-    r.dev = reinterpret_cast<uint64_t>(dev);
+    const MappedWords w = mapped_words(device, kWords, "tide.completions");
+    r.host = w.host;
+    r.dev = w.dev;
   });
   return r;
 }
@@ -46,6 +41,19 @@ bool word_reached(const Ring& r, uint32_t op) {
 }
 
 }  // namespace
+
+MappedWords mapped_words(int64_t device, size_t n, const char* what) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  // A host allocation during someone's CUDA-graph capture needs the relaxed mode.
+  c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+  void* host = nullptr;
+  void* dev = nullptr;
+  TORCH_CHECK(cudaHostAlloc(&host, n * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess,
+              what, ": cudaHostAlloc failed");
+  std::memset(host, 0, n * sizeof(uint32_t));
+  TORCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess, what, ": cudaHostGetDevicePointer failed");
+  return MappedWords{static_cast<uint32_t*>(host), reinterpret_cast<uint64_t>(dev)};
+}
 
 driver::MemOp claim(int64_t device) {
   Ring& r = ring(device);

@@ -19,6 +19,14 @@ namespace tide::completions {
 
 constexpr uint32_t kWords = 1u << 16;
 
+// `n` zeroed uint32 words of pinned host memory mapped into `device`'s address space (never freed), and
+// their device address; `what` names the caller in errors. Allowed during a CUDA-graph capture.
+struct MappedWords {
+  uint32_t* host;
+  uint64_t dev;
+};
+MappedWords mapped_words(int64_t device, size_t n, const char* what);
+
 // The next op id of `device` and the memop that marks its completion (value = the id); the caller
 // issues it last on the op's stream.
 driver::MemOp claim(int64_t device);

@@ -1,15 +1,13 @@
 // Replay marks (csrc/transport/replays.h).
 #include "transport/replays.h"
 
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
-#include <cstring>
 #include <mutex>
 
 #include "kernels.h"
+#include "transport/completions.h"
 
 namespace tide::replays {
 namespace {
@@ -28,17 +26,9 @@ Marks& marks(int64_t device) {
   static Marks all[kMaxDevices];
   Marks& m = all[device];
   std::call_once(m.allocated, [&] {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    // Allocated at the first op captured into a graph: a host allocation needs the relaxed mode then.
-    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-    void* host = nullptr;
-    void* dev = nullptr;
-    TORCH_CHECK(cudaHostAlloc(&host, 2 * kMarks * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) ==
-                    cudaSuccess, "tide.replays: cudaHostAlloc failed");
-    std::memset(host, 0, 2 * kMarks * sizeof(uint32_t));
-    TORCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess, "tide.replays: cudaHostGetDevicePointer failed");
-    m.host = static_cast<uint32_t*>(host);
-    m.dev = static_cast<uint32_t*>(dev);
+    const completions::MappedWords w = completions::mapped_words(device, 2 * kMarks, "tide.replays");
+    m.host = w.host;
+    m.dev = reinterpret_cast<uint32_t*>(w.dev);
   });
   return m;
 }

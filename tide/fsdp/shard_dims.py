@@ -20,7 +20,7 @@ import math
 import torch
 
 
-def _blocks(fsdp_param, world_size: int) -> tuple[int, int, int]:
+def _blocks(fsdp_param) -> tuple[int, int, int]:
     """(outer, rows, inner) of the param's blocks: rows = a_i of the unsharded param."""
     dim = fsdp_param.fsdp_placement.dim
     size = fsdp_param._orig_size
@@ -32,36 +32,34 @@ def sharded(fsdp_params) -> bool:
     return any(p.fsdp_placement.dim != 0 for p in fsdp_params)
 
 
+def _as_blocks(fsdp_params, firsts, seconds, world_size: int, shapes) -> tuple[list, list]:
+    """Each dim-i param's pair of tensors as its blocks' views; ``shapes(outer, rows, rows / W, inner)`` gives
+    the two views' shapes, block first. Dim-0 params pass as they are."""
+    if not sharded(fsdp_params):
+        return firsts, seconds
+    out_firsts, out_seconds = [], []
+    for p, first, second in zip(fsdp_params, firsts, seconds):
+        if p.fsdp_placement.dim == 0:
+            out_firsts.append(first)
+            out_seconds.append(second)
+            continue
+        outer, rows, inner = _blocks(p)
+        first_shape, second_shape = shapes(outer, rows, rows // world_size, inner)
+        out_firsts += list(first.view(first_shape).unbind(0))
+        out_seconds += list(second.view(second_shape).unbind(0))
+    return out_firsts, out_seconds
+
+
 def all_gather_args(fsdp_params, shards, outs, world_size: int) -> tuple[list, list]:
     """The ops' (shards, outs) for the params' 1-D sharded data and 1-D outputs: block views."""
-    if not sharded(fsdp_params):
-        return shards, outs
-    block_shards, block_outs = [], []
-    for p, shard, out in zip(fsdp_params, shards, outs):
-        if p.fsdp_placement.dim == 0:
-            block_shards.append(shard)
-            block_outs.append(out)
-            continue
-        outer, rows, inner = _blocks(p, world_size)
-        block_shards += list(shard.view(outer, rows // world_size * inner).unbind(0))
-        block_outs += list(out.view(outer, rows * inner).unbind(0))
-    return block_shards, block_outs
+    return _as_blocks(fsdp_params, shards, outs, world_size,
+                      lambda outer, rows, c, inner: ((outer, c * inner), (outer, rows * inner)))
 
 
 def reduce_scatter_args(fsdp_params, grads, shard_grads, world_size: int) -> tuple[list, list]:
     """The ops' (grads, shard_grads) for the params' unsharded gradients and padded shard gradients."""
-    if not sharded(fsdp_params):
-        return grads, shard_grads
-    block_grads, block_shards = [], []
-    for p, grad, shard in zip(fsdp_params, grads, shard_grads):
-        if p.fsdp_placement.dim == 0:
-            block_grads.append(grad)
-            block_shards.append(shard)
-            continue
-        outer, rows, inner = _blocks(p, world_size)
-        block_grads += list(grad.view(outer, rows, inner).unbind(0))
-        block_shards += list(shard.view(outer, rows // world_size, inner).unbind(0))
-    return block_grads, block_shards
+    return _as_blocks(fsdp_params, grads, shard_grads, world_size,
+                      lambda outer, rows, c, inner: ((outer, rows, inner), (outer, c, inner)))
 
 
 def evenly_sharded(fsdp_param, grad: torch.Tensor, world_size: int) -> bool:
