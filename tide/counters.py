@@ -7,7 +7,7 @@
   ``rs:in_place`` / ``rs:slot_reuse`` (reduce-scatters; Slot-Reuse when the group's gradients were read
   from its slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved), ``arena:created``;
 - ``ops``: calls of the mutating ``torch.ops.tide`` ops (the functional pair calls them), ``"<op>:tide"``
-  (the CUDA transport), ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``
+  (the CUDA transport, counted in C++ for the calls that stayed there: tide/ops/cuda.py), ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``
   (a CUDA call on the reference backend), ``"<op>:reference"`` (a CPU call);
 - ``multinode``: point-to-point rounds of the multi-node schedule per leg and implementation
   (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/multinode/rails.py``), and its sums by
@@ -20,6 +20,8 @@ opted-in group).
 from __future__ import annotations
 
 import logging
+from collections import Counter
+
 from tide import registry, trace
 
 log = logging.getLogger("tide")
@@ -73,8 +75,11 @@ def count_multinode(key: str) -> None:
 
 def stats() -> dict:
     """Every counter since the last :func:`reset_stats` (see the module docstring)."""
+    ops = Counter(registry.op_calls)
+    for calls, _ in registry.op_call_sources:
+        ops.update(calls())
     return {"fsdp": {kind: dict(c) for kind, c in registry.fsdp_calls.items()}, "wiring": dict(registry.wiring_calls),
-            "ops": dict(sorted(registry.op_calls.items())), "multinode": dict(sorted(registry.multinode_calls.items())),
+            "ops": dict(sorted(ops.items())), "multinode": dict(sorted(registry.multinode_calls.items())),
             "arenas": {a.ranks: a.counters() for a in registry.arenas.values()}}
 
 
@@ -82,3 +87,5 @@ def reset_stats() -> None:
     """Clear the counters (the arenas' own counters only grow)."""
     for c in (*registry.fsdp_calls.values(), registry.wiring_calls, registry.op_calls, registry.multinode_calls):
         c.clear()
+    for _, reset in registry.op_call_sources:
+        reset()

@@ -17,6 +17,7 @@ wiring_calls: Counter = Counter()
 op_calls: Counter = Counter()
 multinode_calls: Counter = Counter()
 logged_reasons: set = set()
+op_call_sources: list = []  # (calls, reset) of op calls counted outside Python (tide/ops/cuda.py: the C++ kernels)
 
 # ---- tide.topology
 topologies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> {local world size: Topology | None}

@@ -25,7 +25,7 @@
 namespace tide {
 namespace {
 
-bool float_tensors(const std::vector<at::Tensor>& ts) {
+bool float_tensors(at::TensorList ts) {
   for (const auto& t : ts)
     if (dtype_code(t.scalar_type()) < 0 || !t.is_contiguous()) return false;
   return true;
@@ -33,8 +33,8 @@ bool float_tensors(const std::vector<at::Tensor>& ts) {
 
 // The conditions of tide.meta.checks (which words the errors: tide/transport/all_gather.py) for a call
 // of `plan`, plus every tensor on the arena's device.
-bool args_ok(const Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
-             const std::vector<at::Tensor>& outs) {
+bool args_ok(const Arena& a, const AgPlan& plan, at::TensorList shards,
+             at::TensorList outs) {
   if (shards.size() != plan.size() || outs.size() != plan.size() || !float_tensors(shards) || !float_tensors(outs))
     return false;
   const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(a.device()));
@@ -55,8 +55,8 @@ bool args_ok(const Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& 
 
 const char* ran_name(Ran r) { return r == Ran::kTide ? "tide" : "bad_args"; }
 
-Ran all_gather(Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
-               const std::vector<at::Tensor>& outs, int64_t slot, int64_t mark) {
+Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
+               at::TensorList outs, int64_t slot, int64_t mark) {
   const char* op = "all_gather_into_params_";
   if (!args_ok(a, plan, shards, outs)) return Ran::kBadArgs;
   TORCH_CHECK_VALUE(slot >= 0 && slot < a.layout().flags.K && plan.slot_bytes <= a.layout().slot_bytes, "tide.", op,
@@ -67,6 +67,7 @@ Ran all_gather(Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shar
   a.count_call(true);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a.device()));
   const Issue is = issue_on_current_stream(a.device(), op, mark);
+  const WatchedOp watched(a, op, is);
   cudaStream_t S = is.stream;
   a.start(is);
   {

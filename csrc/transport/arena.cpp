@@ -21,7 +21,8 @@ constexpr const char* kHostNames[] = {"host_ns_total", "host_ns_kernel", "host_n
 Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64_t device, int64_t num_slots,
              int64_t slot_bytes, int64_t ring_depth, int64_t entry_bytes, int64_t sum_ctas, int64_t cast_ctas)
     : rank_(rank), world_(world), device_(device), sum_ctas_(sum_ctas), cast_ctas_(cast_ctas),
-      layout_{FlagLayout{num_slots, ring_depth, world}, slot_bytes, entry_bytes} {
+      layout_{FlagLayout{num_slots, ring_depth, world}, slot_bytes, entry_bytes}, steady_(device, num_slots),
+      in_flight_(std::make_shared<completions::InFlight>(device)) {
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tide.Arena: rank ", num(rank), " not in [0, ", num(world), ")");
   TORCH_CHECK(static_cast<int64_t>(flag_bases.size()) == world, "tide.Arena: need one flag base pointer per rank");
   TORCH_CHECK(num_slots >= 0 && ring_depth >= 1, "tide.Arena: num_slots must be >= 0 and ring_depth >= 1");
@@ -74,8 +75,9 @@ std::string Arena::read_flags(const at::Tensor& host, double wait_s) {
   return err == cudaSuccess ? "ok" : cudaGetErrorString(err);
 }
 
-void Arena::set_data_bases(const std::vector<int64_t>& bases) {
-  TORCH_CHECK(static_cast<int64_t>(bases.size()) == world_, "tide.Arena.set_data_bases: need one base per rank");
+void Arena::set_region(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t context) {
+  TORCH_CHECK(static_cast<int64_t>(bases.size()) == world_, "tide.Arena.set_region: need one base per rank");
+  steady_.set_region(region, context);
   for (int64_t p = 0; p < world_; ++p) data_bases_[p] = static_cast<uint64_t>(bases[p]);
   if (bases[rank_] != 0) {
     std::lock_guard<std::mutex> lock(progress_mu_);
@@ -93,6 +95,14 @@ void Arena::check_leased(const char* op) const {
   for (int64_t p = 0; p < world_; ++p)
     TORCH_CHECK(data_bases_[p] != 0, "tide.", op, ": the arena's data region is not leased (tide/transport/lease.py "
                 "leases it before every op)");
+}
+
+WatchedOp::WatchedOp(Arena& a, const char* op, const Issue& is) : a_(a), op_before_(a.last_op()) {
+  if (!is.captured()) ticket_ = a.in_flight()->begin(op);
+}
+
+WatchedOp::~WatchedOp() {
+  if (ticket_ != 0) a_.in_flight()->issued(ticket_, a_.last_op() != op_before_ ? a_.last_op() : 0);
 }
 
 void Arena::start(const Issue& is) {

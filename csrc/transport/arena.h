@@ -14,9 +14,11 @@
 #include <vector>
 
 #include "kernels.h"
+#include "transport/completions.h"
 #include "transport/copies.h"
 #include "transport/driver.h"
 #include "transport/flags.h"
+#include "transport/steady.h"
 
 #define TIDE_CUDA(expr)                                                                                 \
   do {                                                                                                  \
@@ -55,6 +57,24 @@ struct Issue {
 // The current stream of `device` for `op`: `mark` (>= 0) must be given exactly when it is capturing.
 Issue issue_on_current_stream(int64_t device, const char* op, int64_t mark);
 
+class Arena;
+
+// An eager op's entry in its arena's in-flight list, from before it issues anything until the call
+// returns: then it carries the op's completion word, or none when the call ended without writing one
+// (an error). A captured op has a replay mark instead (replays.h).
+class WatchedOp {
+ public:
+  WatchedOp(Arena& a, const char* op, const Issue& is);
+  ~WatchedOp();
+  WatchedOp(const WatchedOp&) = delete;
+  WatchedOp& operator=(const WatchedOp&) = delete;
+
+ private:
+  Arena& a_;
+  uint64_t ticket_ = 0;  // 0: not watched here (captured)
+  uint32_t op_before_;
+};
+
 class Arena {
  public:
   // flag_bases: every rank's flag region (symmetric memory). The data region comes later, per lease.
@@ -78,9 +98,10 @@ class Arena {
   uint64_t entry(int64_t d, int64_t s, int64_t q) const {
     return data_bases_[d] + layout_.ring_off() + (s * world_ + q) * layout_.entry_bytes;
   }
-  // Every rank's data region (slots and ring) for the ops from now on: set at each lease, on every rank
-  // at the same point (tide/transport/lease.py); all 0 while none is leased.
-  void set_data_bases(const std::vector<int64_t>& bases);
+  // This rank's leased region (undefined when released), leased in capture `context` (0: eagerly), and
+  // every rank's region address for the ops from now on: set at each lease, on every rank at the same
+  // point (tide/transport/lease.py); all 0 while none is leased.
+  void set_region(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t context);
   void check_leased(const char* op) const;
   // Waits for this arena's push streams: nothing of this rank's still writes into a peer's old lease
   // before its mapping is closed.
@@ -116,6 +137,11 @@ class Arena {
   std::vector<int64_t> count_rounds(const std::vector<int64_t>& rounds, bool& fresh);
   void count_call(bool all_gather) { ++(all_gather ? ag_calls_ : rs_calls_); }
 
+  // ---- what a call on a layout seen before needs (steady.h), and the eager ops in flight (completions.h)
+  Steady& steady() { return steady_; }
+  const Steady& steady() const { return steady_; }
+  const std::shared_ptr<completions::InFlight>& in_flight() const { return in_flight_; }
+
   // ---- what this rank has issued (safe from the watchdog's thread while an op runs: the ops release the GIL)
   std::vector<int64_t> ag_uses() const;
   std::vector<int64_t> rs_rounds() const;
@@ -145,6 +171,8 @@ class Arena {
   cudaEvent_t ev_start_ = nullptr, ev_ag_push_ = nullptr, ev_rs_push_ = nullptr, ev_reduce_ = nullptr;
   std::vector<cudaEvent_t> ev_chunk_;
   uint32_t last_op_ = 0;
+  Steady steady_;
+  std::shared_ptr<completions::InFlight> in_flight_;
   cudaStream_t report_ = nullptr;
   cudaEvent_t ev_report_ = nullptr;
   CopyList data_, flags_;

@@ -247,6 +247,9 @@ void bind_plans(pybind11::module_& m) {
 
 void bind_arena(pybind11::module_& m) {
   namespace py = pybind11;
+  // An arena's eager ops in flight, polled by the watchdog's thread (completions.h).
+  py::class_<completions::InFlight, std::shared_ptr<completions::InFlight>>(m, "InFlight")
+      .def("oldest", &completions::InFlight::oldest);
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("rank"), py::arg("world"), py::arg("flag_bases"), py::arg("device"), py::arg("num_slots"),
@@ -279,7 +282,34 @@ void bind_arena(pybind11::module_& m) {
            }, py::arg("plan"), py::arg("grads"), py::arg("out"), py::call_guard<py::gil_scoped_release>())
       .def("read_flags", &Arena::read_flags, py::arg("host"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>())
       .def("publish_progress_to", &Arena::publish_progress_to, py::arg("address"))
-      .def("set_data_bases", &Arena::set_data_bases, py::arg("bases"))
+      .def("set_region", [](Arena& a, std::optional<at::Tensor> region, const std::vector<int64_t>& bases,
+                            uint64_t context) { a.set_region(region.value_or(at::Tensor()), bases, context); },
+           py::arg("region"), py::arg("bases"), py::arg("context"))
+      .def("use_region_on_current_stream", [](Arena& a) {
+             a.steady().use_region_on(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())));
+           })
+      // Plans by call shape (steady.h): what a later call of the same shape finds without Python.
+      .def("ag_plan", [](const Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
+             return a.steady().ag_plan(ag_key(shards, outs));
+           }, py::arg("shards"), py::arg("outs"))
+      .def("keep_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
+                              std::shared_ptr<AgPlan> plan) { a.steady().keep(ag_key(shards, outs), std::move(plan)); },
+           py::arg("shards"), py::arg("outs"), py::arg("plan"))
+      .def("rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads) { return a.steady().rs_plan(rs_key(grads)); },
+           py::arg("grads"))
+      .def("keep_rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads, std::shared_ptr<RsPlan> plan) {
+             a.steady().keep(rs_key(grads), std::move(plan));
+           }, py::arg("grads"), py::arg("plan"))
+      .def("forget_plans", [](Arena& a) { a.steady().forget_plans(); })
+      // Slots' busy events (tide/transport/slots.py); `stream` is a torch stream's cuda_stream.
+      .def("slot_used", [](Arena& a, int64_t slot, uint64_t stream) {
+             a.steady().slot_used(slot, reinterpret_cast<cudaStream_t>(stream));
+           }, py::arg("slot"), py::arg("stream"))
+      .def("slot_wait", [](Arena& a, int64_t slot, uint64_t stream) {
+             a.steady().slot_wait(slot, reinterpret_cast<cudaStream_t>(stream));
+           }, py::arg("slot"), py::arg("stream"))
+      .def("slot_uses", [](Arena& a, int64_t slot) { return a.steady().slot_uses(slot); }, py::arg("slot"))
+      .def_property_readonly("in_flight", [](const Arena& a) { return a.in_flight(); })
       .def("sync_pushes", &Arena::sync_pushes, py::call_guard<py::gil_scoped_release>())
       .def("counters", &counters)
       .def("progress", [](const Arena& a) {
@@ -291,6 +321,9 @@ void bind_arena(pybind11::module_& m) {
 }
 
 }  // namespace
+
+void bind_dispatch(pybind11::module_& m);  // dispatch.cpp: the ops' CUDA kernels
+
 }  // namespace tide
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -299,6 +332,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "TIDE CUDA transport: copy-engine TIDE-AG, bounded-grid TIDE-RS, symmetric-arena flags";
   bind_plans(m);
   bind_arena(m);
+  bind_dispatch(m);
   m.def("arena_layout", &arena_layout, py::arg("num_slots"), py::arg("ring_depth"), py::arg("world"),
         py::arg("slot_bytes"), py::arg("entry_bytes"));
   m.def("op_completed", &completions::completed, py::arg("device"), py::arg("op"));
@@ -307,12 +341,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("replay_states", &replays::states, py::arg("device"), py::arg("first"), py::arg("count"));
   // The id of the CUDA-graph capture the current stream of `device` is in, 0 when it captures none: what
   // tells a lease or a slot event of one capture from another's, or from eager work.
-  m.def("capture_id", [](int64_t device) -> uint64_t {
-    cudaStream_t s = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    unsigned long long id = 0;
-    TIDE_CUDA(cudaStreamGetCaptureInfo(s, &status, &id));
-    return status == cudaStreamCaptureStatusActive ? id : 0;
+  m.def("capture_id", [](int64_t device) {
+    return capture_id(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
   }, py::arg("device"));
   m.def("sum_rows", &sum_rows, py::arg("outs"), py::arg("rows"), py::arg("owns"), py::arg("own_row"), py::arg("scale"),
         py::arg("accumulate"), py::arg("ctas"));

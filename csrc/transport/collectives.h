@@ -21,20 +21,20 @@ const char* ran_name(Ran r);
 
 // TIDE-AG of `shards` into `outs`, which Python found bound in slot `slot` at the plan's places; `mark`
 // is the call's replay mark when the current stream captures a CUDA graph, else -1 (arena.h: Issue).
-Ran all_gather(Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
-               const std::vector<at::Tensor>& outs, int64_t slot, int64_t mark);
+Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
+               at::TensorList outs, int64_t slot, int64_t mark);
 
 // TIDE-RS of `grads` into this rank's fp32 `shard_grads` (`mark` as for all_gather).
-Ran reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                   const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t mark);
+Ran reduce_scatter(Arena& a, const RsPlan& plan, at::TensorList grads,
+                   at::TensorList shard_grads, double scale, bool accumulate, int64_t mark);
 // The rounds of a reduce-scatter plan, issued: shared by reduce_scatter and the node leg's partials.
-void run_reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                        const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate, int64_t mark);
+void run_reduce_scatter(Arena& a, const RsPlan& plan, at::TensorList grads,
+                        at::TensorList shard_grads, float scale, bool accumulate, int64_t mark);
 
 // The node leg's plans and calls (node_leg.cpp).
 std::shared_ptr<PartialsPlan> partials_plan(const Arena& a, RsPlan plan);
 void push_spans(Arena& a, int64_t slot, uint64_t start, const std::vector<uint64_t>& landed,
                 const std::vector<std::vector<int64_t>>& spans);
-void reduce_partials(Arena& a, const PartialsPlan& p, const std::vector<at::Tensor>& grads, const at::Tensor& out);
+void reduce_partials(Arena& a, const PartialsPlan& p, at::TensorList grads, const at::Tensor& out);
 
 }  // namespace tide

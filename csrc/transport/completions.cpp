@@ -71,4 +71,34 @@ bool all_completed(int64_t device) {
   return true;
 }
 
+uint64_t InFlight::begin(const char* op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_completed();
+  entries_.push_back(Entry{next_, 0, true, std::chrono::steady_clock::now(), op});
+  return next_++;
+}
+
+void InFlight::issued(uint64_t ticket, uint32_t op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (entries_.empty() || ticket < entries_.front().ticket) return;
+  Entry& e = entries_[ticket - entries_.front().ticket];
+  e.op = op;
+  e.issuing = false;
+}
+
+std::optional<std::tuple<uint64_t, std::string, double, bool>> InFlight::oldest() {
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_completed();
+  for (const Entry& e : entries_) {
+    if (done(e)) continue;
+    const double age = std::chrono::duration<double>(std::chrono::steady_clock::now() - e.began).count();
+    return std::make_tuple(e.ticket, std::string(e.name), age, e.issuing);
+  }
+  return std::nullopt;
+}
+
+void InFlight::drop_completed() {
+  while (!entries_.empty() && done(entries_.front())) entries_.pop_front();
+}
+
 }  // namespace tide::completions

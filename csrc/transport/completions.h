@@ -11,7 +11,13 @@
 // freed: an op on a stalled stream may still write its word should the stream ever move.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
 
 #include "transport/driver.h"
 
@@ -33,5 +39,36 @@ driver::MemOp claim(int64_t device);
 bool completed(int64_t device, uint32_t op);
 // Whether every op of `device` still in the ring's window has completed.
 bool all_completed(int64_t device);
+
+// One arena's eager ops from before each issues anything until its completion word is written: what the
+// watchdog's thread polls (tide/transport/watchdog.py), with no CUDA call and without the GIL. It is
+// shared with the watchdog, so that thread never keeps an arena alive. Until the issuing call returns
+// an op is pending, since a launch can block on a stream whose queue is full behind a dead peer's flags.
+class InFlight {
+ public:
+  explicit InFlight(int64_t device) : device_(device) {}
+  // An op starts issuing: pending from now. Its ticket names it to issued().
+  uint64_t begin(const char* op);
+  // The issuing call returned: `op` is the id its completion word gets, 0 when it wrote none.
+  void issued(uint64_t ticket, uint32_t op);
+  // The oldest op not completed: (ticket, its name, seconds since it began, still issuing), or none.
+  std::optional<std::tuple<uint64_t, std::string, double, bool>> oldest();
+
+ private:
+  struct Entry {
+    uint64_t ticket;
+    uint32_t op;  // 0 while issuing, or when it wrote no completion word
+    bool issuing;
+    std::chrono::steady_clock::time_point began;
+    const char* name;
+  };
+  bool done(const Entry& e) const { return !e.issuing && (e.op == 0 || completed(device_, e.op)); }
+  void drop_completed();  // from the front (mu_ held)
+
+  int64_t device_;
+  std::mutex mu_;
+  std::deque<Entry> entries_;  // in ticket order
+  uint64_t next_ = 1;
+};
 
 }  // namespace tide::completions

@@ -44,7 +44,7 @@ std::shared_ptr<PartialsPlan> partials_plan(const Arena& a, RsPlan plan) {
   return p;
 }
 
-void reduce_partials(Arena& a, const PartialsPlan& p, const std::vector<at::Tensor>& grads, const at::Tensor& out) {
+void reduce_partials(Arena& a, const PartialsPlan& p, at::TensorList grads, const at::Tensor& out) {
   const char* op = "reduce_scatter_params_";
   const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(a.device()));
   TORCH_CHECK_VALUE(grads.size() == p.grad_need.size(), "tide.", op, ": the node partials plan reads ",
@@ -92,6 +92,7 @@ void push_spans(Arena& a, int64_t slot, uint64_t start, const std::vector<uint64
   a.count_call(true);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a.device()));
   const Issue is = issue_on_current_stream(a.device(), "all_gather_into_params_", -1);  // eager only
+  const WatchedOp watched(a, "all_gather_into_params_ (node leg)", is);
   const uint32_t v = a.open_slot(slot, reinterpret_cast<cudaEvent_t>(start), is);
   const int64_t rank = a.rank(), world = a.world();
   const uint64_t mine = a.slot_base(rank, slot);

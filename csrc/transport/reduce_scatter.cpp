@@ -32,7 +32,7 @@
 namespace tide {
 namespace {
 
-bool float_tensors(const std::vector<at::Tensor>& ts, bool fp32_only) {
+bool float_tensors(at::TensorList ts, bool fp32_only) {
   for (const auto& t : ts) {
     const int32_t d = dtype_code(t.scalar_type());
     if (d < 0 || (fp32_only && d != kF32) || !t.is_contiguous()) return false;
@@ -42,8 +42,8 @@ bool float_tensors(const std::vector<at::Tensor>& ts, bool fp32_only) {
 
 // The conditions of tide.meta.checks (which words the errors: tide/transport/reduce_scatter.py) for a
 // call of `plan`, plus every tensor on the arena's device.
-bool args_ok(const Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-             const std::vector<at::Tensor>& shard_grads) {
+bool args_ok(const Arena& a, const RsPlan& plan, at::TensorList grads,
+             at::TensorList shard_grads) {
   if (grads.size() != plan.grad_dtype.size() || shard_grads.size() != grads.size() || !float_tensors(grads, false) ||
       !float_tensors(shard_grads, true))
     return false;
@@ -63,8 +63,8 @@ bool args_ok(const Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& 
 struct RsRun {
   Arena& a;
   const RsPlan& plan;
-  const std::vector<at::Tensor>& grads;
-  const std::vector<at::Tensor>& shard_grads;
+  at::TensorList grads;
+  at::TensorList shard_grads;
   float scale;
   bool accumulate;
   bool captured;
@@ -168,12 +168,13 @@ struct RsRun {
 
 }  // namespace
 
-void run_reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                        const std::vector<at::Tensor>& shard_grads, float scale, bool accumulate, int64_t mark) {
+void run_reduce_scatter(Arena& a, const RsPlan& plan, at::TensorList grads,
+                        at::TensorList shard_grads, float scale, bool accumulate, int64_t mark) {
   HostTimer total(a.host_ns(kTotal));
   a.count_call(false);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a.device()));
   const Issue is = issue_on_current_stream(a.device(), "reduce_scatter_params_", mark);
+  const WatchedOp watched(a, "reduce_scatter_params_", is);
   cudaStream_t S = is.stream;
   a.start(is);
   // Counted (and mirrored to the issued board) before anything launches, as an all-gather's use is: a
@@ -200,8 +201,8 @@ void run_reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tens
   a.finish(is);
 }
 
-Ran reduce_scatter(Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                   const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t mark) {
+Ran reduce_scatter(Arena& a, const RsPlan& plan, at::TensorList grads,
+                   at::TensorList shard_grads, double scale, bool accumulate, int64_t mark) {
   if (!args_ok(a, plan, grads, shard_grads) || static_cast<int64_t>(plan.rounds.size()) != a.world())
     return Ran::kBadArgs;
   a.check_leased("reduce_scatter_params_");

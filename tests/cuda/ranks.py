@@ -279,7 +279,8 @@ def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
             assert_bits(f"rank {rank} repeat {t} reduce_scatter param {i} (grads: {where}, acc={acc})", g, w)
         checked += 2
     torch.cuda.synchronize()
-    return {"checked": checked, "slots": sorted(slots), "counters": arena.counters(), "stats": tide.stats()["ops"]}
+    return {"checked": checked, "slots": sorted(slots), "counters": arena.counters(), "stats": tide.stats()["ops"],
+            "steady": dict(arena.ext.steady_calls())}
 
 
 def lease_cycles(rank: int, world_size: int, seed: int, cycles: int) -> dict:
@@ -347,14 +348,14 @@ def grads_in_slot(rank: int, world_size: int, seed: int) -> dict:
         for d, n in zip(sets[which], new):
             d.copy_(n)
         outs = [torch.full(s.shape, float("nan"), device=dev) for s in init]
-        before, event_before = arena.counters(), arena.slots.event(1)
+        before, uses_before = arena.counters(), arena.slots.uses(1)
         torch.ops.tide.reduce_scatter_params_(sets[which], outs, scale, False, world_size, name)
         after = arena.counters()
         want = ref_reduce_scatter(new, init, scale, False, world_size, name)
         for i, (g, w) in enumerate(zip(outs, want)):
             assert_bits(f"rank {rank} step {step} (grads in {which}) reduce_scatter param {i}", g, w)
         deltas.append({"where": which, **{k: after[k] - before[k] for k in keys}})
-        busy.append(arena.slots.event(1) is not event_before)
+        busy.append(arena.slots.uses(1) != uses_before)
     torch.cuda.synchronize()
     return {"deltas": deltas, "slot_marked_busy": busy}
 

@@ -25,14 +25,6 @@ class Storage:
         self.ptr, self.size = 0, 0
 
 
-class Stream:
-    def __init__(self):
-        self.waited = []
-
-    def wait_event(self, event):
-        self.waited.append(event)
-
-
 def test_acquire_round_robin_skips_held_slots_and_reports_none_when_all_are_held():
     leases = SlotLeases(2)
     a = leases.acquire()
@@ -71,17 +63,6 @@ def test_prefer_and_last_slot():
     assert leases.acquire(prefer=0) == 1  # 0 is held
     leases._bound[0][0][0].reshard()
     assert leases.acquire(prefer=0) == 0
-
-
-def test_users_wait_for_the_last_use():
-    leases = SlotLeases(2)
-    stream = Stream()
-    leases.wait(1, stream)
-    assert stream.waited == [] and leases.event(1) is None
-    leases.used(1, "ev-a")
-    leases.used(1, "ev-b")
-    leases.wait(1, stream)
-    assert stream.waited == ["ev-b"] and leases.event(1) == "ev-b"
 
 
 # ------------------------------------------------------------------------------------------ the FSDP plan

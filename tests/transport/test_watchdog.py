@@ -135,41 +135,43 @@ def test_timeout_is_the_groups_unless_tide_timeout_s_says_otherwise(monkeypatch)
             timeouts.timeout_for(None)
 
 
-@pytest.mark.parametrize("returns", ["an_op", "nothing_issued", "raises"])
-def test_an_op_is_watched_from_before_its_call_returns(monkeypatch, returns):
-    """A launch can block inside the extension (a stream queue full behind a dead peer's
-    flags, seen on 2 x H200): the arena tracks each op before calling in, pending while the call runs, then by its completion
-    word (an op that issued nothing, or raised, is complete at once)."""
-    from types import SimpleNamespace
+class InFlight:
+    """An arena's in-flight list as the extension reports it: (ticket, op, seconds since it began, still
+    issuing) of the oldest op not completed, or None (csrc/transport/completions.h)."""
 
-    from tide.transport import issue
+    def __init__(self):
+        self.entry = None
 
-    words: dict[int, bool] = {}
-    ext = SimpleNamespace(op_completed=lambda device, op: words.get(op, False))
-    arena = SimpleNamespace(ext=ext, device=SimpleNamespace(index=0), label="'g'", timeout_s=60.0)
-    dog = Watchdog(poll_s=0.01)
-    monkeypatch.setattr(watchdog, "WATCHDOG", dog)
-    pending_during_call = []
+    def oldest(self):
+        return self.entry
 
-    def call(**kw):
-        time.sleep(0.1)  # ten polls: an unfinished call is never taken for a completed op
-        pending_during_call.append(dog.pending())
-        if returns == "raises":
-            raise RuntimeError("launch failed")
-        return ("tide", 7) if returns == "an_op" else ("bad_args", 0)
 
-    if returns == "raises":
-        with pytest.raises(RuntimeError, match="launch failed"):
-            issue.watched(arena, "all_gather_into_params_", call, shards=[])
-    else:
-        assert issue.watched(arena, "all_gather_into_params_", call, shards=[]) == ("tide" if returns == "an_op" else "bad_args")
-    assert pending_during_call == [1]
-    if returns == "an_op":
-        time.sleep(0.1)
-        assert dog.pending() == 1, "op 7's completion word is not written yet"
-        words[7] = True
-    deadline = time.monotonic() + 5
-    while dog.pending() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert dog.pending() == 0
-    assert dog.error is None
+def test_an_arenas_oldest_eager_op_expires_only_past_its_timeout_and_not_once_forgotten():
+    dog = Watchdog(poll_s=60.0)  # the thread sleeps: the test polls by hand
+    a, b = InFlight(), InFlight()
+    dog.track_in_flight(a, "'a'", 2.0, lambda: ["report a"], owner="arena-a")
+    dog.track_in_flight(b, "'b'", 5.0, lambda: ["report b"], owner="arena-b")
+    assert dog._oldest_in_flight(now=100.0) == []
+    a.entry = (4, "reduce_scatter_params_", 1.5, True)  # still issuing (a launch may block): pending
+    b.entry = (9, "all_gather_into_params_", 4.0, False)
+    assert dog._oldest_in_flight(now=100.0) == []
+    a.entry = (4, "reduce_scatter_params_", 2.5, True)
+    late, = dog._oldest_in_flight(now=100.0)
+    assert (late.op, late.group, late.issued, late.replaying) == ("reduce_scatter_params_", "'a'", 97.5, False)
+    assert list(late.describe()) == ["report a"]
+    dog.forget("arena-a")
+    assert dog._oldest_in_flight(now=100.0) == []
+    b.entry = (9, "all_gather_into_params_", 6.0, False)
+    assert [p.group for p in dog._oldest_in_flight(now=100.0)] == ["'b'"]
+
+
+def test_an_expiry_calls_its_hooks_before_the_report(monkeypatch):
+    dog, order = Watchdog(poll_s=60.0, grace_s=0.0), []
+    dog.on_expiry(lambda: order.append("hook"))
+    monkeypatch.setattr(watchdog.os, "_exit", lambda code: order.append(("exit", code)))
+    monkeypatch.setattr(watchdog.faulthandler, "dump_traceback_later", lambda *a, **kw: None)
+    monkeypatch.setattr(watchdog.faulthandler, "dump_traceback", lambda *a, **kw: None)
+    p = watchdog._Pending(None, "all_gather_into_params_", "'g'", 1.0, lambda: order.append("report") or ["line"],
+                          issued=0.0)
+    dog._expire(p, now=2.0)
+    assert order == ["hook", "report", ("exit", watchdog.EXIT_CODE)] and dog.error is not None

@@ -124,8 +124,8 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
         else:
             all_gather_into_outputs(shards, out_blocks, world_size, group)
         event = all_gather_stream.record_event()
-    if mode == "bound":
-        arena.slots.used(slot, event)
+        if mode == "bound":
+            arena.slots.used(slot, all_gather_stream)
     if mode != "none":
         counters.count_wiring(f"ag:{mode}")
     return TideAllGatherResult(outs[0].new_empty(0), event, None, [], [], [])

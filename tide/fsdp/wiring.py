@@ -216,4 +216,4 @@ def order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
     arena = node_leg.serving(group.group_name)
     own = arena.slots.last_slot(fsdp_params[0]) if arena is not None else None
     if own is not None:
-        arena.slots.used(own, stream.record_event())
+        arena.slots.used(own, stream)

@@ -1,22 +1,31 @@
-"""CUDA kernels of the mutating ``tide`` ops: the TIDE transport when the group has an arena.
+"""CUDA kernels of the ``tide`` ops: the TIDE transport when the group has an arena.
 
-For a CUDA call: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``), the
-transport runs (the all-gather when its outputs are bound in an arena slot: zero-copy), eagerly or
+Two layers. Until the CUDA extension loads (no arena yet: nothing is built) the Python kernels below
+serve CUDA calls. When it loads (:func:`hand_over`, from ``tide.transport.build.load``), its C++
+kernels take the CUDA dispatch key (csrc/transport/dispatch.cpp): a call on a layout seen before runs
+in C++ without entering Python, and every other call enters these Python kernels, which take the
+decisions that need Python (the lease, a new plan, capture, a fallback, the argument errors) and
+leave behind what the next call of that layout needs in C++.
+
+For a CUDA call here: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``),
+the transport runs (the all-gather when its outputs are bound in an arena slot: zero-copy), eagerly or
 captured into the CUDA graph the current stream is capturing (docs/design.md, "Captured into a CUDA
 graph"); otherwise the reference backend runs (the stock collectives, layout-aware), and
-``tide.stats()["ops"]`` counts why. Every call first raises the transport watchdog's
-error if an earlier TIDE op timed out (``tide.transport.watchdog``). The extension checks the
-arguments (the messages of :mod:`tide.meta.checks`); the drivers (``tide.transport.all_gather``,
-``tide.transport.reduce_scatter``) find the plan and the slot and enter the extension once. The functional ``all_gather`` / ``reduce_scatter`` are the
-reference's compositions on CUDA too: they call these two ops.
+``tide.stats()["ops"]`` counts why. Every call first raises the transport watchdog's error if an
+earlier TIDE op timed out (``tide.transport.watchdog``). The drivers (``tide.transport.all_gather``,
+``tide.transport.reduce_scatter``) find the plan and the slot and enter the extension once. The
+functional ``all_gather`` / ``reduce_scatter`` are the reference's compositions: they call these two ops.
 """
 from __future__ import annotations
 
 import torch
 
-from tide import counters, topology
+from tide import counters, registry, topology, trace
 from tide.meta import checks
 from tide.ops import reference
+
+# The Python CUDA kernels' own library: dropped when the extension's C++ kernels take the key over.
+_python_kernels = torch.library.Library("tide", "IMPL")
 
 
 class _Transport:
@@ -47,6 +56,7 @@ def _arena_for(op: str, group_name: str, world_size: int):
     if a.leases.held_elsewhere():  # e.g. outputs bound in an eager lease, gathered inside a capture
         counters.count_op(op, "lease_across_capture")
         return None
+    a.ext.steady_bind_group(group_name=group_name, arena=a.native, world_size=world_size)
     return a
 
 
@@ -75,10 +85,26 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     counters.count_op(op)
 
 
-for _name, _fn in (
-    ("all_gather_into_params_", all_gather_into_params_),
-    ("reduce_scatter_params_", reduce_scatter_params_),
-    ("all_gather", reference.all_gather),
-    ("reduce_scatter", reference.reduce_scatter),
-):
-    torch.library.impl(f"tide::{_name}", "CUDA", _fn)
+_KERNELS = {
+    "all_gather_into_params_": all_gather_into_params_,
+    "reduce_scatter_params_": reduce_scatter_params_,
+    "all_gather": reference.all_gather,
+    "reduce_scatter": reference.reduce_scatter,
+}
+for _name, _fn in _KERNELS.items():
+    _python_kernels.impl(_name, _fn, "CUDA")
+
+
+def hand_over(ext) -> None:
+    """Give the CUDA dispatch key to the extension's C++ kernels, which enter the Python kernels above for
+    every call they do not take themselves; ``tide.stats()`` counts the calls that stayed in C++. Once
+    per process (the extension loads once). With ``TIDE_TRACE=1`` every call enters Python, which traces it."""
+    global _python_kernels
+    if _python_kernels is None:
+        return
+    _python_kernels._destroy()
+    _python_kernels = None
+    ext.hand_over_kernels(**_KERNELS)
+    ext.steady_enable(on=not trace.ENABLED)
+    registry.op_call_sources.append((lambda: {f"{op}:tide": n for op, n in ext.steady_calls().items() if n},
+                                     ext.steady_reset_calls))

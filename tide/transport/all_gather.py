@@ -4,13 +4,14 @@ csrc/transport/all_gather.cpp, whose header has the protocol).
 Outputs are bound at their param-major places of one slot (``Arena.bind_outputs``: param j's output at
 ``out_offset[j]``, rank r's shard of it ``r * shard_bytes[j]`` further). A call decides here, in Python,
 whether its outputs lie in a slot at their plan's places; only then does it build its plan (once per
-call shape: :func:`tide.meta.plans.ag_plan_info`, agreed by every rank first) and enter the
-extension, handing it the plan and the slot. Outputs in no slot (a group FSDP does not bind: the root)
+call shape: :func:`tide.meta.plans.ag_plan_info`, agreed by every rank first, then kept by the
+extension, whose C++ kernel takes later calls of that shape without Python: tide/ops/cuda.py) and
+enter the extension, handing it the plan and the slot. Outputs in no slot (a group FSDP does not bind: the root)
 enter neither: the op's reference backend gathers them in place.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
@@ -19,12 +20,6 @@ from tide.meta import checks, plans
 from tide.transport import issue
 
 OP = "all_gather_into_params_"
-
-
-class Plan(NamedTuple):
-    native: object  # the extension's AgPlan
-    out_offset: tuple  # bytes from the slot's start to each param's output
-    slot_bytes: int
 
 
 def _lists(shards, outs) -> tuple:
@@ -47,8 +42,9 @@ def _candidate_slot(arena, outs: Sequence[torch.Tensor]) -> int | None:
     return 0 if outs and arena.num_slots and arena.leases.held is not None else None
 
 
-def _new_plan(arena, key: tuple, shards, outs) -> Plan:
-    """This call shape's plan, built after its arguments are checked and every rank agreed on it."""
+def _new_plan(arena, shards, outs):
+    """This call shape's plan (the extension's AgPlan), built after its arguments are checked and every rank
+    agreed on it, and kept by the extension for every later call of the shape."""
     _check(arena, shards, outs)
     issue.agree_plan(arena, OP, agreement.call_desc(OP, (shards, outs)))
     dtypes = [o.dtype for o in outs]
@@ -57,8 +53,8 @@ def _new_plan(arena, key: tuple, shards, outs) -> Plan:
     native = arena.ext.AgPlan(own_offset=info.own_offset, out_offset=info.out_offset, out_numel=info.out_numel,
                               out_dtype=dtypes, slot_bytes=layout.slot_bytes,
                               chunks=[[arena.ext.ShardRange(**r._asdict()) for r in chunk] for chunk in info.chunks])
-    plan = arena.plans[key] = Plan(native, tuple(info.out_offset), layout.slot_bytes)
-    return plan
+    arena.native.keep_ag_plan(shards=shards, outs=outs, plan=native)
+    return native
 
 
 def all_gather_into_params(arena, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> bool:
@@ -71,13 +67,12 @@ def all_gather_into_params(arena, shards: Sequence[torch.Tensor], outs: Sequence
     if slot is None:
         _check(arena, shards, outs)
         return False
-    key = (OP, *[(s.shape, o.dtype) for s, o in zip(shards, outs)])
-    plan = arena.plans.get(key) or _new_plan(arena, key, shards, outs)
+    plan = arena.native.ag_plan(shards=shards, outs=outs) or _new_plan(arena, shards, outs)
     base = arena.slot_address(slot)
     if plan.slot_bytes > arena.slot_bytes or not all(
             o.numel() == 0 or o.data_ptr() == base + off for o, off in zip(outs, plan.out_offset)):
         return False
-    if issue.watched(arena, OP, arena.native.all_gather, plan=plan.native, shards=shards, outs=outs,
+    if issue.watched(arena, OP, arena.native.all_gather, plan=plan, shards=shards, outs=outs,
                      slot=slot) != "tide":
         issue.refuse(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
                      *_lists(shards, outs))

@@ -36,6 +36,7 @@ has read them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from tide import agreement, knobs, registry, sums, timeouts, topology
 from tide.meta import plans
 from tide.meta.layout import GroupLayout, align_up
-from tide.transport import board, watchdog
+from tide.transport import board, issue, watchdog
 from tide.transport.lease import Leases
 from tide.transport.slots import SlotLeases
 
@@ -110,7 +111,7 @@ class Arena:
         registry.arena_generations[self.ranks] += 1
         self.store = dist.distributed_c10d._get_default_store()
         self.store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{registry.arena_generations[self.ranks]}"
-        self.plans: dict = {}  # the collectives' plans, by op and call shape (their drivers fill it)
+        self.plans: dict = {}  # the node leg's plans (tide/transport/node_leg.py); the collectives' are the extension's
         self.plans_agreed = 0  # plans agreed on so far, every kind (numbers their store keys)
         self.ring_off = layout["ring_off"]
         # Ranks laid out differently would push into each other's wrong addresses: they agree first.
@@ -142,16 +143,21 @@ class Arena:
                                  cast_ctas=self.cast_ctas)
         if self.board is not None:
             self.native.publish_progress_to(self.board.progress_address())
-        self.slots = SlotLeases(self.num_slots, context=lambda: self.ext.capture_id(self.device.index))
         c = self.native
+        self.slots = SlotLeases(self.num_slots, events=c)
         self.leases = Leases(self.ext, group, self.store, self.store_prefix, self.rank, W, self.device,
                              self.data_bytes, self.timeout_s, self.label,
-                             set_bases=lambda bases: c.set_data_bases(bases=bases), sync_pushes=c.sync_pushes,
+                             set_region=c.set_region, sync_pushes=c.sync_pushes,
                              context=lambda: self.ext.capture_id(self.device.index),
                              board=self.board if self.board is not None and board.ORDERED_STORES else None)
+        self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
+        self._watch()
+
+    def _watch(self) -> None:
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
         self.report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
-        self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
+        watchdog.WATCHDOG.track_in_flight(self.native.in_flight, self.label, self.timeout_s,
+                                          functools.partial(issue.report, self), owner=self.store_prefix)
 
     def __repr__(self) -> str:
         return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"
@@ -168,9 +174,7 @@ class Arena:
         """This rank's data region (slots and ring), leased if none is held (collective then: every rank
         at the same point); the current stream is recorded as a user of it."""
         region = self.leases.acquire()
-        stream = torch.cuda.current_stream(self.device)
-        if self.leases.first_use_on(stream.stream_id):  # the allocator keeps the set: once per lease suffices
-            region.record_stream(stream)
+        self.native.use_region_on_current_stream()  # the allocator keeps the set: once per lease suffices
         return region
 
     def release(self) -> None:
@@ -189,8 +193,10 @@ class Arena:
         watchdog.WATCHDOG.check()
         torch.cuda.synchronize(self.device)  # nothing of this rank writes into a peer's region any more
         self.native.publish_progress_to(0)
-        watchdog.WATCHDOG.forget_captured(self.store_prefix)  # its graphs cannot replay once it is closed
+        watchdog.WATCHDOG.forget(self.store_prefix)  # its graphs cannot replay once it is closed
+        self.ext.steady_forget(arena=self.native)
         self.leases.close()
+        self.slots = None  # its events are the extension arena's
         self.native = None  # destroys the streams and events
         self.plans.clear()
         if self.board is not None:
@@ -210,10 +216,9 @@ class Arena:
         """Keep every slot that holds one of ``tensors`` busy until the current stream has passed this point
         (work queued there read them); whether any did."""
         slots = {s for s in map(self.slot_of, tensors) if s is not None}
-        if slots:
-            event = torch.cuda.current_stream(self.device).record_event()
-            for slot in slots:
-                self.slots.used(slot, event)
+        stream = torch.cuda.current_stream(self.device)
+        for slot in slots:
+            self.slots.used(slot, stream)
         return bool(slots)
 
     def _slot_base(self, slot: int) -> int:

@@ -39,10 +39,12 @@ SOURCES = (
     "transport/replays.cu",
     "transport/ipc.cpp",
     "transport/nccl_p2p.cpp",
+    "transport/steady.cpp",
     "transport/arena.cpp",
     "transport/all_gather.cpp",
     "transport/reduce_scatter.cpp",
     "transport/node_leg.cpp",
+    "transport/dispatch.cpp",
     "transport/bindings.cpp",
 )
 CXX_FLAGS = ["-O3", "-std=c++17"]
@@ -137,7 +139,7 @@ def _jit(csrc: Path, verbose: bool):
 
 def load(verbose: bool | None = None):
     """The compiled extension module: the prebuilt one when it matches the sources, else JIT-built on
-    first use. Raises ``RuntimeError`` with the reason when it cannot be had: no CUDA device, no
+    first use; its C++ kernels then serve the ``tide`` ops on CUDA (:func:`tide.ops.cuda.hand_over`). Raises ``RuntimeError`` with the reason when it cannot be had: no CUDA device, no
     ``csrc/`` sources, or no CUDA toolchain."""
     global _ext
     if _ext is not None:
@@ -157,14 +159,17 @@ def load(verbose: bool | None = None):
             raise RuntimeError(
                 f"tide.transport: CUDA sources {missing} not found under {csrc}; the package is incomplete "
                 "(reinstall it, or install from a source checkout)")
-        _ext = _prebuilt(csrc)
-        if _ext is not None:
-            return _ext
-        if _nvcc() is None:
-            raise RuntimeError(
-                "tide.transport: cannot build the CUDA extension: no CUDA toolchain (nvcc) found; install the "
-                "CUDA toolkit matching torch.version.cuda and set CUDA_HOME, or put nvcc on PATH")
-        _ext = _jit(csrc, knobs.flag("TIDE_BUILD_VERBOSE") if verbose is None else verbose)
+        ext = _prebuilt(csrc)
+        if ext is None:
+            if _nvcc() is None:
+                raise RuntimeError(
+                    "tide.transport: cannot build the CUDA extension: no CUDA toolchain (nvcc) found; install the "
+                    "CUDA toolkit matching torch.version.cuda and set CUDA_HOME, or put nvcc on PATH")
+            ext = _jit(csrc, knobs.flag("TIDE_BUILD_VERBOSE") if verbose is None else verbose)
+        from tide.ops import cuda
+
+        cuda.hand_over(ext)  # the ops' CUDA kernels are the extension's from now on
+        _ext = ext
         return _ext
 
 

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from tide import agreement
+from tide import agreement, trace
 from tide.transport import board, flag_report, watchdog
 
 log = logging.getLogger("tide.transport")
@@ -34,9 +34,10 @@ def agree_plan(arena, op: str, desc: str) -> None:
 
 
 def watched(arena, op: str, call, **kw) -> str:
-    """One call into the extension, watched from before it issues anything; its outcome's name. A call on
-    a stream that captures a CUDA graph is issued with a replay mark, which the watchdog watches at every
-    replay of the graph (tide/transport/watchdog.py)."""
+    """One call into the extension, watched from before it issues anything (the arena's in-flight list,
+    csrc/transport/completions.h); its outcome's name. A call on a stream that captures a CUDA graph is
+    issued with a replay mark, which the watchdog watches at every replay of the graph
+    (tide/transport/watchdog.py)."""
     if torch.version.cuda is not None and torch.cuda.is_current_stream_capturing():
         ext, device = arena.ext, arena.device.index
         mark = ext.replay_claim(device)
@@ -45,13 +46,9 @@ def watched(arena, op: str, call, **kw) -> str:
             watchdog.WATCHDOG.track_captured(ext.replay_states, device, mark, op, arena.label, arena.timeout_s,
                                              functools.partial(report, arena), owner=arena.store_prefix)
         return ran
-    done = watchdog.Completion(arena.ext, arena.device.index)
-    watchdog.WATCHDOG.track(done, op, arena.label, arena.timeout_s, functools.partial(report, arena))
-    ran, op_id = None, None
-    try:
-        ran, op_id = call(**kw)
-    finally:
-        done.issued(op_id if ran == "tide" else None)
+    if trace.ENABLED:
+        trace.event(f"watchdog: tracking {op} on group {arena.label}")
+    ran, _ = call(**kw)  # the extension enters it in the arena's in-flight list, which the watchdog polls
     return ran
 
 

@@ -55,7 +55,8 @@ class Leases:
         group: the arena's process group (the symmetric fallback rendezvous over it).
         store, prefix: where the ranks exchange their handles.
         nbytes: the region's size (identical on every rank).
-        set_bases: called with every rank's region address at each new lease.
+        set_region: called at each new lease with this rank's region, every rank's region address and the
+            CUDA-graph capture it was leased in (0: eagerly); with None, zeros and 0 at its release.
         sync_pushes: waits until none of this rank's copies still writes into a peer's region.
         context: the id of the CUDA-graph capture in progress, 0 when none.
         board: the arena's issued board (its ``exchange_lease``), which carries every lease after the first;
@@ -63,12 +64,12 @@ class Leases:
     """
 
     def __init__(self, ext, group, store, prefix: str, rank: int, world: int, device: torch.device, nbytes: int,
-                 timeout_s: float, label: str, set_bases: Callable[[list[int]], None],
+                 timeout_s: float, label: str, set_region: Callable[[torch.Tensor | None, list[int], int], None],
                  sync_pushes: Callable[[], None], context: Callable[[], int] = lambda: 0, board=None) -> None:
         self._ext, self._group, self._store, self._prefix = ext, group, store, prefix
         self.rank, self.world, self.device, self.nbytes = rank, world, device, nbytes
         self._timeout_s, self._label = timeout_s, label
-        self._set_bases, self._sync_pushes, self._context, self._board = set_bases, sync_pushes, context, board
+        self._set_region, self._sync_pushes, self._context, self._board = set_region, sync_pushes, context, board
         self._leased_in = 0  # the context the held region was leased in
         self._kept: set[bytes] = set()  # handles a captured graph writes through: never closed
         self.mode = "allocator"  # or "symmetric (<why>)" once any rank's export failed
@@ -77,7 +78,6 @@ class Leases:
         self.seconds = 0.0  # wall time spent leasing so far (the exchange with the peers included)
         self._failed: str | None = None  # a lease failed: the ranks' lease numbers may differ from now on
         self._region: torch.Tensor | None = None
-        self._streams: set[int] = set()  # ids of the streams recorded as users of the held region
         self._symmetric = None  # the fallback's rendezvous handle, kept with the region
         self._mapped: list[dict[bytes, int]] = [{} for _ in range(world)]  # per peer: handle -> base, oldest first
 
@@ -95,7 +95,6 @@ class Leases:
                                "and is still held: capture whole phases (a lease ends after the root's forward and "
                                "at the end of backward), or release the arena's lease first")
         if self._region is None:
-            self._streams = set()
             if self._failed is not None:
                 raise RuntimeError(self._failed)
             start = time.perf_counter()
@@ -115,24 +114,18 @@ class Leases:
         that eager work uses, nor eager work use a graph's)."""
         return self._region is not None and self._symmetric is None and self._leased_in != self._context()
 
-    def first_use_on(self, stream_id: int) -> bool:
-        """Whether the held region is used on this stream for the first time (it is then to be recorded)."""
-        if stream_id in self._streams:
-            return False
-        self._streams.add(stream_id)
-        return True
-
     def release(self) -> None:
         """Give the region back to the caching allocator once nothing points into it (in symmetric mode it
         stays). Local, but every rank must release at the same point: the next acquire is collective."""
         if self._symmetric is None and self._region is not None:
             self._region = None
-            self._set_bases([0] * self.world)  # no op may address a released region, here or at a peer
+            self._set_region(None, [0] * self.world, 0)  # no op may address a released region, here or at a peer
 
     def close(self) -> None:
         """Release the region and unmap every peer (the arena is closing; its work has completed)."""
         self._region, self._symmetric = None, None
-        self._set_bases = self._sync_pushes = None  # they hold the extension's arena, which closes now
+        self._set_region(None, [0] * self.world, 0)  # the extension's copy of the region goes too
+        self._set_region = self._sync_pushes = None  # they hold the extension's arena, which closes now
         for maps in self._mapped:
             for base in maps.values():
                 self._ext.ipc_close(base=base, device=self.device.index)
@@ -156,7 +149,8 @@ class Leases:
             errors = [(p, v[len("error:"):]) for p, v in enumerate(theirs) if v.startswith("error:")]
             if not errors:
                 self._region = region
-                self._set_bases([region.data_ptr() if p == self.rank else self._map(p, v) for p, v in enumerate(theirs)])
+                self._set_region(region, [region.data_ptr() if p == self.rank else self._map(p, v)
+                                          for p, v in enumerate(theirs)], self._leased_in)
                 return
             if self.count > 1:  # the mode was agreed at the first lease; a later failure is not expected
                 raise RuntimeError(f"{what}: rank(s) {[p for p, _ in errors]} cannot export the region: {errors[0][1]}")
@@ -166,7 +160,7 @@ class Leases:
 
         self._region = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._symmetric = symm_mem.rendezvous(self._region, self._group)
-        self._set_bases([int(p) for p in self._symmetric.buffer_ptrs])
+        self._set_region(self._region, [int(p) for p in self._symmetric.buffer_ptrs], self._leased_in)
 
     def _exchange_by_store(self, mine: str, what: str) -> list[str]:
         """Every rank's lease value through the store. The first lease, which fixes the mode, also settles

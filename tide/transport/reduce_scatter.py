@@ -4,7 +4,8 @@ layout).
 
 Each call shape's plan (:func:`tide.meta.plans.rs_plan_info`: every destination's rounds, packed for
 the arena's staging entries, and this rank's padding) is built here the first time, after its
-arguments are checked and every rank agreed on it, and handed to the extension with every call.
+arguments are checked and every rank agreed on it, and kept by the extension, whose C++ kernel takes
+later calls of that shape without Python (tide/ops/cuda.py).
 """
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ def native_plan(ext, info: plans.RsPlanInfo, dtypes: Sequence[torch.dtype]):
                       grad_dtype=list(dtypes))
 
 
-def _new_plan(arena, key: tuple, grads, shard_grads, check):
+def _new_plan(arena, grads, shard_grads, check):
     issue.check_args(arena, OP, check, ("grads", grads), ("shard_grads", shard_grads))
     issue.agree_plan(arena, OP, agreement.call_desc(OP, (grads,)))
     dtypes = [g.dtype for g in grads]
     info = plans.rs_plan_info([g.shape for g in grads], dtypes, arena.world_size, arena.rank, arena.entry_bytes)
-    plan = arena.plans[key] = native_plan(arena.ext, info, dtypes)
+    plan = native_plan(arena.ext, info, dtypes)
+    arena.native.keep_rs_plan(grads=grads, plan=plan)
     return plan
 
 
@@ -48,8 +50,7 @@ def reduce_scatter_params(arena, grads: Sequence[torch.Tensor], shard_grads: Seq
         checks.check_reduce_scatter_params(OP, grads, shard_grads, arena.world_size)
 
     arena.region()
-    key = (OP, *[(g.shape, g.dtype) for g in grads])
-    plan = arena.plans.get(key) or _new_plan(arena, key, grads, shard_grads, check)
+    plan = arena.native.rs_plan(grads=grads) or _new_plan(arena, grads, shard_grads, check)
     if issue.watched(arena, OP, arena.native.reduce_scatter, plan=plan, grads=grads, shard_grads=shard_grads,
                      scale=float(scale), accumulate=bool(accumulate)) != "tide":
         issue.refuse(arena, OP, check, ("grads", grads), ("shard_grads", shard_grads))

@@ -9,25 +9,27 @@ event. Every decision depends only on host-side state that evolves identically o
 groups are unsharded), never on timing, so all ranks choose the same slot for every all-gather: the
 peers push into that slot index.
 
-An event belongs to the context it was recorded in: eager work, or one CUDA-graph capture
-(``context()``, the capture's id; 0 when eager). A stream waits only for an event of its own context:
-CUDA refuses a wait across a capture's boundary, and none is needed there. A capture's first use of a
-slot lies in a region leased inside that capture (tide/transport/lease.py), and a replay's work is
-ordered after everything queued before it on its stream, as work after it is after the whole replay.
+The busy events live in the extension (csrc/transport/steady.h), where the ops' C++ kernels record a
+Slot-Reuse reduce-scatter's use without entering Python. An event belongs to the context it was
+recorded in: eager work, or one CUDA-graph capture. A stream waits only for an event of its own
+context: CUDA refuses a wait across a capture's boundary, and none is needed there. A capture's first
+use of a slot lies in a region leased inside that capture (tide/transport/lease.py), and a replay's
+work is ordered after everything queued before it on its stream, as work after it is after the whole
+replay.
 
-Pure Python; streams and events are whatever the caller passes (``stream.wait_event(event)``).
+Pure Python but for ``events``: the extension's arena (``slot_used`` / ``slot_wait`` / ``slot_uses``,
+streams as their ``cuda_stream``), or a stand-in.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 
 class SlotLeases:
-    def __init__(self, num_slots: int, context: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, num_slots: int, events=None) -> None:
         self.num_slots = num_slots
-        self._context = context
+        self._events = events
         self._bound: list = [None] * num_slots  # per slot: [(storage, address)] of the bound outputs
-        self._event: list = [None] * num_slots  # per slot: (event, context) of its last use off the compute stream
         self._last_slot: dict[int, int] = {}  # id(owner key) -> slot its outputs were last bound in
         self._cursor = 0
 
@@ -56,9 +58,7 @@ class SlotLeases:
     def wait(self, slot: int, stream) -> None:
         """Order ``stream`` after the last use of ``slot`` off the compute stream, if that use was in the
         current context."""
-        last = self._event[slot]
-        if last is not None and last[1] == self._context():
-            stream.wait_event(last[0])
+        self._events.slot_wait(slot=slot, stream=stream.cuda_stream)
 
     def bind(self, slot: int, storages: Sequence, owners: Sequence = ()) -> None:
         """Record the storages just bound into ``slot`` (and, for each owner key, that it lives there)."""
@@ -66,14 +66,14 @@ class SlotLeases:
         for key in owners:
             self._last_slot[id(key)] = slot
 
-    def used(self, slot: int, event) -> None:
-        """``event`` completes the latest use of ``slot`` off the compute stream."""
-        self._event[slot] = (event, self._context())
+    def used(self, slot: int, stream) -> None:
+        """``slot`` is used off the compute stream by the work queued on ``stream`` so far: it is busy until
+        that work has completed."""
+        self._events.slot_used(slot=slot, stream=stream.cuda_stream)
 
-    def event(self, slot: int):
-        """The event of ``slot``'s latest use off the compute stream (None before any)."""
-        last = self._event[slot]
-        return None if last is None else last[0]
+    def uses(self, slot: int) -> int:
+        """How many uses of ``slot`` were recorded so far."""
+        return self._events.slot_uses(slot=slot)
 
     def last_slot(self, owner) -> int | None:
         """The slot ``owner``'s outputs were last bound in."""

@@ -3,8 +3,10 @@
 TIDE's waits are stream memory operations on flag words: a peer that dies or issues a different
 sequence leaves them waiting forever, and no kernel spins that could time out. So every TIDE op ends with
 a stream memop on the caller's stream that writes its sequence number into a pinned host word, and one
-daemon thread per process (started with the first op) polls those words: plain memory reads, no CUDA
-call. (``cudaEventQuery`` blocked on the GPU machine: the training thread's launches had filled the stalled
+daemon thread per process (started with the first arena) polls those words: plain memory reads, no CUDA
+call. An arena's eager ops are listed in C++ from before each issues anything (its in-flight list,
+csrc/transport/completions.h), whether Python or the ops' C++ kernels issued them; other work (the
+direct NCCL rails) is tracked one :class:`Completion` at a time. (``cudaEventQuery`` blocked on the GPU machine: the training thread's launches had filled the stalled
 streams' queue and spun in the driver under a lock the query needed.) When an op has not
 completed ``timeout_s`` after it was issued (``TIDE_TIMEOUT_S``, else the process group's timeout), the
 thread
@@ -12,7 +14,7 @@ thread
 1. writes a report to stderr: the op, the group, how long, and which peers' flag words are behind this
    rank's issued work and by how much (``tide/transport/flag_report.py``), plus every thread's stack;
 2. makes the next TIDE op or FSDP2 collective of the training thread raise :class:`TideTimeoutError`
-   with that report;
+   with that report (the ops' C++ kernels hand every call to Python from then on: the expiry hooks);
 3. ends the process with exit code :data:`EXIT_CODE` after a grace of min(:data:`GRACE_S`, timeout)
    seconds, whatever the training thread is doing (it may be blocked on the stalled GPU): like stock
    FSDP2 under ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, continuing after a failed collective is not safe.
@@ -65,13 +67,24 @@ def _trace_slow(completed: list, pending: list, now: float) -> None:
 
 @dataclass
 class _Pending:
-    done: Any  # an object with query() -> bool, true once the op has completed (it must make no CUDA call)
+    done: Any  # query() -> bool, true once the op has completed (no CUDA call); None: an in-flight or captured op
     op: str
     group: str
     timeout_s: float
     describe: Callable[[], Iterable[str]]  # yields the flag report's lines, called once on expiry
     issued: float = field(default_factory=time.monotonic)
     traced_late: bool = False
+    replaying: bool = False  # a captured op, in a replay of its graph
+
+
+@dataclass
+class _InFlight:
+    in_flight: Any  # the extension's InFlight of one arena
+    group: str
+    timeout_s: float
+    describe: Callable[[], Iterable[str]]
+    owner: object
+    late: tuple | None = None  # (ticket, op, issued) of the oldest op traced as late
 
 
 @dataclass
@@ -104,6 +117,8 @@ class Watchdog:
         self.error: TideTimeoutError | None = None
         self._pending: list[_Pending] = []
         self._captured: dict[int, list[_Captured]] = {}  # device -> its captured ops
+        self._in_flight: list[_InFlight] = []  # every arena's eager ops
+        self._on_expiry: list[Callable[[], None]] = []
         self._read_marks: Callable[[int, int, int], list] | None = None  # (device, first, count) -> (active, done)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -118,18 +133,31 @@ class Watchdog:
 
     def track_captured(self, read_marks: Callable[[int, int, int], list], device: int, mark: int, op: str,
                        group: str, timeout_s: float, describe: Callable[[], Iterable[str]], owner: object) -> None:
-        """Watch one op captured into a CUDA graph, at every replay, until :meth:`forget_captured` (``owner``):
+        """Watch one op captured into a CUDA graph, at every replay, until :meth:`forget` (``owner``):
         ``read_marks(device, first, count)`` reads the (active, done) words of replay marks."""
         with self._lock:
             self._read_marks = read_marks
             self._captured.setdefault(device, []).append(_Captured(mark, op, group, timeout_s, describe, owner))
         self._start()
 
-    def forget_captured(self, owner: object) -> None:
-        """Stop watching the captured ops of ``owner`` (its arena closed: its graphs cannot replay)."""
+    def track_in_flight(self, in_flight, group: str, timeout_s: float, describe: Callable[[], Iterable[str]],
+                        owner: object) -> None:
+        """Watch one arena's eager ops until :meth:`forget` (``owner``): ``in_flight.oldest()`` names the
+        oldest not completed (csrc/transport/completions.h)."""
+        with self._lock:
+            self._in_flight.append(_InFlight(in_flight, group, timeout_s, describe, owner))
+        self._start()
+
+    def on_expiry(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` first when an op expires (before the report)."""
+        self._on_expiry.append(hook)
+
+    def forget(self, owner: object) -> None:
+        """Stop watching the ops of ``owner`` (its arena closed: its graphs cannot replay)."""
         with self._lock:
             for device, ops in list(self._captured.items()):
                 self._captured[device] = [c for c in ops if c.owner is not owner]
+            self._in_flight = [w for w in self._in_flight if w.owner is not owner]
 
     def captured(self) -> int:
         with self._lock:
@@ -155,7 +183,7 @@ class Watchdog:
         if worst is None:
             return None
         return _Pending(None, f"{worst.op} (captured in a CUDA graph, replaying)", worst.group, worst.timeout_s,
-                        worst.describe, issued=worst.since)
+                        worst.describe, issued=worst.since, replaying=True)
 
     def check(self) -> None:
         """Raise the watchdog's error, if an op has timed out (the training thread calls this per op)."""
@@ -176,22 +204,44 @@ class Watchdog:
                     (completed if p.done.query() else still).append(p)
                 self._pending = still
                 late = [p for p in self._pending if now - p.issued > p.timeout_s]
-                replaying = self._stalled_captured(now)
-                if replaying is not None:
-                    late.append(replaying)
+                late += [p for p in (self._stalled_captured(now), *self._oldest_in_flight(now)) if p is not None]
             if trace.ENABLED:
                 _trace_slow(completed, still, now)
+                self._trace_in_flight(now)
             if late:
                 self._expire(min(late, key=lambda p: p.issued), now)
                 return
+
+    def _oldest_in_flight(self, now: float) -> list[_Pending]:
+        """Each arena's oldest eager op past its timeout, as a pending op."""
+        late = []
+        for w in self._in_flight:
+            oldest = w.in_flight.oldest()
+            if oldest is not None and oldest[2] > w.timeout_s:
+                late.append(_Pending(None, oldest[1], w.group, w.timeout_s, w.describe, issued=now - oldest[2]))
+        return late
+
+    def _trace_in_flight(self, now: float) -> None:
+        """Trace lines for an arena's oldest op pending past trace.LATE_S, and for it once it completed."""
+        for w in self._in_flight:
+            oldest = w.in_flight.oldest()
+            ticket = oldest[0] if oldest is not None else None
+            if w.late is not None and w.late[0] != ticket:
+                trace.event(f"watchdog: {w.late[1]} on group {w.group} completed {now - w.late[2]:.1f} s after its issue")
+                w.late = None
+            if oldest is not None and w.late is None and oldest[2] > trace.LATE_S:
+                w.late = (ticket, oldest[1], now - oldest[2])
+                trace.event(f"watchdog: {oldest[1]} on group {w.group} still pending {oldest[2]:.1f} s after its issue")
 
     def _expire(self, p: _Pending, now: float) -> None:
         # The report gets a bounded time of its own, and a backstop that needs no GIL is armed first: a
         # flag report that blocks in the driver, with or without the GIL, cannot keep the process alive.
         grace = min(self.grace_s, p.timeout_s)
         faulthandler.dump_traceback_later(REPORT_S + grace + 1, exit=True)
+        for hook in self._on_expiry:
+            hook()
         headline = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it "
-                    f"{'was issued' if p.done is not None else 'began this replay'} "
+                    f"{'began this replay' if p.replaying else 'was issued'} "
                     f"(timeout {p.timeout_s:g} s: TIDE_TIMEOUT_S, else the process group's timeout). A peer died, "
                     f"stalled, or issued a different sequence of TIDE ops.")
         # The headline goes out at once: a training thread that raises and ends early still leaves it.
