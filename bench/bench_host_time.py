@@ -6,10 +6,14 @@ region, as the FSDP seam does at every unshard; ``ag_op_only`` uses slot views m
 ``torch.ops.tide.reduce_scatter_params_`` In-Place with the same gradient tensors every call, In-Place
 with gradients at new addresses every call (the transport keeps no per-address state, so this must
 cost the same), and Slot-Reuse: the gradients at their places in a slot (where FSDP's Slot-Reuse hooks
-leave them), which the op reads where they lie. Two more all-gather rows enter below the op, to split
-its Python: ``ag_kernel`` calls the op's CUDA kernel (``tide.ops.cuda``) without the ``torch.ops``
-dispatcher, ``ag_arena`` calls ``Arena.all_gather_into_params`` (the kernel's watchdog check, capture
-check and counter left out); the rest of ``ag_arena`` beyond its C++ part is the arena's Python.
+leave them), which the op reads where they lie. Every ``torch.ops.tide`` row after its first call stays
+in the extension's C++ kernel (csrc/transport/dispatch.cpp; ``steady_calls`` counts those calls). Four
+rows show what a call that enters Python costs: ``ag_op_via_python`` and
+``rs_in_place_via_python`` are the op calls with the C++ steady path off (``steady_enable``: every call
+enters the Python kernel, as before the C++ kernels existed), ``ag_python`` calls the op's Python
+kernel (``tide.ops.cuda``, what serves the first call of a layout, a lease, a capture), ``ag_arena``
+calls the Python driver ``all_gather.all_gather_into_params`` (the kernel's watchdog check, capture
+check and counter left out).
 ``dispatch_only`` calls an operator of this bench with the all-gather's schema whose CUDA kernel does
 nothing: what the ``torch.ops`` dispatcher itself costs for these arguments. Timed on rank 0 from the Python call to its return (the GPU is synchronised between
 iterations, outside the timed region); the arena's counters split the C++ part of a call by kind
@@ -39,8 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
-VARIANTS = ("ag_bind", "ag_op_only", "ag_kernel", "ag_arena", "dispatch_only", "rs_in_place", "rs_in_place_fresh",
-            "rs_slot_reuse")
+VARIANTS = ("ag_bind", "ag_op_only", "ag_op_via_python", "ag_python", "ag_arena", "dispatch_only", "rs_in_place",
+            "rs_in_place_via_python", "rs_in_place_fresh", "rs_slot_reuse")
+VIA_PYTHON = ("ag_op_via_python", "rs_in_place_via_python")  # the op with the C++ steady path off
 FRESH_SETS = 8
 CPP_KEYS = ("host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_copy", "host_ns_event", "kernels",
             "memop_calls", "copy_api_calls")
@@ -118,19 +123,23 @@ def tide_times(world_size: int, iters: int) -> dict:
 
     fns = {"ag_bind": ag_bind, "ag_op_only": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size,
                                                                                             name),
-           "ag_kernel": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name),
+           "ag_op_via_python": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name),
+           "ag_python": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name),
            "ag_arena": lambda: all_gather.all_gather_into_params(arena, shards, views[0]),
            "dispatch_only": lambda: no_op(shards, views[0], world_size, name),
-           "rs_in_place": rs, "rs_in_place_fresh": rs_fresh, "rs_slot_reuse": lambda: rs(in_slot)}
+           "rs_in_place": rs, "rs_in_place_via_python": rs, "rs_in_place_fresh": rs_fresh, "rs_slot_reuse": lambda: rs(in_slot)}
     res = {}
     for variant in VARIANTS:
+        arena.ext.steady_enable(on=variant not in VIA_PYTHON)
         _time(fns[variant], 3)
         dist.barrier()
-        before = arena.counters()
+        before, steady_before = arena.counters(), sum(arena.ext.steady_calls().values())
         times = _time(fns[variant], iters)
-        after = arena.counters()
+        after, steady_after = arena.counters(), sum(arena.ext.steady_calls().values())
         dist.barrier()
-        res[variant] = {"times": times, "cpp": {k: (after[k] - before[k]) / iters for k in CPP_KEYS}}
+        res[variant] = {"times": times, "cpp": {k: (after[k] - before[k]) / iters for k in CPP_KEYS},
+                        "steady_share": (steady_after - steady_before) / iters}
+    arena.ext.steady_enable(on=True)
     transport.disable(name)
     return res
 
@@ -222,6 +231,7 @@ def main(argv=None):
                "p90_us": srt[(9 * len(srt)) // 10] * 1e6,
                "cpp_us": cpp.get("host_ns_total", float("nan")) / 1e3}
         row["python_us"] = row["median_us"] - row["cpp_us"]  # median call minus mean C++ part
+        row["steady_share"] = entry.get("steady_share", float("nan"))  # of the calls, those that stayed in C++
         for k in CPP_KEYS[1:5]:
             row[k.replace("host_ns_", "cpp_") + "_us"] = cpp.get(k, float("nan")) / 1e3
         for k in CPP_KEYS[5:]:
