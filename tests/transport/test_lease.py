@@ -63,6 +63,21 @@ def test_a_lease_exchanges_maps_and_releases():
     assert leases.held is None and bases[-1] == [0] * WORLD  # no op may address the released region
 
 
+def test_the_extension_holds_the_region_from_each_lease_to_its_release_and_the_close():
+    store, ipc, seen = dist.HashStore(), RecordingIpc(), []
+    leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 5.0, "test",
+                    set_region=lambda region, b, context: seen.append((region, b[RANK], context)),
+                    sync_pushes=lambda: None, context=lambda: 7)
+    publish_peers(store, 1, generation=0)
+    region = leases.acquire()
+    assert seen == [(region, region.data_ptr(), 7)]  # leased inside capture 7: its id goes along
+    leases.release()
+    publish_peers(store, 2, generation=0)
+    again = leases.acquire()
+    leases.close()
+    assert seen[1] == (None, 0, 0) and seen[2][0] is again and seen[3] == (None, 0, 0)
+
+
 def test_a_handle_seen_before_is_not_mapped_again_and_old_keys_go():
     store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
     leases = make(store, ipc, bases, syncs)
