@@ -167,7 +167,7 @@ def test_an_arenas_oldest_eager_op_expires_only_past_its_timeout_and_not_once_fo
 
 def test_an_expiry_calls_its_hooks_before_the_report(monkeypatch):
     dog, order = Watchdog(poll_s=60.0, grace_s=0.0), []
-    dog.on_expiry(lambda: order.append("hook"))
+    dog.on_expiry(lambda: order.append("hook" if dog.error is not None else "hook before the error"))
     monkeypatch.setattr(watchdog.os, "_exit", lambda code: order.append(("exit", code)))
     monkeypatch.setattr(watchdog.faulthandler, "dump_traceback_later", lambda *a, **kw: None)
     monkeypatch.setattr(watchdog.faulthandler, "dump_traceback", lambda *a, **kw: None)
@@ -175,3 +175,35 @@ def test_an_expiry_calls_its_hooks_before_the_report(monkeypatch):
                           issued=0.0)
     dog._expire(p, now=2.0)
     assert order == ["hook", "report", ("exit", watchdog.EXIT_CODE)] and dog.error is not None
+
+
+_HAND_OVER = textwrap.dedent("""
+    import tide.ops.cuda as cuda
+    from tide.transport import watchdog
+
+    class Ext:  # the extension's hand-over entry points, recorded
+        calls = []
+        def hand_over_kernels(self, **kernels):
+            self.calls.append(("kernels", sorted(kernels)))
+        def steady_enable(self, on):
+            self.calls.append(("steady", on))
+        def steady_calls(self):
+            return {}
+        def steady_reset_calls(self):
+            pass
+
+    ext = Ext()
+    cuda.hand_over(ext)
+    cuda.hand_over(ext)  # once per process
+    for hook in watchdog.WATCHDOG._on_expiry:  # what an expiry runs
+        hook()
+    print(ext.calls)
+""")
+
+
+def test_the_handover_registers_the_kernels_once_and_an_expiry_turns_the_cpp_path_off():
+    """In a process of its own: the hand-over drops the Python CUDA kernels of this process."""
+    out = subprocess.run([sys.executable, "-c", _HAND_OVER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kernels = ["all_gather", "all_gather_into_params_", "reduce_scatter", "reduce_scatter_params_"]
+    assert out.stdout.strip() == str([("kernels", kernels), ("steady", True), ("steady", False)]), out.stdout

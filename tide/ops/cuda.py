@@ -98,7 +98,8 @@ for _name, _fn in _KERNELS.items():
 def hand_over(ext) -> None:
     """Give the CUDA dispatch key to the extension's C++ kernels, which enter the Python kernels above for
     every call they do not take themselves; ``tide.stats()`` counts the calls that stayed in C++. Once
-    per process (the extension loads once). With ``TIDE_TRACE=1`` every call enters Python, which traces it."""
+    per process (the extension loads once). With ``TIDE_TRACE=1`` every call enters Python, which traces it,
+    and so does every call after a TIDE op timed out (the watchdog's error is raised there)."""
     global _python_kernels
     if _python_kernels is None:
         return
@@ -106,5 +107,7 @@ def hand_over(ext) -> None:
     _python_kernels = None
     ext.hand_over_kernels(**_KERNELS)
     ext.steady_enable(on=not trace.ENABLED)
+    # After a timeout every call enters Python, whose first step raises the watchdog's error.
+    _transport.WATCHDOG.on_expiry(lambda: ext.steady_enable(on=False))
     registry.op_call_sources.append((lambda: {f"{op}:tide": n for op, n in ext.steady_calls().items() if n},
                                      ext.steady_reset_calls))

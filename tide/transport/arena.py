@@ -36,8 +36,8 @@ has read them.
 """
 from __future__ import annotations
 
-import functools
 import math
+import weakref
 from typing import Sequence
 
 import torch
@@ -156,8 +156,14 @@ class Arena:
     def _watch(self) -> None:
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
         self.report_host = torch.empty(self.flag_words, dtype=torch.int32, pin_memory=True)
-        watchdog.WATCHDOG.track_in_flight(self.native.in_flight, self.label, self.timeout_s,
-                                          functools.partial(issue.report, self), owner=self.store_prefix)
+        arena = weakref.ref(self)  # the watchdog keeps no arena alive
+
+        def describe():
+            live = arena()
+            return issue.report(live) if live is not None else iter(["  (the arena was dropped)"])
+
+        watchdog.WATCHDOG.track_in_flight(self.native.in_flight, self.label, self.timeout_s, describe,
+                                          owner=self.store_prefix)
 
     def __repr__(self) -> str:
         return (f"Arena(group={self.group_name!r}, W={self.world_size}, rank={self.rank}, slots={self.num_slots}x"

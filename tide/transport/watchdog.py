@@ -149,7 +149,7 @@ class Watchdog:
         self._start()
 
     def on_expiry(self, hook: Callable[[], None]) -> None:
-        """Call ``hook`` first when an op expires (before the report)."""
+        """Call ``hook`` when an op expires: once the error is set, before the report."""
         self._on_expiry.append(hook)
 
     def forget(self, owner: object) -> None:
@@ -238,8 +238,6 @@ class Watchdog:
         # flag report that blocks in the driver, with or without the GIL, cannot keep the process alive.
         grace = min(self.grace_s, p.timeout_s)
         faulthandler.dump_traceback_later(REPORT_S + grace + 1, exit=True)
-        for hook in self._on_expiry:
-            hook()
         headline = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it "
                     f"{'began this replay' if p.replaying else 'was issued'} "
                     f"(timeout {p.timeout_s:g} s: TIDE_TIMEOUT_S, else the process group's timeout). A peer died, "
@@ -248,6 +246,8 @@ class Watchdog:
         sys.stderr.write(headline + "\n")
         sys.stderr.flush()
         self.error = TideTimeoutError(f"{headline} (the flag report follows on stderr)")
+        for hook in self._on_expiry:  # after the error is set: a call they send back to Python raises it
+            hook()
         detail = _bounded_call(p.describe, REPORT_S)
         report = (f"{headline}\n{detail}\ntide: the next TIDE op or FSDP2 collective raises this; the process "
                   f"exits with code {self.exit_code} in {grace:g} s.")
