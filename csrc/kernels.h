@@ -14,8 +14,9 @@
 
 namespace tide {
 
-// Wire dtypes of the tide ops (tide.meta.checks.FLOAT_DTYPES).
-enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// Wire dtypes of the tide ops (tide.meta.checks.FLOAT_DTYPES), and the all-gather's bytes (kU8: copied,
+// never cast; tide.meta.checks.GATHER_DTYPES).
+enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kU8 = 3 };
 
 #if defined(__CUDACC__)
 #define TIDE_HOST_DEVICE __host__ __device__
@@ -23,7 +24,7 @@ enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 #define TIDE_HOST_DEVICE
 #endif
 
-TIDE_HOST_DEVICE inline int dtype_size(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
+TIDE_HOST_DEVICE inline int dtype_size(int32_t dtype) { return dtype == kF32 ? 4 : dtype == kU8 ? 1 : 2; }
 
 // Numbers in error messages go through num(), never through an ostream: on the GPU machine (torch
 // 2.11), a number streamed by this extension (c10::str, TORCH_CHECK) crashed the process inside

@@ -12,7 +12,7 @@
 // The dtype pair is resolved once per segment, never per element. Segments whose two pointers are
 // 16-B aligned move 8 elements per thread and step (fp32: two 16-B vectors, bf16/fp16: one); the rest,
 // and the tail of fewer than 8 elements, go element by element. Same-dtype segments are copied bit for
-// bit; conversions round to nearest even like torch's copy_ (NaN payloads may differ: cvt gives the
+// bit (bytes, kU8, only so); conversions round to nearest even like torch's copy_ (NaN payloads may differ: cvt gives the
 // canonical NaN). The launcher sizes the grid to the elements (up to max_ctas): a short burst that
 // reads and writes at HBM speed, not a resident grid.
 #include <cuda_bf16.h>
@@ -161,6 +161,8 @@ __global__ void __launch_bounds__(kCastThreads) cast_segments_kernel(const __gri
     if (s.src_dtype == s.dst_dtype) {
       if (s.src_dtype == kF32) {
         copy_segment<uint32_t>(s, tid, nthreads);
+      } else if (s.src_dtype == kU8) {
+        copy_segment<uint8_t>(s, tid, nthreads);
       } else {
         copy_segment<uint16_t>(s, tid, nthreads);
       }

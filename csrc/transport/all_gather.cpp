@@ -25,9 +25,9 @@
 namespace tide {
 namespace {
 
-bool float_tensors(at::TensorList ts) {
+bool gather_tensors(at::TensorList ts) {
   for (const auto& t : ts)
-    if (dtype_code(t.scalar_type()) < 0 || !t.is_contiguous()) return false;
+    if (gather_code(t.scalar_type()) < 0 || !t.is_contiguous()) return false;
   return true;
 }
 
@@ -35,14 +35,15 @@ bool float_tensors(at::TensorList ts) {
 // of `plan`, plus every tensor on the arena's device.
 bool args_ok(const Arena& a, const AgPlan& plan, at::TensorList shards,
              at::TensorList outs) {
-  if (shards.size() != plan.size() || outs.size() != plan.size() || !float_tensors(shards) || !float_tensors(outs))
+  if (shards.size() != plan.size() || outs.size() != plan.size() || !gather_tensors(shards) || !gather_tensors(outs))
     return false;
   const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(a.device()));
   for (size_t i = 0; i < shards.size(); ++i) {
     const at::Tensor& s = shards[i];
     const at::Tensor& o = outs[i];
     if (s.device() != dev || o.device() != dev || s.dim() == 0) return false;
-    if (dtype_code(o.scalar_type()) != plan.out_dtype[i] || o.numel() != plan.out_numel[i]) return false;
+    const int32_t sd = gather_code(s.scalar_type()), od = gather_code(o.scalar_type());
+    if (od != plan.out_dtype[i] || o.numel() != plan.out_numel[i] || ((sd == kU8) != (od == kU8))) return false;
     std::vector<int64_t> full(s.sizes().begin(), s.sizes().end());
     full[0] *= a.world();
     const bool is_flat = o.dim() == 1 && o.size(0) == a.world() * s.numel();
@@ -87,7 +88,7 @@ Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
     bool casts = false;
     for (const ShardRange& r : plan.chunks[c]) {
       const at::Tensor& s = shards[r.param];
-      const int32_t sd = dtype_code(s.scalar_type()), od = plan.out_dtype[r.param];
+      const int32_t sd = gather_code(s.scalar_type()), od = plan.out_dtype[r.param];
       const int64_t off = plan.own_offset[r.param] + r.first * dtype_size(od);  // in the slot
       const auto* shard = static_cast<const char*>(s.data_ptr()) + r.first * dtype_size(sd);
       if (cast.nseg == kMaxSegments) a.launch_cast(cast, S);

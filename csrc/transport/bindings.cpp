@@ -62,12 +62,15 @@ py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int6
   return d;
 }
 
-// A DType per dtype, refused (naming `what`) where the ops do not take it.
-std::vector<int32_t> dtype_codes(const std::vector<at::ScalarType>& dtypes, const char* what) {
+// A DType per dtype (`code`: dtype_code, or gather_code for the all-gather's), refused (naming `what`)
+// where the ops do not take it.
+std::vector<int32_t> dtype_codes(const std::vector<at::ScalarType>& dtypes, int32_t (*code)(at::ScalarType),
+                                 const char* what) {
   std::vector<int32_t> codes;
   for (at::ScalarType t : dtypes) {
-    codes.push_back(dtype_code(t));
-    TORCH_CHECK(codes.back() >= 0, "tide.", what, ": dtypes must be fp32, bf16 or fp16");
+    codes.push_back(code(t));
+    TORCH_CHECK(codes.back() >= 0, "tide.", what, ": dtypes must be fp32, bf16 or fp16",
+                code == gather_code ? " (or uint8)" : "");
   }
   return codes;
 }
@@ -78,7 +81,7 @@ AgPlan make_ag_plan(std::vector<int64_t> own_offset, std::vector<int64_t> out_of
   const size_t n = own_offset.size();
   TORCH_CHECK(out_offset.size() == n && out_numel.size() == n && out_dtype.size() == n,
               "tide.AgPlan: one own_offset, out_offset, out_numel and out_dtype per param");
-  AgPlan p{std::move(own_offset), std::move(out_offset), std::move(out_numel), dtype_codes(out_dtype, "AgPlan"),
+  AgPlan p{std::move(own_offset), std::move(out_offset), std::move(out_numel), dtype_codes(out_dtype, gather_code, "AgPlan"),
            std::move(chunks), slot_bytes};
   for (const auto& chunk : p.chunks)
     for (const ShardRange& r : chunk)
@@ -88,7 +91,7 @@ AgPlan make_ag_plan(std::vector<int64_t> own_offset, std::vector<int64_t> out_of
 
 RsPlan make_rs_plan(std::vector<std::vector<std::vector<RsChunk>>> rounds, std::vector<ShardRange> pads,
                     const std::vector<at::ScalarType>& grad_dtype) {
-  RsPlan p{std::move(rounds), std::move(pads), dtype_codes(grad_dtype, "RsPlan"), 0};
+  RsPlan p{std::move(rounds), std::move(pads), dtype_codes(grad_dtype, dtype_code, "RsPlan"), 0};
   for (const auto& per_dest : p.rounds) p.max_rounds = std::max<int64_t>(p.max_rounds, per_dest.size());
   return p;
 }

@@ -22,6 +22,9 @@ inline int32_t dtype_code(at::ScalarType t) {
   }
 }
 
+// The all-gather's dtypes: the float wire dtypes, and uint8 (bytes, copied into uint8 only).
+inline int32_t gather_code(at::ScalarType t) { return t == at::kByte ? kU8 : dtype_code(t); }
+
 // A range of one param's elements: [first, first + numel) of its own shard (an all-gather chunk) or of
 // its shard grad (a reduce-scatter's padding).
 struct ShardRange {

@@ -30,6 +30,11 @@ def padded_shard(shape, world_size: int, rank: int, dtype, gen) -> torch.Tensor:
     return full[rank * c:(rank + 1) * c].to(dtype).contiguous()
 
 
+def random_bytes(shape, gen) -> torch.Tensor:
+    """A uint8 payload (the all-gather's byte copies: float8 data, tensor extensions' inputs)."""
+    return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+
+
 def random_grad(shape, dtype, gen) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
 

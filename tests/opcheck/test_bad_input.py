@@ -40,6 +40,14 @@ BAD_CALLS = {
     "ag_int_dtype": (ops.all_gather_into_params_,
                      lambda g: ([torch.ones(2, dtype=torch.int32)], [_f32(2)], 1, g),
                      TypeError, r"tide\.all_gather_into_params_: shards\[0\] has dtype torch\.int32"),
+    "ag_bytes_into_float": (ops.all_gather_into_params_,
+                            lambda g: ([torch.ones(2, dtype=torch.uint8)], [_bf16(2)], 1, g),
+                            TypeError, r"tide\.all_gather_into_params_: shards\[0\] has dtype torch\.uint8 and "
+                                       r"outs\[0\] has dtype torch\.bfloat16; bytes \(uint8\)"),
+    "ag_float8_not_viewed": (ops.all_gather_into_params_,
+                             lambda g: ([_f32(2).to(torch.float8_e4m3fn)], [_f32(2).to(torch.float8_e4m3fn)], 1, g),
+                             TypeError, r"tide\.all_gather_into_params_: shards\[0\] has dtype "
+                                        r"torch\.float8_e4m3fn; .*view other payloads as uint8"),
     "ag_non_contiguous": (ops.all_gather_into_params_, lambda g: ([_f32(3, 2).t()], [_f32(2, 3)], 1, g),
                           ValueError, r"tide\.all_gather_into_params_: shards\[0\] must be contiguous"),
     "ag_zero_d_shard": (ops.all_gather_into_params_, lambda g: ([torch.tensor(1.0)], [_f32(1)], 1, g),

@@ -19,6 +19,9 @@ from tests.opcheck import cases
 from tide.meta.layout import rows_and_row_numel, shard_rows
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+# Integer tensors cannot require grad: the bytes case checks all but the autograd registration (the op's, the
+# same as for floats).
+BYTE_OPCHECK_UTILS = tuple(u for u in OPCHECK_UTILS if u != "test_autograd_registration")
 WORLD_SIZES = (2, 3)
 
 
@@ -42,6 +45,15 @@ def _ag_args(ws, rank, seed, shard_dtype, out_dtype, flat_outs):
     return shards_by_rank, outs
 
 
+def _ag_byte_args(ws, rank, seed):
+    """uint8 shards of every rank and this rank's outputs, each poisoned with the complement of its
+    reference (so any byte left unwritten differs)."""
+    shapes = [(ws * s[0] + 1, *s[1:]) for s in cases.param_shapes(ws) if s]
+    shards_by_rank = [[cases.random_bytes(s, cases.rank_generator(seed, r)) for s in shapes] for r in range(ws)]
+    outs = [torch.bitwise_not(torch.cat([sh[i] for sh in shards_by_rank])) for i in range(len(shapes))]
+    return shards_by_rank, outs
+
+
 def _rs_args(ws, rank, seed, grad_dtype):
     shapes = cases.param_shapes(ws)
     grads_by_rank = []
@@ -61,6 +73,10 @@ def _opcheck_all(rank, ws, seed):
     shards_by_rank, outs = _ag_args(ws, rank, seed, torch.float32, torch.bfloat16, flat_outs=False)
     results["all_gather_into_params_"] = torch.library.opcheck(
         torch.ops.tide.all_gather_into_params_.default, (shards_by_rank[rank], outs, ws, g), raise_exception=False)
+    bytes_by_rank, byte_outs = _ag_byte_args(ws, rank, seed)
+    results["all_gather_into_params_:bytes"] = torch.library.opcheck(
+        torch.ops.tide.all_gather_into_params_.default, (bytes_by_rank[rank], byte_outs, ws, g),
+        test_utils=BYTE_OPCHECK_UTILS, raise_exception=False)
     grads_by_rank, shard_grads = _rs_args(ws, rank, seed, torch.bfloat16)
     results["reduce_scatter_params_"] = torch.library.opcheck(
         torch.ops.tide.reduce_scatter_params_.default, (grads_by_rank[rank], shard_grads, 0.5, True, ws, g),
@@ -78,9 +94,10 @@ def _opcheck_all(rank, ws, seed):
 def test_opcheck_every_op(checked):
     seed = checked[0]
     for rank, results in enumerate(_part(checked, "opcheck")):
-        assert set(results) == {"all_gather_into_params_", "reduce_scatter_params_", "all_gather", "reduce_scatter"}
+        assert set(results) == {"all_gather_into_params_", "all_gather_into_params_:bytes", "reduce_scatter_params_",
+                                "all_gather", "reduce_scatter"}
         for op, r in results.items():
-            assert tuple(r) == OPCHECK_UTILS, (seed, rank, op, r)
+            assert tuple(r) == (BYTE_OPCHECK_UTILS if op.endswith(":bytes") else OPCHECK_UTILS), (seed, rank, op, r)
             assert all(v == "SUCCESS" for v in r.values()), f"seed {seed} rank {rank} {op}: {r}"
 
 
@@ -96,6 +113,12 @@ def _check_semantics(rank, ws, seed):
             want = cases.reference_all_gather([s[i] for s in shards_by_rank], out_dtype)
             assert torch.equal(out, want.view(out.shape)), (shard_dtype, out_dtype, flat, i)
         seed += 1
+    # uint8 shards into uint8 outs: copied byte for byte.
+    shards_by_rank, outs = _ag_byte_args(ws, rank, seed)
+    torch.ops.tide.all_gather_into_params_(shards_by_rank[rank], outs, ws, g)
+    for i, out in enumerate(outs):
+        assert torch.equal(out, torch.cat([s[i] for s in shards_by_rank])), ("bytes", i)
+    seed += 1
     # reduce_scatter_params_: bf16 and fp32 grads, write and accumulate; float64 reference within the fp32
     # rounding bound, and bit-exact against the promised fp32 rank-order sum.
     for grad_dtype in (torch.bfloat16, torch.float32):

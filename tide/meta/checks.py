@@ -18,6 +18,9 @@ from tide.meta.layout import rows_and_row_numel, shard_rows
 
 # bf16/fp16 are the wire dtypes FSDP2 mixed precision produces; fp32 is the reduce and master dtype.
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The all-gather also moves bytes: a uint8 shard into a uint8 output, copied. Any other payload (float8,
+# integers, FSDP2 tensor extensions' all-gather inputs) travels as a uint8 view of itself.
+GATHER_DTYPES = (*FLOAT_DTYPES, torch.uint8)
 
 
 def _fail(op: str, msg: str, exc: type[Exception] = ValueError) -> None:
@@ -33,7 +36,8 @@ def check_tensor_list(op: str, name: str, tensors: Sequence[torch.Tensor], dtype
     for i, t in enumerate(tensors):
         if t.dtype not in dtypes:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-            _fail(op, f"{name}[{i}] has dtype {t.dtype}; expected one of {allowed}", TypeError)
+            hint = "; view other payloads as uint8" if torch.uint8 in dtypes else ""
+            _fail(op, f"{name}[{i}] has dtype {t.dtype}; expected one of {allowed}{hint}", TypeError)
         if not t.is_contiguous():
             _fail(op, f"{name}[{i}] must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
 
@@ -66,10 +70,13 @@ def check_all_gather_into_params(op, shards, outs, world_size) -> None:
     check_world_size(op, world_size)
     check_nonempty(op, "shards", shards)
     check_same_length(op, "shards", shards, "outs", outs)
-    check_tensor_list(op, "shards", shards)
-    check_tensor_list(op, "outs", outs)
+    check_tensor_list(op, "shards", shards, GATHER_DTYPES)
+    check_tensor_list(op, "outs", outs, GATHER_DTYPES)
     check_same_device(op, (("shards", shards), ("outs", outs)))
     for i, (s, o) in enumerate(zip(shards, outs)):
+        if (s.dtype == torch.uint8) != (o.dtype == torch.uint8):
+            _fail(op, f"shards[{i}] has dtype {s.dtype} and outs[{i}] has dtype {o.dtype}; bytes (uint8) are "
+                      f"copied into uint8 only, and float shards cast into float outs", TypeError)
         if s.dim() == 0:
             _fail(op, f"shards[{i}] is 0-d; a padded shard has at least one dim")
         full = (world_size * s.shape[0], *s.shape[1:])

@@ -5,7 +5,8 @@ Shapes (W = world_size, c_i = ceil(d0_i / W), rank r of the group):
 all_gather_into_params_(shards, outs, world_size, group_name)
     ``shards[i]`` is this rank's padded shard ``(c_i, *rest)``; ``outs[i]`` is ``(W*c_i, *rest)`` or its
     1-D flattening. Rank r's shard lands in rows ``[r*c_i, (r+1)*c_i)`` of ``outs[i]``. ``outs`` may have
-    another float dtype than ``shards``: the cast is fused into the placement.
+    another float dtype than ``shards``: the cast is fused into the placement. A uint8 shard and its uint8
+    output are copied as bytes: other payloads (float8, FSDP2 tensor extensions) travel as uint8 views.
 
 reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)
     ``grads[i]`` is the unpadded unsharded gradient ``(d0_i, *rest)`` (bf16, fp16 or fp32);
