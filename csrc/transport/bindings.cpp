@@ -69,8 +69,9 @@ std::vector<int32_t> dtype_codes(const std::vector<at::ScalarType>& dtypes, int3
   std::vector<int32_t> codes;
   for (at::ScalarType t : dtypes) {
     codes.push_back(code(t));
-    TORCH_CHECK(codes.back() >= 0, "tide.", what, ": dtypes must be fp32, bf16 or fp16",
-                code == gather_code ? " (or uint8)" : "");
+    if (code == gather_code)
+      TORCH_CHECK(codes.back() >= 0, "tide.", what, ": dtypes must be fp32, bf16, fp16 or uint8");
+    TORCH_CHECK(codes.back() >= 0, "tide.", what, ": dtypes must be fp32, bf16 or fp16");
   }
   return codes;
 }

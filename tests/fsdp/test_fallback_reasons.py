@@ -40,6 +40,10 @@ class _Extension(torch.Tensor):
         raise AssertionError("not called")
 
 
+def _extension():
+    return torch.empty(1).as_subclass(_Extension)
+
+
 @pytest.fixture(autouse=True)
 def _no_capture(monkeypatch):
     """No CUDA here: the CUDA-device cases ask a capture query that answers "not capturing"."""
@@ -79,8 +83,9 @@ CASES = {
     "all_gather_output_fn": (lambda: _ag(output_fn=lambda params, result, world_size: None), None),
     "cpu_offload": (lambda: _ag(params=[_param(offload_to_cpu=True)]), lambda: _rs(params=[_param(offload_to_cpu=True)])),
     "dtensor_param": (lambda: _ag(params=[_param(is_dtensor=True)]), lambda: _rs(params=[_param(is_dtensor=True)])),
-    "all_gather_extension": (lambda: _ag(params=[_param(_sharded_local_tensor=torch.empty(1).as_subclass(_Extension))]),
-                             None),
+    "extension_shard_dim": (lambda: _ag(params=[_param(), _param(_sharded_local_tensor=_extension(),
+                                                                 fsdp_placement=types.SimpleNamespace(dim=1))]),
+                            None),
     "mixed_param_dtypes": (lambda: _ag(params=[_param(), _param(param_dtype=torch.float16)]), None),
     "unsupported_dtype": (lambda: _ag(params=[_param(param_dtype=torch.int8)]),
                           lambda: _rs(grads=[torch.ones(4, 2, dtype=torch.int32)], reduce_dtype=torch.float32)),
@@ -89,6 +94,11 @@ CASES = {
     "reduce_scatter_input_fn": (None, lambda: _rs(custom_input_fn=True)),
     "arena_busy": (lambda: fallbacks.arena_reason("busy"), None),
 }
+
+
+def test_a_dim_0_extension_takes_tide_beside_params_of_another_dtype():
+    """Its inputs travel as bytes (tide.fsdp.extensions): neither its dtype nor the group's mix refuse it."""
+    assert _ag(params=[_param(), _param(_sharded_local_tensor=_extension(), param_dtype=torch.float16)]) is None
 
 
 def test_every_reason_has_a_case():

@@ -420,3 +420,19 @@ def shard_dims(rank: int, world_size: int, preset: str, steps: int) -> dict:
     if preset == "tiny_moe":
         cfg = dataclasses.replace(cfg, n_layers=2)
     return _pair(cfg, rank, steps=steps, shard_placement_fn=_shard_experts_dim1(world_size))
+
+
+def extensions(rank: int, world_size: int, steps: int) -> dict:
+    """A tensor extension (tests/fsdp/int8_weights.py: int8 rows and fp32 scales gathered, bf16 weights
+    rebuilt) on the blocks' evenly sharded weights, beside plain params in the same groups; stock then
+    TIDE, with bf16 params and an fp32 reduce, and each run's hook calls."""
+    from tests.fsdp.int8_weights import Int8RowsWeight, int8_rows
+
+    torch.set_num_threads(1)
+    runs = {}
+    for name, use_tide in (("stock", False), ("tide", True)):
+        Int8RowsWeight.calls.update(pre=0, post=0)
+        _, _, runs[name] = _train(PRESETS["tiny"], rank, use_tide=use_tide, steps=steps, mp=BF16, count_ops=True,
+                                  before_shard=int8_rows(world_size))
+        runs[name]["hook_calls"] = dict(Int8RowsWeight.calls)
+    return runs

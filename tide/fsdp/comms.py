@@ -24,8 +24,11 @@ class TideAllGather(AllGather):
         # (the group's fsdp_params list, its static fallback reason): FSDP passes the same list object on
         # every unshard, and the checked properties are fixed once FSDP's lazy init has set the dtypes.
         self.static_reason: tuple[list, str | None] | None = None
-        # (the fsdp_params list, whether the group fits an arena slot), once per list like static_reason.
-        self.slot_fit: tuple[list, bool] | None = None
+        # (the fsdp_params list, which params are tensor extensions: tide.fsdp.extensions.hooked), likewise.
+        self.hooked: tuple[list, tuple[bool, ...]] | None = None
+        # (the fsdp_params list, its extensions' input sizes or None, whether the group fits an arena slot),
+        # once per list like static_reason (and per input sizes for a group with extensions).
+        self.slot_fit: tuple[list, tuple | None, bool] | None = None
         # The CUDA contract's verdict for this group's ranks (tide.fsdp.fallbacks.contract_reason), once.
         self.contract: tuple[str | None] | None = None
 

@@ -26,7 +26,7 @@ from tide.meta.multinode import Topology
 REASONS = (
     "not_enabled", "capture_before_arena", "capture_multinode", "compiling", "functorch", "async_op", "world_size_1",
     "compute_capability", "nvlink_domain", "post_forward_mesh", "keep_unsharded_storage", "all_gather_output_fn",
-    "cpu_offload", "all_gather_extension", "dtensor_param", "mixed_param_dtypes", "unsupported_dtype",
+    "cpu_offload", "extension_shard_dim", "dtensor_param", "mixed_param_dtypes", "unsupported_dtype",
     "reduce_dtype", "reduce_scatter_input_fn", "noncontiguous_grad", "arena_busy",
 )
 # Besides these, on a torch whose FSDP2 signatures no seam wrapper fits, every call takes stock as
@@ -156,7 +156,11 @@ def static_all_gather_reason(fsdp_params) -> str | None:
         if (reason := param_reason(p)) is not None:
             return reason
         if hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return "all_gather_extension"
+            # Its inputs travel as bytes (tide.fsdp.extensions); stock chunk-cats them on dim i as if each
+            # had the shard's shape, which TIDE does not model.
+            if p.fsdp_placement.dim != 0:
+                return "extension_shard_dim"
+            continue
         d = group_dtype(p)
         if dtype is not None and d != dtype:
             return "mixed_param_dtypes"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tide import counters
-from tide.fsdp import compat
+from tide.fsdp import compat, extensions
 from tide.fsdp.comms import TideReduceScatter
 from tide.transport import node_leg
 
@@ -74,4 +74,6 @@ def movable(param_group, fsdp_param, param) -> bool:
         or (compat.reduce_dtype(fsdp_param) or grad.dtype) != torch.float32
         or not param_group.reduce_grads or not param_group.reshard_after_backward
         or compat.holds_unreduced_accumulation(fsdp_param) or grad.dtype != param.dtype
+        # a tensor extension's slot place holds its all-gather inputs' bytes, not a gradient's
+        or extensions.has_hooks(fsdp_param)
         or grad.shape != param.shape or not grad.is_contiguous())

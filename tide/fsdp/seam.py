@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from tide import counters, registry, topology
-from tide.fsdp import compat, hooks, reduce_output, replicate, shard_dims, wiring
+from tide.fsdp import compat, extensions, hooks, reduce_output, replicate, shard_dims, wiring
 from tide.fsdp.comms import TideAllGatherResult, TideReduceScatter
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
 from tide.meta.call_site import call_identity
@@ -41,8 +41,10 @@ from tide.transport.watchdog import WATCHDOG
 
 # ---------------------------------------------------------------------------------------------- transport hooks
 def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
-                            compute_stream: torch.Stream, slot: int | None = None, arena=None) -> list[torch.Tensor]:
-    """Each param's 1-D all-gather output.
+                            compute_stream: torch.Stream, slot: int | None = None, arena=None,
+                            inputs: list | None = None) -> list[torch.Tensor]:
+    """Each param's 1-D all-gather outputs, param-major (one per param, or one per input of a tensor
+    extension's: ``inputs``, :mod:`tide.fsdp.extensions`).
 
     With an arena slot (called on the all-gather copy-in stream): FSDP's own output tensors, their
     storages pointed into the slot at their param-major addresses (:func:`tide.fsdp.wiring.bind_into_slot`;
@@ -53,15 +55,13 @@ def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
     record is a no-op).
     """
     if arena is not None and slot is not None:
-        return wiring.bind_into_slot(arena, fsdp_params, world_size, device, slot)
-    outs = []
+        return wiring.bind_into_slot(arena, fsdp_params, world_size, device, slot, inputs)
+    outs = extensions.init_outputs(fsdp_params, inputs, world_size, device)
     for p in fsdp_params:
-        p.init_all_gather_outputs([p._sharded_param_data.numel()], [group_dtype(p)], world_size, device)
         p.alloc_all_gather_outputs()
-        out = p.all_gather_outputs[0]
-        if device.type == "cuda":
+    if device.type == "cuda":
+        for out in outs:
             out.record_stream(compute_stream)
-        outs.append(out)
     return outs
 
 
@@ -84,7 +84,7 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
 
 # ---------------------------------------------------------------------------------------------- TIDE paths
 def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, device, arena=None,
-                     plan=("none", None)) -> TideAllGatherResult:
+                     plan=("none", None), inputs: list | None = None) -> TideAllGatherResult:
     handle = _get_device_handle(device.type)
     world_size = group.size()
     compute_stream = handle.current_stream()
@@ -97,7 +97,7 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
             # host, its kernels may still run), and its last all-gather or Slot-Reuse reduce elsewhere.
             copy_in_stream.wait_stream(compute_stream)
             arena.slots.wait(slot, copy_in_stream)
-            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, arena)
+            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, arena, inputs)
     elif mode == "none":
         # No arena (multi-node groups of one rank per node; the reference transport): from the compute
         # stream's pool, as stock's copy-out allocates them. On the copy-in stream the outputs of an
@@ -105,15 +105,20 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
         # A block freed on the compute stream may still be read by work queued there, so the all-gather
         # writes after that work: without FSDP's explicit forward prefetch it cannot overlap the layer
         # before (an 8B-shaped step on 2 x 1 was still 5-18 % faster than stock's).
-        outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
+        outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, inputs=inputs)
         copy_in_stream.wait_stream(compute_stream)
     else:
         # Groups outside a slot keep stock's overlap: allocated on the copy-in stream.
         with handle.stream(copy_in_stream):
-            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream)
+            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, inputs=inputs)
     all_gather_stream.wait_stream(copy_in_stream)
-    shards, out_blocks = shard_dims.all_gather_args(fsdp_params, [p._sharded_param_data for p in fsdp_params], outs,
-                                                    world_size)
+    if inputs is None:
+        shards, out_blocks = shard_dims.all_gather_args(fsdp_params, [p._sharded_param_data for p in fsdp_params],
+                                                        outs, world_size)
+    else:
+        shards, out_blocks = extensions.op_pairs(fsdp_params, inputs, outs,
+                                                 lambda ps, ss, os: shard_dims.all_gather_args(ps, ss, os, world_size))
+        extensions.keep_inputs_for(inputs, all_gather_stream, device)
     # The unsharded params alias these outputs and autograd may have saved them (re-gather in
     # backward): keep their version counters as stock copy-out does. Inference tensors have none.
     preserved = tuple(o for o in outs if not o.is_inference())
@@ -215,10 +220,13 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
                        all_gather_comm):
     WATCHDOG.check()
     reason = all_gather_reason(fsdp_params, group, async_op, device, all_gather_comm)
-    arena, plan = None, ("none", None)
+    arena, plan, inputs = None, ("none", None), None
     if reason is None:
         arena = wiring.arena_for(group, device, all_gather_comm.transport)
-        plan = wiring.plan_all_gather(arena, all_gather_comm, fsdp_params, group.size())
+        # Tensor extensions' inputs first, on the copy-in stream as stock runs them: they size the outputs.
+        with _get_device_handle(device.type).stream(all_gather_copy_in_stream):
+            inputs = extensions.pre_all_gather(fsdp_params, extensions.hooked(all_gather_comm, fsdp_params))
+        plan = wiring.plan_all_gather(arena, all_gather_comm, fsdp_params, group.size(), inputs)
         reason = arena_reason(plan[0])
     counters.count_fsdp("all_gather", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
@@ -231,7 +239,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
     phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
     with _identity(param_group, "all_gather", phase):
         result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena,
-                                  plan)
+                                  plan, inputs)
     if plan[0] == "bound" and getattr(param_group._reduce_scatter_comm, "rs_mode", None) == "slot_reuse":
         hooks.install(param_group)
     return result

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tide import counters, registry, topology, transport
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
-from tide.fsdp import shard_dims
+from tide.fsdp import extensions, shard_dims
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
 from tide.meta import plans
 from tide.transport import node_leg
@@ -56,10 +56,15 @@ def unregister_group(param_group) -> tuple | None:
     return key
 
 
-def slot_layout(fsdp_params, world_size: int):
-    """The group's all-gather layout as the transport binds it (1-D padded shards, param-major)."""
-    return plans.all_gather_layout([(p._sharded_param_data.numel(),) for p in fsdp_params],
-                                   [group_dtype(p) for p in fsdp_params], world_size)
+def slot_layout(fsdp_params, world_size: int, inputs: list | None = None):
+    """The group's all-gather layout as the transport binds it (1-D padded shards, param-major; a tensor
+    extension's inputs where ``inputs`` has them, else an estimate: ``extensions.output_specs``)."""
+    numels, dtypes = [], []
+    for i, p in enumerate(fsdp_params):
+        n, d = extensions.output_specs(p, None if inputs is None else inputs[i])
+        numels += n
+        dtypes += d
+    return plans.all_gather_layout([(n,) for n in numels], dtypes, world_size)
 
 
 def rs_piece_bytes(fsdp_params) -> int:
@@ -178,31 +183,33 @@ def release_at_backward_end() -> None:
     torch.autograd.Variable._execution_engine.queue_callback(release_leases)
 
 
-def plan_all_gather(arena, comm, fsdp_params, world_size: int) -> tuple[str, int | None]:
+def plan_all_gather(arena, comm, fsdp_params, world_size: int, inputs: list | None = None) -> tuple[str, int | None]:
     """(how this all-gather uses the arena, its slot): ``bound`` (slot; outputs bound there, zero-copy),
     ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups
     that are not :func:`bindable` or larger than a slot), ``busy`` (outputs hold every slot: stock),
-    ``none`` (no arena)."""
+    ``none`` (no arena). ``inputs``: the group's tensor-extension inputs (``extensions.pre_all_gather``)."""
     if arena is None:
         return "none", None
-    if comm.slot_fit is None or comm.slot_fit[0] is not fsdp_params:  # FSDP passes the same list every time
-        comm.slot_fit = (fsdp_params, slot_layout(fsdp_params, world_size).slot_bytes <= arena.slot_bytes)
-    if not bindable(comm.param_group) or not comm.slot_fit[1]:
+    sizes = None if inputs is None else tuple((t.numel(), t.dtype) for ins in inputs for t in ins or ())
+    # FSDP passes the same list every time
+    if comm.slot_fit is None or comm.slot_fit[0] is not fsdp_params or comm.slot_fit[1] != sizes:
+        fits = slot_layout(fsdp_params, world_size, inputs).slot_bytes <= arena.slot_bytes
+        comm.slot_fit = (fsdp_params, sizes, fits)
+    if not bindable(comm.param_group) or not comm.slot_fit[2]:
         return "direct", None
     slot = arena.slots.acquire()
     return ("busy", None) if slot is None else ("bound", slot)
 
 
-def bind_into_slot(arena, fsdp_params, world_size: int, device: torch.device, slot: int) -> list:
-    """FSDP's all-gather output tensors, their storages pointed into ``slot`` at param-major addresses.
+def bind_into_slot(arena, fsdp_params, world_size: int, device: torch.device, slot: int,
+                   inputs: list | None = None) -> list:
+    """FSDP's all-gather output tensors (``extensions.init_outputs``: a tensor extension's one per input),
+    their storages pointed into ``slot`` at param-major addresses.
 
     ``init_all_gather_outputs`` creates the tensors once (the first call allocates them, and binding frees
     that memory); later unshards find them resharded (storage ``resize_(0)``: the slot pointer is dropped,
     nothing freed) and re-bind them instead of ``alloc_all_gather_outputs`` (which would allocate)."""
-    outs = []
-    for p in fsdp_params:
-        p.init_all_gather_outputs([p._sharded_param_data.numel()], [group_dtype(p)], world_size, device)
-        outs.append(p.all_gather_outputs[0])
+    outs = extensions.init_outputs(fsdp_params, inputs, world_size, device)
     arena.bind_outputs(outs, slot, owners=fsdp_params, world_size=world_size)
     return outs
 
