@@ -33,7 +33,9 @@ over gloo (ranks sharing a GPU) only TIDE's collectives can be captured, and ``s
 there. With graphs, ``peak_reserved_mib`` is the figure to compare: a graph's pool keeps its segments.
 
 ``--hsdp R`` trains on a (R, ranks / R) replicate x shard mesh (``_hsdp<R>.csv``); ``--shard-experts`` places the
-MoE preset's 3-D expert weights with ``Shard(1)`` through ``shard_placement_fn`` (``_shard1.csv``).
+MoE preset's 3-D expert weights with ``Shard(1)`` through ``shard_placement_fn`` (``_shard1.csv``); ``--float8``
+trains the blocks' linears in torchao's float8 with FSDP2's float8 all-gather, stock and TIDE alike
+(``tide.train.float8_blocks``; needs torchao; ``_float8.csv``).
 """
 from __future__ import annotations
 
@@ -120,13 +122,13 @@ def _layout_kwargs(world_size: int, hsdp: int | None, shard_experts: bool) -> di
 
 
 def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_size, steps, warmup, prefetch,
-                  segments, graphs_run, hsdp=None, shard_experts=False):
+                  segments, graphs_run, hsdp=None, shard_experts=False, float8=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import tide.fsdp
     from tide import transport
     from tide.models import PRESETS
-    from tide.train import fsdp_model, train_step
+    from tide.train import float8_blocks, fsdp_model, train_step
 
     device = torch.device("cuda", torch.cuda.current_device())
     if segments and rank == 0:
@@ -137,7 +139,7 @@ def _variant_rank(rank, world_size, variant, preset, blocks, tokens_list, batch_
     tide_mode = {"tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}.get(variant.removesuffix("_graph"))
     model = fsdp_model(cfg, device=device, mp_policy=mp, use_tide=tide_mode is not None,
                        rs_mode=tide_mode or "in_place", prefetch=prefetch, seed=0, outer_units=graphs_run,
-                       **_layout_kwargs(world_size, hsdp, shard_experts))
+                       before_shard=float8_blocks if float8 else None, **_layout_kwargs(world_size, hsdp, shard_experts))
     if variant == "stock_nccl_ce":
         import nccl_ce
 
@@ -225,6 +227,8 @@ def main(argv=None):
                    help="HSDP: R replicas of ranks/R shards each (writes <name>_hsdp<R>.csv)")
     p.add_argument("--shard-experts", action="store_true",
                    help="Shard(1) for the MoE preset's 3-D expert weights (writes <name>_shard1.csv)")
+    p.add_argument("--float8", action="store_true",
+                   help="torchao float8 linears in the blocks with FSDP2's float8 all-gather (writes <name>_float8.csv)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="add the captured variants (" + ", ".join(GRAPH_VARIANTS) + "); writes <name>_graphs.csv")
     p.add_argument("--out", default=str(default_out()))
@@ -266,13 +270,18 @@ def main(argv=None):
         p.error(f"--hsdp must divide the ranks ({ranks}), got {args.hsdp}")
     if args.shard_experts and not PRESETS[args.preset].n_experts:
         p.error(f"--shard-experts needs a preset with experts (moe, tiny_moe), got {args.preset!r}")
+    if args.float8:
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            p.error("--float8 needs torchao (pip install torchao)")
     if args.cuda_graphs and L is not None:
         p.error("--cuda-graphs and --local-world-size: a multi-node step is not captured (capture_multinode)")
     rows, segment_rows = [], []
     for variant in variants:
         per_rank = run_ranks(_variant_rank, ranks, variant, args.preset, args.blocks, tokens, args.batch, args.steps,
                              args.warmup, not args.implicit_prefetch, args.segments, args.cuda_graphs, args.hsdp,
-                             args.shard_experts, backend=backend,
+                             args.shard_experts, args.float8, backend=backend,
                              device_type="cuda", env=env, timeout=580)
         for i, r in enumerate(per_rank[0][0]):
             rows.append({**r, "median_step_ms": max(pr[0][i]["median_step_ms"] for pr in per_rank)})
@@ -288,13 +297,16 @@ def main(argv=None):
         mode += f", HSDP {args.hsdp} x {ranks // args.hsdp}"
     if args.shard_experts:
         mode += ", experts Shard(1)"
+    if args.float8:
+        mode += ", float8 linears (torchao)"
     meta = run_meta(gpus=gpus, ranks=ranks, backend=backend, preset=args.preset, blocks=args.blocks, batch=args.batch,
                     steps=args.steps, warmup=args.warmup, mode=mode, local_world_size=L or ranks,
                     prefetch="implicit" if args.implicit_prefetch else "explicit")
     rows = [{**{k: {**r, **meta}[k] for k in COLUMNS}, **r, **meta} for r in rows]
     name = (CSV_NAMES.get(args.preset, f"train_step_{args.preset}") + ("_multinode" if L is not None else "")
             + ("_implicit" if args.implicit_prefetch else "") + ("_graphs" if args.cuda_graphs else "")
-            + (f"_hsdp{args.hsdp}" if args.hsdp else "") + ("_shard1" if args.shard_experts else ""))
+            + (f"_hsdp{args.hsdp}" if args.hsdp else "") + ("_shard1" if args.shard_experts else "")
+            + ("_float8" if args.float8 else ""))
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
     if args.segments:

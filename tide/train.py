@@ -68,6 +68,19 @@ def fsdp_model(cfg: LlamaConfig, *, device, mp_policy: MixedPrecisionPolicy | No
     return model
 
 
+def float8_blocks(model: Llama) -> None:
+    """torchao's float8 training on the blocks' linears with FSDP2's float8 all-gather
+    (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, a torchtitan option), as a ``before_shard``
+    of :func:`fsdp_model`. The head stays bf16 (its vocab need not be a multiple of 16). Needs torchao, and a
+    GPU with float8 matmuls (compute capability 8.9+) to train."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise RuntimeError("tide.train.float8_blocks: torchao is not installed (pip install torchao)") from e
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=lambda module, fqn: fqn.startswith("layers."))
+
+
 def train_step(model, optim, cfg: LlamaConfig, step: int, rank: int, *, accum: int = 1, no_sync: bool = False,
                device="cpu", batch_size: int = 2, seq_len: int | None = None) -> torch.Tensor:
     """One optimizer step over ``accum`` micro-batches of ``batch_size`` x ``seq_len`` tokens (with
