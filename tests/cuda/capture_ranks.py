@@ -19,7 +19,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from tests.cuda.ranks import ag_case, assert_bits, cuda_all_gather, cuda_reduce_scatter, ref_all_gather, \
+from tests.cuda.ranks import ag_case, assert_bits, poison, cuda_all_gather, cuda_reduce_scatter, ref_all_gather, \
     ref_reduce_scatter, rs_case
 
 # name: (rs_mode, explicit prefetch)
@@ -79,7 +79,7 @@ class _Sequence:
                 o.copy_(i) if acc else o.fill_(float("nan"))
         for outs in self.outs:
             for o in outs:
-                o.fill_(float("nan"))
+                poison(o)
         return fresh
 
     def check(self, fresh, what: str) -> None:

@@ -23,7 +23,13 @@ ENV = {
 
 AG_DTYPES = (torch.float32, torch.bfloat16)
 RS_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+            torch.uint8: torch.uint8}
+BYTE_POISON = 0xA5  # a uint8 output's poison (a byte left unwritten shows unless its data byte is the same)
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(BYTE_POISON if t.dtype == torch.uint8 else float("nan"))
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -64,9 +70,12 @@ def ag_case(rng: random.Random, world_size: int, rank: int, seed: int, n_params:
     for s in random_shapes(rng, world_size, n_params, allow_0d=False):
         c = -(-s[0] // world_size)
         shard_shapes.append((c, *s[1:]))
-    shard_dtypes = [rng.choice(AG_DTYPES) for _ in shard_shapes]
-    out_dtypes = [rng.choice(AG_DTYPES) for _ in shard_shapes]
-    shards = [_data(sh, dt, gen) for sh, dt in zip(shard_shapes, shard_dtypes)]
+    # A fifth of the params are bytes (uint8 into uint8: float8 payloads, tensor extensions' inputs).
+    is_bytes = [rng.random() < 0.2 for _ in shard_shapes]
+    shard_dtypes = [torch.uint8 if b else rng.choice(AG_DTYPES) for b in is_bytes]
+    out_dtypes = [torch.uint8 if b else rng.choice(AG_DTYPES) for b in is_bytes]
+    shards = [torch.randint(0, 256, sh, generator=gen, dtype=torch.uint8) if dt == torch.uint8 else _data(sh, dt, gen)
+              for sh, dt in zip(shard_shapes, shard_dtypes)]
     return shards, out_dtypes
 
 
@@ -89,7 +98,7 @@ def rs_case(rng: random.Random, world_size: int, rank: int, seed: int, n_params:
 
 
 def ref_all_gather(shards_cpu, out_dtypes, world_size, group_name):
-    outs = [torch.full((world_size * s.numel(),), float("nan"), dtype=dt) for s, dt in zip(shards_cpu, out_dtypes)]
+    outs = [poison(torch.empty((world_size * s.numel(),), dtype=dt)) for s, dt in zip(shards_cpu, out_dtypes)]
     torch.ops.tide.all_gather_into_params_(shards_cpu, outs, world_size, group_name)
     return outs
 
@@ -111,7 +120,7 @@ def cuda_all_gather(arena, shards_cpu, out_dtypes, world_size, group_name, bound
     else:
         outs = [torch.empty((world_size * s.numel(),), dtype=dt, device=dev) for s, dt in zip(shards, out_dtypes)]
     for o in outs:
-        o.fill_(float("nan"))
+        poison(o)
     torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group_name)
     return [o.clone() for o in outs] if bound else outs  # a bound slot is reused K calls later
 
@@ -251,7 +260,7 @@ def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
         else:
             outs = [torch.empty((world_size * s.numel(),), dtype=dt, device=dev) for s, dt in zip(new, out_dtypes)]
         for o in outs:
-            o.fill_(float("nan"))
+            poison(o)
         torch.ops.tide.all_gather_into_params_(shards_d, outs, world_size, name)
         got = [o.clone() for o in outs]
         want = ref_all_gather(new, out_dtypes, world_size, name)
