@@ -7,7 +7,9 @@
 #     collectives
 #     collectives_multinode multinode_host timeline ce_patterns lease_probe (2+ GPUs) overlap sm_room rs_ctas (2+ GPUs)
 #     host_time train_step_8b train_step_multinode (2+ GPUs) train_step_moe train_step_8b_graphs
-#     train_step_moe_graphs memory layout_conversion
+#     train_step_moe_graphs train_step_8b_float8 (needs torchao) memory layout_conversion
+# Wheels in .whl/ (carried to a machine without a registry: torchao for the float8 test and benchmark) are
+# installed into a folder of their own first and put on PYTHONPATH.
 # The device tool stops a command at 600 s: a full run on a 2-GPU machine takes two calls (--only).
 # Results: bench CSV/PNG files in $OUT/results.tgz (unpack into bench/results/), logs in $OUT/logs.tgz,
 # the environment in $OUT/env.txt and the summary in $OUT/summary.txt ($OUT: the device tool's output
@@ -24,6 +26,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tide_torch_extensions}
 export MAX_JOBS=${MAX_JOBS:-16}
 PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:$WORK/site
+fi
 quick=0 only=""
 while [ $# -gt 0 ]; do
   case $1 in
@@ -73,7 +79,7 @@ overlap_args=(--reps 10)
 [ "$gpus" -ge 2 ] && overlap_args+=(--xgpu)
 # Stages in priority order, each capped; what the time limit cannot fit is skipped and reported.
 stage build 240 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
-stage tests_transport 200 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
+stage tests_transport 260 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
   --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py \
   --ignore=tests/cuda/test_multinode_cuda.py --ignore=tests/cuda/test_capture.py
 TIDE_TRACE=1 stage tests_capture 300 $PY -m pytest tests/cuda/test_capture.py -q -rfEs -p no:cacheprovider --timeout=200
@@ -108,6 +114,12 @@ stage train_step_8b_graphs 280 $PY bench/train_step.py --preset llama8b --cuda-g
   --variants stock,tide_in_place,tide_slot_reuse --steps 10 --out "$WORK/results"
 stage train_step_moe_graphs 220 $PY bench/train_step.py --preset moe --cuda-graphs --tokens 1024,4096 \
   --variants stock,tide_in_place,tide_slot_reuse --steps 10 --out "$WORK/results"
+if $PY -c "import torchao.float8" 2>/dev/null; then
+  stage train_step_8b_float8 280 $PY bench/train_step.py --preset llama8b --float8 --tokens 1024,4096 \
+    --variants stock,tide_in_place,tide_slot_reuse --steps 10 --out "$WORK/results"
+elif [ $quick = 0 ] && { [ -z "$only" ] || [[ "$only" == *",train_step_8b_float8,"* ]]; }; then
+  summary+=("$(printf '%-18s %-7s' train_step_8b_float8 SKIPPED) (no torchao: carry its wheel in .whl/)")
+fi
 memory_ranks=8; [ "$gpus" -ge 2 ] && memory_ranks=$gpus
 stage memory 180 $PY bench/bench_memory.py --ranks $memory_ranks --dims 2048,4096,6144 --out "$WORK/results"
 stage layout_conversion 50 $PY bench/layout_conversion.py --reps 10 --out "$WORK/results"

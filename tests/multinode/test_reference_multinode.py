@@ -104,6 +104,16 @@ def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
     for i, o in enumerate(outs):
         assert torch.equal(o.cpu(), torch.cat([every[r][i] for r in range(W)])), \
             f"seed {seed} rank {rank}: same-dtype all-gather param {i} differs"
+    # Bytes (uint8 into uint8: float8 payloads, tensor extensions' inputs), each output poisoned with the
+    # complement of its expected bytes.
+    shapes = [(rng.randint(1, 9), rng.randint(1, 300)) for _ in range(rng.randint(1, 4))]
+    every = [[torch.randint(0, 256, sh, generator=torch.Generator().manual_seed(seed * 7 + r), dtype=torch.uint8)
+              for sh in shapes] for r in range(W)]
+    wants = [torch.cat([every[r][i] for r in range(W)]) for i in range(len(shapes))]
+    outs = [torch.bitwise_not(w).to(dev) for w in wants]
+    tide.ops.all_gather_into_params([x.to(dev) for x in every[rank]], outs, group)
+    for i, (o, w) in enumerate(zip(outs, wants)):
+        assert torch.equal(o.cpu(), w), f"seed {seed} rank {rank}: byte all-gather param {i} differs"
     rounds = tide.stats()["multinode"]
     if N > 1:  # the rails carried pieces, by the implementation the group and device call for, and the
         # sums ran on the summing kernel on GPUs, as torch ops on the CPU
