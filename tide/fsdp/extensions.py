@@ -35,11 +35,9 @@ def hooked(comm, fsdp_params) -> tuple[bool, ...]:
     return comm.hooked[1]
 
 
-def pre_all_gather(fsdp_params, flags: Sequence[bool]) -> list | None:
+def pre_all_gather(fsdp_params, flags: Sequence[bool]) -> list:
     """Each hooked param's all-gather inputs (1-D views of its ``fsdp_pre_all_gather`` outputs), None for
-    the others; None for a group without extensions. Call it on the stream stock's copy-in runs on."""
-    if not flags:
-        return None
+    the others (``flags``: :func:`hooked`). Call it on the stream stock's copy-in runs on."""
     return [p.all_gather_inputs if f else None for p, f in zip(fsdp_params, flags)]
 
 

@@ -223,11 +223,12 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
     arena, plan, inputs = None, ("none", None), None
     if reason is None:
         arena = wiring.arena_for(group, device, all_gather_comm.transport)
-        # Tensor extensions' inputs first, on the copy-in stream as stock runs them: they size the outputs.
-        with _get_device_handle(device.type).stream(all_gather_copy_in_stream):
-            inputs = extensions.pre_all_gather(fsdp_params, extensions.hooked(all_gather_comm, fsdp_params))
+        hooked = extensions.hooked(all_gather_comm, fsdp_params)
+        if hooked:  # tensor extensions' inputs first, on the copy-in stream as stock runs them: they size the outputs
+            with _get_device_handle(device.type).stream(all_gather_copy_in_stream):
+                inputs = extensions.pre_all_gather(fsdp_params, hooked)
         plan = wiring.plan_all_gather(arena, all_gather_comm, fsdp_params, group.size(), inputs)
-        reason = arena_reason(plan[0])
+        reason = arena_reason(plan[0])  # arena_busy: stock runs the pre-all-gather again, on every rank alike
     counters.count_fsdp("all_gather", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
         return registry.stock_functions["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
