@@ -81,7 +81,3 @@ def int8_rows(world_size: int):
                     module.weight = nn.Parameter(Int8RowsWeight(w.data.clone()), requires_grad=True)
     return convert
 
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """The fp32 data of a weight of this kind (a plain tensor as it is)."""
-    return t._data if isinstance(t, Int8RowsWeight) else t

@@ -48,6 +48,23 @@ class CopyOpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def assert_like_stock(rank: int, tide_: dict, stock: dict, exact: bool) -> None:
+    """A TIDE run's results against stock's from the same seed: losses, parameters and gradients bit for bit
+    (``exact``), else the gradients of the extra backward to the reduce's tolerances."""
+    import numpy as np
+
+    assert len(stock["grads"]) == len(tide_["grads"]) > 0
+    if exact:
+        assert tide_["losses"] == stock["losses"], (tide_["losses"], stock["losses"])
+        for key in ("params", "grads"):
+            for i, (a, b) in enumerate(zip(tide_[key], stock[key])):
+                assert np.array_equal(a, b), f"rank {rank} {key} {i}: max |diff| {np.abs(a - b).max():.3e}"
+    else:
+        for i, (a, b) in enumerate(zip(tide_["grads"], stock["grads"])):
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                       msg=f"rank {rank} grad {i}")
+
+
 def _full_params(model) -> list:
     # numpy, not tensors: torch's multiprocessing would pass tensors through shared memory that dies
     # with the rank process.

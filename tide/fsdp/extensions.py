@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from tide.fsdp import shard_dims
 from tide.fsdp.fallbacks import group_dtype
 
 
@@ -61,15 +62,15 @@ def init_outputs(fsdp_params, inputs: list | None, world_size: int, device: torc
     return outs
 
 
-def op_pairs(fsdp_params, inputs: list, outs: Sequence[torch.Tensor], plain) -> tuple[list, list]:
+def op_pairs(fsdp_params, inputs: list, outs: Sequence[torch.Tensor], world_size: int) -> tuple[list, list]:
     """The op's (shards, outs) of a group with extensions: each extension input and its output as uint8
-    views; the other params' (sharded data, output) pairs through ``plain(params, shards, outs)`` (their
-    ``Shard(i)`` block views), keeping the group's param order."""
+    views; the other params' (sharded data, output) pairs as ``shard_dims.all_gather_args`` gives them
+    (their ``Shard(i)`` block views), keeping the group's param order."""
     shards_out, outs_out = [], []
     k = 0
     for p, ins in zip(fsdp_params, inputs):
         if ins is None:
-            s, o = plain([p], [p._sharded_param_data], [outs[k]])
+            s, o = shard_dims.all_gather_args([p], [p._sharded_param_data], [outs[k]], world_size)
             k += 1
         else:
             s = [t.view(torch.uint8) for t in ins]

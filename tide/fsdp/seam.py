@@ -116,8 +116,7 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
         shards, out_blocks = shard_dims.all_gather_args(fsdp_params, [p._sharded_param_data for p in fsdp_params],
                                                         outs, world_size)
     else:
-        shards, out_blocks = extensions.op_pairs(fsdp_params, inputs, outs,
-                                                 lambda ps, ss, os: shard_dims.all_gather_args(ps, ss, os, world_size))
+        shards, out_blocks = extensions.op_pairs(fsdp_params, inputs, outs, world_size)
         extensions.keep_inputs_for(inputs, all_gather_stream, device)
     # The unsharded params alias these outputs and autograd may have saved them (re-gather in
     # backward): keep their version counters as stock copy-out does. Inference tensors have none.
