@@ -183,6 +183,15 @@ class GroupState:
 
 
 
+def threaded_ranks(group: dist.ProcessGroup) -> bool:
+    """Whether ``group``'s ranks are threads of this process (torch's ``threaded`` test backend): TIDE's call
+    agreement, counters and transport are per process, so TIDE does not serve such a group."""
+    try:
+        return group.getBackendName() == "threaded"
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def process_ended(state: str) -> bool:
     return state == "gone" or state.startswith(("Z", "X"))
 
