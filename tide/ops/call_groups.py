@@ -186,9 +186,12 @@ class GroupState:
 def threaded_ranks(group: dist.ProcessGroup) -> bool:
     """Whether ``group``'s ranks are threads of this process (torch's ``threaded`` test backend): TIDE's call
     agreement, counters and transport are per process, so TIDE does not serve such a group."""
+    name = getattr(group, "getBackendName", None)  # the threaded group is a Python ProcessGroup that defines it
+    if name is not None and name() == "threaded":
+        return True
     try:
-        return group.getBackendName() == "threaded"
-    except (AttributeError, RuntimeError):
+        return dist.get_backend(group) == "threaded"
+    except (ValueError, RuntimeError):
         return False
 
 
