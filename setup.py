@@ -26,7 +26,7 @@ build = _module("tide_build", "tide/transport/build.py")
 
 def cuda_build() -> dict:
     """``setup()``'s extension arguments: the CUDA extension under ``TIDE_BUILD_CUDA=1``, else none."""
-    if not knobs.flag("TIDE_BUILD_CUDA"):
+    if not knobs.get("TIDE_BUILD_CUDA"):
         return {}
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 

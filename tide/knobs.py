@@ -1,65 +1,122 @@
-"""The one reader of TIDE's environment variables: each read is validated where it happens.
+"""The one reader of TIDE's environment variables, each declared once in :data:`KNOBS`.
 
-An unset or empty variable gives the caller's default; any other value must parse as the reader's type
-or the read raises ``ValueError`` naming the variable, its value and what is accepted. No other module
-reads ``os.environ`` for a setting (tests/test_knobs.py checks it). Only the standard library, so that
+A knob is a positive integer, a positive number, one of its choices, or a flag (``0`` or ``1``).
+:func:`get` reads one by name: an unset or empty variable gives its declared default (None for a number:
+its reader's own default, a tuning constant beside the code it tunes or worked out from the device or the
+group); any other value must parse as its kind or the read raises ``ValueError`` naming the variable, its
+value and what is accepted. :func:`validate_all` reads every knob, and TIDE's first use in a process
+(``tide.fsdp.enable``, the first call of an op kernel) runs it through :func:`validate_once`: a bad value
+raises there whatever the device, also for a knob whose reader never runs on it. No other module reads
+``os.environ`` for a setting (tests/test_knobs.py checks it). Only the standard library, so that
 ``setup.py`` can load this file on its own.
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Collection, TypeVar
+from typing import NamedTuple
 
-T = TypeVar("T")
-
-
-def _raw(name: str) -> str | None:
-    value = os.environ.get(name, "")
-    return value if value != "" else None
+RS_MODES = ("in_place", "slot_reuse")  # tide.fsdp.enable's rs_mode
+TRANSPORTS = ("auto", "reference")  # tide.fsdp.enable's transport
+RAILS_CHOICES = ("auto", "p2p", "nccl")  # the multi-node rails (tide/multinode/rails.py)
 
 
-def _bad(name: str, value: str, accepted: str) -> ValueError:
-    return ValueError(f"tide: {name} must be {accepted}, got {value!r}")
+class Knob(NamedTuple):
+    kind: str  # "positive_int", "positive_float", "choice" or "flag"
+    default: object = None  # what an unset or empty variable reads as
+    choices: tuple = ()  # a choice's accepted values
 
 
-def _number(name: str, default: T, parse, accepted: str, ok) -> int | float | T:
-    value = _raw(name)
-    if value is None:
-        return default
-    try:
-        number = parse(value)
-    except ValueError:
-        raise _bad(name, value, accepted) from None
-    if not ok(number):
-        raise _bad(name, value, accepted)
+KNOBS: dict[str, Knob] = {
+    "TIDE_FSDP_TRANSPORT": Knob("choice", "auto", TRANSPORTS),
+    "TIDE_RS_MODE": Knob("choice", "in_place", RS_MODES),  # tide.torchtitan
+    "TIDE_TIMEOUT_S": Knob("positive_float"),  # default: the process group's timeout
+    "TIDE_TRACE": Knob("flag", False),
+    "LOCAL_WORLD_SIZE": Knob("positive_int"),  # torchrun's ranks per node; default: one node
+    "TIDE_MULTINODE_PACE_BYTES": Knob("positive_int"),  # default: tide.meta.multinode.DEFAULT_PACE_BYTES
+    "TIDE_MULTINODE_RAILS": Knob("choice", "auto", RAILS_CHOICES),
+    "TIDE_CUDA_MULTINODE": Knob("flag", False),
+    "TIDE_RS_CTAS": Knob("positive_int"),  # default: one per SM
+    "TIDE_RS_RING_BYTES": Knob("positive_int"),  # default: tide.transport.arena.DEFAULT_RS_RING_BYTES
+    "TIDE_RS_RING_DEPTH": Knob("positive_int"),  # default: tide.transport.arena.DEFAULT_RING_DEPTH
+    "TIDE_AG_CAST_CTAS": Knob("positive_int"),  # default: tide.transport.arena.CAST_CTAS_PER_SM per SM
+    "TIDE_ALLOW_MULTICAST": Knob("flag", False),
+    "TIDE_BUILD_VERBOSE": Knob("flag", False),
+    "TIDE_BUILD_CUDA": Knob("flag", False),  # setup.py: compile the CUDA extension at install time
+}
+
+
+def _positive_int(value: str, knob: Knob) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError
     return number
 
 
-def positive_int(name: str, default: T) -> int | T:
-    """``name`` as an integer >= 1, else ``default`` when unset."""
-    return _number(name, default, int, "an integer >= 1", lambda n: n >= 1)
+def _positive_float(value: str, knob: Knob) -> float:
+    number = float(value)
+    if not 0 < number < math.inf:
+        raise ValueError
+    return number
 
 
-def positive_float(name: str, default: T) -> float | T:
-    """``name`` as a finite number > 0, else ``default`` when unset."""
-    return _number(name, default, float, "a number > 0", lambda n: 0 < n < float("inf"))
-
-
-def choice(name: str, choices: Collection[str], default: str) -> str:
-    """``name`` as one of ``choices``, else ``default`` when unset."""
-    value = _raw(name)
-    if value is None:
-        return default
-    if value not in choices:
-        raise _bad(name, value, f"one of {tuple(choices)}")
+def _choice(value: str, knob: Knob) -> str:
+    if value not in knob.choices:
+        raise ValueError
     return value
 
 
+def _flag(value: str, knob: Knob) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError
+    return value == "1"
+
+
+_KINDS = {  # kind -> (its parser, what it accepts)
+    "positive_int": (_positive_int, lambda knob: "an integer >= 1"),
+    "positive_float": (_positive_float, lambda knob: "a number > 0"),
+    "choice": (_choice, lambda knob: f"one of {knob.choices}"),
+    "flag": (_flag, lambda knob: "0 or 1"),
+}
+
+
+def get(name: str):
+    """The declared knob ``name`` from the environment: its default when unset or empty, else its value
+    parsed as its kind (a bad value raises ``ValueError`` naming ``name``, the value and what is accepted)."""
+    knob = KNOBS.get(name)
+    if knob is None:
+        raise KeyError(f"tide.knobs.get: {name!r} is not a declared knob (declare it in tide.knobs.KNOBS)")
+    value = os.environ.get(name, "")
+    if value == "":
+        return knob.default
+    parse, accepted = _KINDS[knob.kind]
+    try:
+        return parse(value, knob)
+    except ValueError:
+        raise ValueError(f"tide: {name} must be {accepted(knob)}, got {value!r}") from None
+
+
 def flag(name: str) -> bool:
-    """``name`` as a switch: ``1`` on, ``0`` (or unset) off."""
-    value = _raw(name)
-    if value is None or value == "0":
-        return False
-    if value == "1":
-        return True
-    raise _bad(name, value, "0 or 1")
+    """:func:`get` of a knob declared a flag: whether it is on."""
+    if KNOBS.get(name, Knob("")).kind != "flag":
+        raise KeyError(f"tide.knobs.flag: {name!r} is not a declared flag")
+    return get(name)
+
+
+def validate_all() -> None:
+    """Read every declared knob: the first bad value raises its ``ValueError``."""
+    for name in KNOBS:
+        get(name)
+
+
+# Whether validate_all passed in this process. It is kept here, not in tide.registry: this file loads alone.
+_validated = False
+
+
+def validate_once() -> None:
+    """:func:`validate_all` at TIDE's first use; after it passed, a flag test. A bad value raises at every
+    use until it is fixed."""
+    global _validated
+    if not _validated:
+        validate_all()
+        _validated = True

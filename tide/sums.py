@@ -61,7 +61,7 @@ def summing_ctas(device: torch.device | int) -> int:
     """CTAs of TIDE-RS's summing kernel on ``device`` (the arena's and the multi-node sums'): ``TIDE_RS_CTAS``,
     else one per SM. Its cost is its SM time, not its CTA count: one short burst over every SM beats a long
     one on a few (docs/performance.md, "Summing grid")."""
-    ctas = knobs.positive_int("TIDE_RS_CTAS", None)
+    ctas = knobs.get("TIDE_RS_CTAS")
     return ctas if ctas is not None else torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -71,7 +71,7 @@ def _kernel():
     when the CUDA extension cannot be built here (logged once)."""
     from tide.transport import build
 
-    knobs.positive_int("TIDE_RS_CTAS", None)  # a bad value raises, here too, before anything is built
+    knobs.get("TIDE_RS_CTAS")  # a bad value raises, here too, before anything is built
     try:
         return functools.partial(build.load().sum_rows, ctas=summing_ctas(torch.cuda.current_device()))
     except Exception as e:  # no nvcc, a failed build: the reference computes the same bits, slower

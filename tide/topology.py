@@ -37,7 +37,7 @@ def local_world_size() -> int | None:
     """Ranks per node: the value set, else ``LOCAL_WORLD_SIZE``, else None (one node)."""
     if _local_world_size is not None:
         return _local_world_size
-    return knobs.positive_int("LOCAL_WORLD_SIZE", None)
+    return knobs.get("LOCAL_WORLD_SIZE")
 
 
 def of_ranks(ranks: Sequence[int], local_size: int | None) -> Topology | None:

@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 def options() -> dict:
     """``enable``'s options from the environment: ``rs_mode`` and ``transport``."""
-    rs_mode = knobs.choice(RS_MODE_ENV, tide.fsdp.RS_MODES, "in_place")
+    rs_mode = knobs.get(RS_MODE_ENV)
     return {"rs_mode": rs_mode, "transport": tide.fsdp.default_transport()}
 
 

@@ -14,7 +14,7 @@ import time
 
 from tide import knobs
 
-ENABLED = knobs.flag("TIDE_TRACE")
+ENABLED = knobs.get("TIDE_TRACE")
 LATE_S = 1.0  # an op still pending this long after its issue gets a line
 _T0 = time.monotonic()
 

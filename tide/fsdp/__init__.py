@@ -16,19 +16,18 @@ from torch.distributed.fsdp import FSDPModule
 
 
 from tide import knobs, topology
+from tide.knobs import RS_MODES, TRANSPORTS
 from tide.fsdp import compat, hooks, seam, wiring
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 from tide.multinode import rails
 
 __all__ = ["enable", "disable", "param_groups", "RS_MODES", "TRANSPORTS"]
 
-RS_MODES = ("in_place", "slot_reuse")
-TRANSPORTS = ("auto", "reference")
 TRANSPORT_ENV = "TIDE_FSDP_TRANSPORT"
 
 
 def default_transport() -> str:
-    return knobs.choice(TRANSPORT_ENV, TRANSPORTS, "auto")
+    return knobs.get(TRANSPORT_ENV)
 
 
 def _check_module(fn: str, module) -> None:
@@ -80,6 +79,7 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
     Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
     path's comms.
     """
+    knobs.validate_once()  # TIDE's first use: every knob is checked here, whatever the device
     _check_module("tide.fsdp.enable", module)
     if rs_mode not in RS_MODES:
         raise ValueError(f"tide.fsdp.enable: rs_mode must be one of {RS_MODES}, got {rs_mode!r}")

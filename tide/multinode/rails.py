@@ -30,8 +30,8 @@ import weakref
 
 from tide import counters, registry
 
-RAILS_ENV = "TIDE_MULTINODE_RAILS"  # "auto" (default: direct NCCL where every rank can run them), "p2p" or "nccl"
-RAILS_CHOICES = ("auto", "p2p", "nccl")
+# One of knobs.RAILS_CHOICES: "auto" (default: direct NCCL where every rank can run them), "p2p" or "nccl".
+RAILS_ENV = "TIDE_MULTINODE_RAILS"
 
 
 def _opened(group: dist.ProcessGroup):

@@ -55,12 +55,12 @@ def _agree(group: dist.ProcessGroup) -> Settings:
     prefix = f"tide/multinode/{name}/{registry.settings_agreements[name]}"
     problems = []  # published, not raised here: every rank names them instead of waiting for this one
     try:
-        pace = knobs.positive_int(PACE_ENV, DEFAULT_PACE_BYTES)
+        pace = knobs.get(PACE_ENV) or DEFAULT_PACE_BYTES
     except ValueError as e:
         pace = None
         problems.append(str(e))
     try:
-        want = knobs.choice(rails.RAILS_ENV, rails.RAILS_CHOICES, "auto")
+        want = knobs.get(rails.RAILS_ENV)
     except ValueError as e:
         want = None
         problems.append(str(e))

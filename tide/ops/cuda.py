@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tide import counters, registry, topology, trace
+from tide import counters, knobs, registry, topology, trace
 from tide.meta import checks
 from tide.ops import reference
 
@@ -62,6 +62,7 @@ def _arena_for(op: str, group_name: str, world_size: int):
 
 def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
+    knobs.validate_once()  # TIDE's first use (a CUDA call enters Python at least at its layout's first call)
     if torch.is_grad_enabled():  # FSDP2 calls under no_grad: nothing to look at on its path
         checks.check_no_grad(op, (("shards", shards), ("outs", outs)))
     a = _arena_for(op, group_name, world_size)
@@ -75,6 +76,7 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
 
 def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name) -> None:
     op = "reduce_scatter_params_"
+    knobs.validate_once()
     if torch.is_grad_enabled():
         checks.check_no_grad(op, (("grads", grads), ("shard_grads", shard_grads)))
     a = _arena_for(op, group_name, world_size)

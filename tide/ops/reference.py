@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tide import counters, sums, topology
+from tide import counters, knobs, sums, topology
 from tide.meta import checks
 from tide.meta.layout import rank_row_range, rows_and_row_numel
 from tide.multinode import schedule as multinode
@@ -42,6 +42,13 @@ def resolve_group(op: str, group_name: str, world_size: int) -> dist.ProcessGrou
     return group
 
 
+def _first_use_then(check, *args) -> None:
+    """``check(*args)`` after the knobs' validation at TIDE's first use (:func:`tide.knobs.validate_once`): a
+    bad ``TIDE_*`` value fails this rank's check, which the call's exchange raises on every rank."""
+    knobs.validate_once()
+    check(*args)
+
+
 def _count_cpu_call(op: str, tensor: torch.Tensor, topo) -> None:
     """Count a CPU call as ``tide/ops/cuda.py`` counts a CUDA one (which counted before calling here):
     the multi-node schedule, else the reference backend."""
@@ -56,7 +63,7 @@ def _count_cpu_call(op: str, tensor: torch.Tensor, topo) -> None:
 def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
     with calls.agreed(op, group_name, world_size, (shards, outs), (("outs", outs),), (("shards", shards),),
-                      lambda: checks.check_all_gather_into_params(op, shards, outs, world_size),
+                      lambda: _first_use_then(checks.check_all_gather_into_params, op, shards, outs, world_size),
                       lambda group: (topology.of_group(group),),
                       lambda rank: checks.all_gather_own_rows(shards, outs, rank)) as call:
         group = call.group
@@ -81,7 +88,8 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
 def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name) -> None:
     op = "reduce_scatter_params_"
     with calls.agreed(op, group_name, world_size, (grads, shard_grads), (("shard_grads", shard_grads),),
-                      (("grads", grads),), lambda: checks.check_reduce_scatter_params(op, grads, shard_grads, world_size),
+                      (("grads", grads),),
+                      lambda: _first_use_then(checks.check_reduce_scatter_params, op, grads, shard_grads, world_size),
                       lambda group: (accumulate, topology.of_group(group))) as call:
         group = call.group
         topo = topology.of_group(group)

@@ -92,11 +92,11 @@ class Arena:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.slot_bytes = align_up(int(slot_bytes), 4096)
         self.num_slots = num_slots if self.slot_bytes > 0 else 0
-        self.ring_depth = ring_depth or knobs.positive_int("TIDE_RS_RING_DEPTH", DEFAULT_RING_DEPTH)
+        self.ring_depth = ring_depth or knobs.get("TIDE_RS_RING_DEPTH") or DEFAULT_RING_DEPTH
         self.sum_ctas = sum_ctas or sums.summing_ctas(self.device)
-        ring = rs_ring_bytes or knobs.positive_int("TIDE_RS_RING_BYTES", DEFAULT_RS_RING_BYTES)
+        ring = rs_ring_bytes or knobs.get("TIDE_RS_RING_BYTES") or DEFAULT_RS_RING_BYTES
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.cast_ctas = cast_ctas or knobs.positive_int("TIDE_AG_CAST_CTAS", CAST_CTAS_PER_SM * sms)
+        self.cast_ctas = cast_ctas or knobs.get("TIDE_AG_CAST_CTAS") or CAST_CTAS_PER_SM * sms
         if self.ring_depth < 1 or self.sum_ctas < 1 or self.cast_ctas < 1 or self.num_slots < 0:
             raise ValueError("tide.transport.Arena: ring_depth, sum_ctas and cast_ctas must be >= 1, num_slots >= 0")
         self.entry_bytes = max(4096, (ring // (self.ring_depth * W)) // 4096 * 4096)

@@ -165,7 +165,7 @@ def load(verbose: bool | None = None):
                 raise RuntimeError(
                     "tide.transport: cannot build the CUDA extension: no CUDA toolchain (nvcc) found; install the "
                     "CUDA toolkit matching torch.version.cuda and set CUDA_HOME, or put nvcc on PATH")
-            ext = _jit(csrc, knobs.flag("TIDE_BUILD_VERBOSE") if verbose is None else verbose)
+            ext = _jit(csrc, knobs.get("TIDE_BUILD_VERBOSE") if verbose is None else verbose)
         from tide.ops import cuda
 
         cuda.hand_over(ext)  # the ops' CUDA kernels are the extension's from now on

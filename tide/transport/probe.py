@@ -11,7 +11,7 @@ from tide import knobs
 
 def multicast_allowed() -> bool:
     """Multicast (NVLS) code may run only with ``TIDE_ALLOW_MULTICAST=1``; TIDE ships none yet."""
-    return knobs.flag("TIDE_ALLOW_MULTICAST")
+    return knobs.get("TIDE_ALLOW_MULTICAST")
 
 
 def nccl_version() -> tuple | None:
