@@ -15,7 +15,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 def _param(**kw):
     p = types.SimpleNamespace(fsdp_placement=types.SimpleNamespace(dim=0), offload_to_cpu=False, is_dtensor=False,
-                              _sharded_local_tensor=torch.empty(1), param_dtype=torch.bfloat16,
+                              _sharded_local_tensor=torch.empty(1), _sharded_param_data=torch.empty(1),
+                              param_dtype=torch.bfloat16,
                               orig_dtype=torch.float32, sharded_state=ShardedState.SHARDED,
                               mesh_info=types.SimpleNamespace(is_spmd_mesh=False))
     for k, v in kw.items():
@@ -42,6 +43,12 @@ class _Extension(torch.Tensor):
 
 def _extension():
     return torch.empty(1).as_subclass(_Extension)
+
+
+def _pair():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.randn(4, 2), torch.randn(4, 2))
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +96,8 @@ CASES = {
     "mixed_param_dtypes": (lambda: _ag(params=[_param(), _param(param_dtype=torch.float16)]), None),
     "unsupported_dtype": (lambda: _ag(params=[_param(param_dtype=torch.int8)]),
                           lambda: _rs(grads=[torch.ones(4, 2, dtype=torch.int32)], reduce_dtype=torch.float32)),
+    "subclass_param": (lambda: _ag(params=[_param(), _param(_sharded_param_data=_pair())]), None),
+    "subclass_grad": (None, lambda: _rs(grads=[torch.randn(4, 2), _pair()])),
     "noncontiguous_grad": (None, lambda: _rs(grads=[torch.randn(3, 4).bfloat16().t()])),
     "reduce_dtype": (None, lambda: _rs(reduce_dtype=torch.bfloat16)),
     "reduce_scatter_input_fn": (None, lambda: _rs(custom_input_fn=True)),
@@ -99,6 +108,12 @@ CASES = {
 def test_a_dim_0_extension_takes_tide_beside_params_of_another_dtype():
     """Its inputs travel as bytes (tide.fsdp.extensions): neither its dtype nor the group's mix refuse it."""
     assert _ag(params=[_param(), _param(_sharded_local_tensor=_extension(), param_dtype=torch.float16)]) is None
+
+
+def test_an_extension_giving_a_subclass_input_takes_stock():
+    """Checked once the pre-all-gather ran (tide.fsdp.seam); plain inputs of any dtype are TIDE's."""
+    assert fallbacks.extension_inputs_reason([None, [torch.empty(2, dtype=torch.uint8), _pair()]]) == "subclass_param"
+    assert fallbacks.extension_inputs_reason([None, [torch.empty(2, dtype=torch.uint8), torch.empty(1)]]) is None
 
 
 def test_every_reason_has_a_case():

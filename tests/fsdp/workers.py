@@ -453,3 +453,42 @@ def extensions(rank: int, world_size: int, steps: int) -> dict:
                                   before_shard=int8_rows(world_size))
         runs[name]["hook_calls"] = dict(Int8RowsWeight.calls)
     return runs
+
+
+def subclass_weights(rank: int, world_size: int, hooks: bool, set_to_none: bool, steps: int) -> dict:
+    """Tensor-subclass weights (tests/fsdp/pair_weights.py): ``PairWeight`` (extension hooks; its gradient is
+    a ``TwoTensor``) or a plain ``TwoTensor`` (gathered as its sharded data), on 3 MLP blocks and the root,
+    stock then TIDE from the same seed and data: ``steps`` Adam steps zeroing gradients with
+    ``set_to_none`` (False: each reduce accumulates into the existing sharded gradients), then one more
+    backward. Losses, parameters and gradients as plain tensors (a ``TwoTensor``'s two stacked)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from tests.fsdp.pair_weights import PairWeight, as_plain, mlp_stack
+
+    torch.set_num_threads(1)
+    runs = {}
+    for name, use_tide in (("stock", False), ("tide", True)):
+        torch.manual_seed(0)
+        model = mlp_stack(PairWeight if hooks else TwoTensor)
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        if use_tide:
+            tide.fsdp.enable(model)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(1 + rank)
+        x = torch.randn(4, 8)
+        tide.reset_stats()
+        losses = []
+        for _ in range(steps):
+            loss = model(x).sum()
+            losses.append(as_plain(loss.detach()).tolist())
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=set_to_none)
+        model(x).sum().backward()
+        runs[name] = {"losses": losses, "stats": tide.stats()["fsdp"],
+                      "params": [as_plain(p.detach().full_tensor()).numpy().copy() for p in model.parameters()],
+                      "grads": [as_plain(p.grad.full_tensor()).numpy().copy() for p in model.parameters()]}
+    return runs

@@ -26,8 +26,9 @@ from tide.meta.multinode import Topology
 REASONS = (
     "not_enabled", "capture_before_arena", "capture_multinode", "compiling", "functorch", "async_op", "world_size_1",
     "compute_capability", "nvlink_domain", "post_forward_mesh", "keep_unsharded_storage", "all_gather_output_fn",
-    "cpu_offload", "extension_shard_dim", "dtensor_param", "mixed_param_dtypes", "unsupported_dtype",
-    "reduce_dtype", "reduce_scatter_input_fn", "noncontiguous_grad", "arena_busy",
+    "cpu_offload", "extension_shard_dim", "dtensor_param", "subclass_param", "mixed_param_dtypes",
+    "unsupported_dtype", "reduce_dtype", "reduce_scatter_input_fn", "subclass_grad", "noncontiguous_grad",
+    "arena_busy",
 )
 # Besides these, on a torch whose FSDP2 signatures no seam wrapper fits, every call takes stock as
 # "untested_torch:<the function and its parameters>" (tide.fsdp.compat).
@@ -161,6 +162,8 @@ def static_all_gather_reason(fsdp_params) -> str | None:
             if p.fsdp_placement.dim != 0:
                 return "extension_shard_dim"
             continue
+        if _subclass(p._sharded_param_data):
+            return "subclass_param"
         d = group_dtype(p)
         if dtype is not None and d != dtype:
             return "mixed_param_dtypes"
@@ -168,6 +171,20 @@ def static_all_gather_reason(fsdp_params) -> str | None:
             return "unsupported_dtype"
         dtype = d
     return None
+
+
+def _subclass(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor subclass: an op call with one is dispatched through the subclass's
+    ``__torch_dispatch__``, which gives the call the subclass's meaning (``TwoTensor`` runs it once per
+    inner tensor: two collectives, and an accumulating reduce adding twice). Stock FSDP2's copy-in and
+    copy-out are dispatched the same way, so such calls keep stock's semantics by taking stock."""
+    return type(t) is not torch.Tensor
+
+
+def extension_inputs_reason(inputs) -> str | None:
+    """``"subclass_param"`` when a tensor extension's pre-all-gather gave a tensor subclass as an all-gather
+    input (``inputs``: ``tide.fsdp.extensions.pre_all_gather``'s), else None."""
+    return "subclass_param" if any(_subclass(t) for ins in inputs for t in ins or ()) else None
 
 
 def _call_reason(comm, marker: type, device: torch.device) -> str | None:
@@ -220,6 +237,8 @@ def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, cust
     if (reason := _device_reason(device, rs_group, comm) or capture_reason(device, rs_group)) is not None:
         return reason
     for g in grads:
+        if _subclass(g):  # e.g. the gradient of a tensor extension's subclass parameter
+            return "subclass_grad"
         if not g.is_contiguous():
             return "noncontiguous_grad"
         if g.dtype not in FLOAT_DTYPES:

@@ -33,7 +33,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from tide import counters, registry, topology
 from tide.fsdp import compat, extensions, hooks, reduce_output, replicate, shard_dims, wiring
 from tide.fsdp.comms import TideAllGatherResult, TideReduceScatter
-from tide.fsdp.fallbacks import all_gather_reason, arena_reason, group_dtype, reduce_reason
+from tide.fsdp.fallbacks import (all_gather_reason, arena_reason, extension_inputs_reason, group_dtype,
+                                 reduce_reason)
 from tide.meta.call_site import call_identity
 from tide.transport import node_leg
 from tide.transport.watchdog import WATCHDOG
@@ -226,8 +227,11 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
         if hooked:  # tensor extensions' inputs first, on the copy-in stream as stock runs them: they size the outputs
             with _get_device_handle(device.type).stream(all_gather_copy_in_stream):
                 inputs = extensions.pre_all_gather(fsdp_params, hooked)
-        plan = wiring.plan_all_gather(arena, all_gather_comm, fsdp_params, group.size(), inputs)
-        reason = arena_reason(plan[0])  # arena_busy: stock runs the pre-all-gather again, on every rank alike
+            reason = extension_inputs_reason(inputs)
+        if reason is None:
+            plan = wiring.plan_all_gather(arena, all_gather_comm, fsdp_params, group.size(), inputs)
+            reason = arena_reason(plan[0])
+        # On stock after a pre-all-gather, stock runs it again, on every rank alike.
     counters.count_fsdp("all_gather", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
         return registry.stock_functions["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
