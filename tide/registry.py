@@ -41,6 +41,7 @@ call_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessG
 call_group_instances: Counter = Counter()  # group name -> group objects of that name seen (numbers store keys)
 notices_left: list = [0]  # notices of refused calls this process has left (numbers them)
 used_notices: dict[int, int] = {}  # global rank -> the seq of its last notice a wait of this process took
+process_published: list = [lambda: None]  # weakref of the default group whose store has this process's pid
 
 # ---- tide.fsdp
 enabled_groups: dict[tuple, list] = {}  # ranks -> weak references to the param groups enabled on them

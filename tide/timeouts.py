@@ -14,8 +14,11 @@ class TideTimeoutError(RuntimeError):
 def timeout_for(group) -> float:
     """Seconds a TIDE op of ``group`` may take: ``TIDE_TIMEOUT_S``, else the group's own timeout."""
     seconds = knobs.get("TIDE_TIMEOUT_S")
-    if seconds is not None:
-        return seconds
+    return group_timeout(group) if seconds is None else seconds
+
+
+def group_timeout(group) -> float:
+    """``group``'s own timeout (its backend's, else the default for its backend)."""
     import torch
     import torch.distributed as dist
 

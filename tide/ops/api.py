@@ -13,6 +13,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from tide.ops import calls
+
 
 def _group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """``group``, or the default process group for None."""
@@ -33,16 +35,42 @@ def _tensor_list(op: str, arg: str, tensors: Sequence[torch.Tensor]) -> list[tor
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"tide.{op}: {arg} must be a list of tensors, got one Tensor of shape "
                         f"{tuple(tensors.shape)} (pass [{arg}] for a single tensor)")
-    return list(tensors)
+    if not isinstance(tensors, list):
+        raise TypeError(f"tide.{op}: {arg} must be a list of tensors, got {type(tensors).__name__}")
+    return tensors
+
+
+def _as_list(tensors):
+    """A sequence of tensors as a list (read once: it may be a generator); anything else as it is."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors
+    try:
+        return list(tensors)
+    except TypeError:
+        return tensors
+
+
+def _arguments(op: str, group, **named) -> tuple[dist.ProcessGroup, list[list[torch.Tensor]]]:
+    """The group and the tensor lists of a typed call. A bad argument is refused on every rank, as the op's own
+    checks are (:mod:`tide.ops.calls`): through the group's call exchange, or, with no group to agree
+    through, a notice in the default group's store."""
+    named = {arg: _as_list(ts) for arg, ts in named.items()}
+    tensors = [t for ts in named.values() for t in (ts if isinstance(ts, list) else [ts]) if isinstance(t, torch.Tensor)]
+    try:
+        group = _group(op, group)
+    except (TypeError, ValueError) as e:
+        calls.refuse_without_group(op, f"with group={group!r}, which is no process group", tensors, e)
+    try:
+        return group, [_tensor_list(op, arg, ts) for arg, ts in named.items()]
+    except TypeError as e:
+        calls.refuse(op, group.group_name, group.size(), [tensors], e)
 
 
 def all_gather_into_params(shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                            group: dist.ProcessGroup | None = None) -> None:
     """Every rank's ``shards[i]`` into its rows of ``outs[i]``, cast to ``outs[i]``'s dtype on the way.
     On CUDA with outputs bound in an arena slot this is TIDE-AG (copy engines); else the reference."""
-    op = "all_gather_into_params"
-    shards, outs = _tensor_list(op, "shards", shards), _tensor_list(op, "outs", outs)
-    group = _group(op, group)
+    group, (shards, outs) = _arguments("all_gather_into_params", group, shards=shards, outs=outs)
     torch.ops.tide.all_gather_into_params_(shards, outs, group.size(), group.group_name)
 
 
@@ -52,17 +80,14 @@ def reduce_scatter_params(grads: Sequence[torch.Tensor], shard_grads: Sequence[t
     """This rank's rows of ``scale * sum over ranks of grads[i]``, summed in fp32 in rank order (across
     nodes: node partials first, see the schemas), written (or added, ``accumulate``) into the fp32
     ``shard_grads[i]``; padding rows are zero."""
-    op = "reduce_scatter_params"
-    grads, shard_grads = _tensor_list(op, "grads", grads), _tensor_list(op, "shard_grads", shard_grads)
-    group = _group(op, group)
+    group, (grads, shard_grads) = _arguments("reduce_scatter_params", group, grads=grads, shard_grads=shard_grads)
     torch.ops.tide.reduce_scatter_params_(grads, shard_grads, float(scale), bool(accumulate), group.size(),
                                           group.group_name)
 
 
 def all_gather(shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """The gathered tensors ``(W*c_i, *rest)`` of ``shards``; differentiable (its backward reduce-scatters)."""
-    shards = _tensor_list("all_gather", "shards", shards)
-    group = _group("all_gather", group)
+    group, (shards,) = _arguments("all_gather", group, shards=shards)
     return torch.ops.tide.all_gather(shards, group.size(), group.group_name)
 
 
@@ -70,6 +95,5 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], group: dist.ProcessGroup | No
                    out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """This rank's shards ``(c_i, *rest)`` of ``scale * sum over ranks of inputs[i]`` (fp32 sum), in
     ``out_dtype`` (default: each input's); differentiable (its backward all-gathers)."""
-    inputs = _tensor_list("reduce_scatter", "inputs", inputs)
-    group = _group("reduce_scatter", group)
+    group, (inputs,) = _arguments("reduce_scatter", group, inputs=inputs)
     return torch.ops.tide.reduce_scatter(inputs, float(scale), out_dtype, group.size(), group.group_name)

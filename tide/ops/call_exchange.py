@@ -174,7 +174,7 @@ def _raise_missing(op: str, state: GroupState, rec: dict, records: dict, tombs: 
         t = tombs[p]
         raise EXC_TYPES.get(t["type"], RuntimeError)(
             f"tide.{op}: rank {p} of {state.describe()} refused call {n}, so no rank issued it: it called "
-            f"tide.{t['op']} with group_name {t['group_name']!r}, which names no group it knows: {t['error']}")
+            f"tide.{t['op']} {t['what']}: {t['error']}")
     if ended:
         msg = (f"tide: {op} on {state.describe()}: rank(s) {ended} ended (process gone) without reaching call {n}; "
                f"nothing was exchanged, and the group cannot be used again.\n{me}\n{lines}")

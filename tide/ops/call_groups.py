@@ -21,9 +21,11 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
 from tide import procfs, registry
-from tide.timeouts import timeout_for
+from tide.timeouts import group_timeout, timeout_for
 
 BACKSTOP_S = 5.0  # a wait's own bound past the timeout, should the watcher not run
+CONNECT_S = 4.0  # a new store connection's attempts end after this (a live server answers in milliseconds)
+NOTICE_WAIT_S = 2.0  # how long a rank that refused without a group waits for a peer to take its notice
 SCAN_BACK = 8  # how many calls back a report looks for a peer's last record
 HOST = socket.gethostname()
 _states_lock = threading.Lock()  # guards the tables of registry this module owns
@@ -36,17 +38,29 @@ class _Server:
     handshake with the server; opening two per group made a run of many short-lived groups wait 5 s
     on the server now and then."""
 
-    def __init__(self, root) -> None:
-        self.watch = root.clone()  # made from the server's store once; every later one from this client
+    def __init__(self, root, timeout_s: float) -> None:
+        self.watch = _client(root, timeout_s)  # made from the server's store once; every later one from this client
         self._local = threading.local()
         self.world = _world_ref()
 
     def main(self, timeout_s: float):
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = self.watch.clone()
+            conn = self._local.conn = _client(self.watch, timeout_s + BACKSTOP_S)
         conn.set_timeout(timedelta(seconds=timeout_s + BACKSTOP_S))
         return conn
+
+
+def _client(store, timeout_s: float):
+    """A new client of ``store``'s server, its timeout ``timeout_s``, whose attempts to connect end after
+    :data:`CONNECT_S` (the store retries once after its timeout): ``clone()`` would retry for the store's own
+    timeout, and a server that has ended (its process gone) never answers."""
+    if isinstance(store, dist.TCPStore):
+        client = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=min(timeout_s, CONNECT_S)), use_libuv=store.libuvBackend)
+        client.set_timeout(timedelta(seconds=timeout_s))
+        return client
+    return store.clone()
 
 
 def _world_ref():
@@ -54,10 +68,10 @@ def _world_ref():
     return weakref.ref(world) if world is not None else (lambda: None)
 
 
-def _server_for(base) -> _Server:
+def _server_for(base, timeout_s: float) -> _Server:
     """The connections to the server of store ``base`` (a group's PrefixStore chain), without its prefixes
     (the keys are TIDE's own, every group's apart); new ones when the default group was re-created since
-    (its store, at the same address, may be another server)."""
+    (its store, at the same address, may be another server). A first connection gives up after ``timeout_s``."""
     root = getattr(base, "_underlying_non_prefix_store", base)
     host, port = getattr(root, "host", None), getattr(root, "port", None)
     key = (host, port) if host is not None else (id(root),)
@@ -65,7 +79,7 @@ def _server_for(base) -> _Server:
     with _states_lock:
         server = registry.call_servers.get(key)
         if server is None or server.world() is not world:
-            server = registry.call_servers[key] = _Server(root)
+            server = registry.call_servers[key] = _Server(root, timeout_s + BACKSTOP_S)
             server.watch.set_timeout(timedelta(seconds=60))
     return server
 
@@ -79,7 +93,10 @@ class GroupState:
     def __init__(self, group: dist.ProcessGroup, index: int) -> None:
         self.name = group.group_name
         self.rank, self.size = group.rank(), group.size()
-        self.timeout_s = timeout_for(group)
+        try:
+            self.timeout_s = timeout_for(group)
+        except ValueError:  # an invalid TIDE_TIMEOUT_S: the call that found it is refused, bounded by the group's
+            self.timeout_s = group_timeout(group)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"tide/calls/{restart}/{self.name}/{index}"
         self.index = index
@@ -110,10 +127,11 @@ class GroupState:
             entry = _world.pg_map.get(group) if group is not None else None
             base = entry[1] if entry is not None else dist.PrefixStore(
                 f"tide/{self.name}/", dist.distributed_c10d._get_default_store())
-            self._server = _server_for(base)
+            self._server = _server_for(base, self.timeout_s)
             world = _world_store()
             if world is not None and self.global_ranks is not None:
-                self._notice_server = _server_for(world)
+                self._notice_server = _server_for(world, self.timeout_s)
+                publish_process()
 
     def store(self):
         """This thread's connection (its timeout the call's plus :data:`BACKSTOP_S`)."""
@@ -143,11 +161,21 @@ class GroupState:
             key = self.who_key(p)
             if store.check([key]):
                 who = self.who[p] = json.loads(store.get(key))
+            else:
+                who = self._process_of(p)
         if who is None:
-            return None, "no process id published: it has not reached a TIDE call on this group"
+            return None, "no process id published: it has not reached a TIDE call or tide.fsdp.enable"
         if who["host"] != HOST:
             return who, f"on host {who['host']}, state unknown here"
         return who, procfs.state(who["pid"])
+
+    def _process_of(self, p: int) -> dict | None:
+        """Peer ``p``'s {"host", "pid"} as its process published them at its first TIDE use
+        (:func:`publish_process`), for a peer that has not reached a call on this group."""
+        if self._notice_server is None:
+            return None
+        store, key = self._notice_server.watch, _process_key(self.global_ranks[p])
+        return json.loads(store.get(key)) if store.check([key]) else None
 
     def notice(self, p: int, since_wall: float) -> dict | None:
         """Peer ``p``'s notice of a call it refused without naming a group (:func:`notify_refusal`), if it
@@ -162,7 +190,8 @@ class GroupState:
             return None
         notice = json.loads(store.get(key))
         with _states_lock:
-            if notice["wall"] < since_wall - self.timeout_s or registry.used_notices.get(g, 0) >= notice["seq"]:
+            if (notice.get("withdrawn") or notice["wall"] < since_wall - self.timeout_s
+                    or registry.used_notices.get(g, 0) >= notice["seq"]):
                 return None
             registry.used_notices[g] = notice["seq"]
         return notice
@@ -210,32 +239,63 @@ def _notice_key(global_rank: int) -> str:
     return f"tide/notices/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{global_rank}"
 
 
-def notify_refusal(op: str, group_name: str, error: BaseException) -> None:
-    """This rank refused a call whose ``group_name`` names no group it knows, so it cannot tell that group's
-    ranks through the call's exchange: it leaves a notice in the default group's store instead, and waits
-    (at most the default group's TIDE timeout) until a peer's wait has taken it. A peer waiting for this
-    rank's call reads it (the watcher, every :data:`POLL_S`), replaces this rank's record of that call with
-    it, and raises with this rank's error; this rank's next call on that group finds the replaced slot and
-    takes the next one, so the ranks stay in step. (A peer that reaches the call more than a timeout later
-    pairs it with this rank's next call, as with a skipped call.) Nothing without a default group of
-    several ranks."""
+def _process_key(global_rank: int) -> str:
+    return f"tide/processes/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{global_rank}"
+
+
+def _world_timeout_s() -> float:
+    """The default group's TIDE timeout; its own timeout when ``TIDE_TIMEOUT_S`` is invalid here (the refusal
+    being told may be that very error)."""
+    try:
+        return timeout_for(dist.group.WORLD)
+    except ValueError:
+        return group_timeout(dist.group.WORLD)
+
+
+def publish_process() -> None:
+    """Publish this process's host and pid in the default group's store, once per default group, so that a
+    peer whose wait misses this rank on a group it has not called on yet can tell whether it ended. Called at
+    the first TIDE call and by ``tide.fsdp.enable``; nothing without a default group of several ranks."""
+    store, world = _world_store(), dist.GroupMember.WORLD if dist.is_initialized() else None
+    if store is None or dist.get_world_size() == 1 or registry.process_published[0]() is world:
+        return
+    try:
+        timeout_s = _world_timeout_s()
+        _server_for(store, timeout_s).main(timeout_s).set(_process_key(dist.get_rank()),
+                                                        json.dumps({"host": HOST, "pid": os.getpid()}))
+    except RuntimeError:  # no store: a peer's report then says the pid is unknown
+        return
+    registry.process_published[0] = weakref.ref(world)
+
+
+def notify_refusal(op: str, what: str, error: BaseException) -> None:
+    """This rank refused a call without a group it could agree through (``what`` says why, in words: a
+    ``group_name`` that names no group it knows, a ``group`` that is no process group), so it cannot tell
+    that group's ranks through the call's exchange: it leaves a notice in the default group's store instead,
+    and waits up to :data:`NOTICE_WAIT_S` until a peer's wait has taken it. A peer waiting for this rank's
+    call reads it (the watcher, every :data:`POLL_S`), replaces this rank's record of that call with it, and
+    raises with this rank's error; this rank's next call on that group finds the replaced slot and takes the
+    next one, so the ranks stay in step. A notice no peer took in that time is withdrawn (every rank may
+    have refused alike: none is waiting), so that no later wait takes it for another call; a peer that
+    reaches the call after that pairs it with this rank's next call, as with a skipped call. Nothing
+    without a default group of several ranks."""
     store = _world_store()
     if store is None or dist.get_world_size() == 1:
         return
     registry.notices_left[0] += 1
-    notice = {"seq": registry.notices_left[0], "op": op, "group_name": group_name, "type": type(error).__name__,
+    notice = {"seq": registry.notices_left[0], "op": op, "what": what, "type": type(error).__name__,
               "error": str(error), "pid": os.getpid(), "wall": time.time(), "thread": threading.current_thread().name}
     key = _notice_key(dist.get_rank())
     try:
-        conn = _server_for(store).main(timeout_for(dist.group.WORLD))
+        timeout_s = _world_timeout_s()
+        conn = _server_for(store, timeout_s).main(timeout_s)
         conn.set(key, json.dumps(notice))
-        conn.wait([f"{key}/taken/{notice['seq']}"], timedelta(seconds=timeout_for(dist.group.WORLD)))
-    except RuntimeError:  # no store, or nobody waited for this rank: its peers end at their timeout, if at all
+        try:
+            conn.wait([f"{key}/taken/{notice['seq']}"], timedelta(seconds=NOTICE_WAIT_S))
+        except RuntimeError:  # not taken in time (the wait's timeout)
+            conn.set(key, json.dumps({**notice, "withdrawn": True}))
+    except RuntimeError:  # no store: its peers end at their timeout, if at all
         pass
-
-
-
-
 
 
 def state_of(group: dist.ProcessGroup) -> GroupState:

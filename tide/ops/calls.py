@@ -62,11 +62,12 @@ from tide.meta import call_site, checks
 from tide.ops import call_exchange
 from tide.ops.call_exchange import (DESC_CHARS, EXC_TYPES, TIMEOUT_WORDS, TidePeerError, collective_failed,
                                     peer_lines, record_words)
-from tide.ops.call_groups import GroupState, notify_refusal, state_of
+from tide.ops.call_groups import GroupState, notify_refusal, state_of, threaded_ranks
 from tide.agreement import call_desc, first_difference
 from tide.timeouts import TideTimeoutError
 
-__all__ = ["Call", "TideConcurrentCallError", "TidePeerError", "agreed", "refuse", "resolve_group", "world_size_error"]
+__all__ = ["Call", "TideConcurrentCallError", "TidePeerError", "agreed", "refuse", "refuse_without_group", "resolve_group",
+           "world_size_error"]
 
 class TideConcurrentCallError(RuntimeError):
     """A TIDE call on a group while another thread's TIDE call on it was in flight on this rank."""
@@ -201,8 +202,11 @@ class agreed:  # noqa: N801 (a context manager, used like a function)
             group = resolve_group(op, group_name)
         except ValueError as e:
             if first is None or first.device.type == "cpu":
-                notify_refusal(op, group_name, e if error is None else error)
+                notify_refusal(op, _unknown_group_words(group_name), e if error is None else error)
             raise
+        if threaded_ranks(group):  # every thread refuses alike, at once: nothing to agree
+            raise RuntimeError(f"tide.{op}: the ranks of group {group.group_name!r} are threads of one process "
+                               f"(torch's threaded test backend); TIDE's ops need a process per rank")
         if error is None:
             error = world_size_error(op, world_size, group)
         extra = ()
@@ -273,10 +277,15 @@ def _raise(error: BaseException) -> None:
         del error
 
 
+def _unknown_group_words(group_name: str) -> str:
+    return f"with group_name {group_name!r}, which names no group it knows"
+
+
 def refuse(op: str, group_name: str, world_size: int, tensor_lists, error: BaseException) -> None:
     """Raise ``error`` (a check of ``op`` failed before its call could be built) on every rank: on CPU the
     refusal goes through the call's exchange as the mutating op's would, so peers that are issuing their
-    call raise too instead of waiting. Always raises."""
+    call raise too instead of waiting. Meta tensors say nothing of where the call runs: a call with no other
+    tensor is exchanged when the group runs CPU collectives. Always raises."""
     holder = [error]
     del error
 
@@ -284,17 +293,28 @@ def refuse(op: str, group_name: str, world_size: int, tensor_lists, error: BaseE
         raise holder.pop()
 
     lists = [list(ts) for ts in tensor_lists]
-    named = tuple((f"arg{i}", ts) for i, ts in enumerate(lists))
+    placed = [t for ts in lists for t in ts if t.device.type != "meta"]
     try:
         group = resolve_group(op, group_name)
     except ValueError:
-        if all(t.device.type == "cpu" for ts in lists for t in ts):
-            notify_refusal(op, group_name, holder[0])
+        if all(t.device.type == "cpu" for t in placed):
+            notify_refusal(op, _unknown_group_words(group_name), holder[0])
         _raise(holder.pop())
     try:
-        if not any(lists):  # no tensor says where the call runs: exchange when the group runs CPU collectives
+        if not placed:  # no tensor says where the call runs: exchange when the group runs CPU collectives
             group._get_backend(torch.device("cpu"))
-            named = (("arg0", [torch.empty(0)]),)
+            placed = [torch.empty(0)]
     except RuntimeError:
         _raise(holder.pop())
-    agreed(op, group_name, world_size, lists, (), named, check).__enter__()  # raises the refusal
+    agreed(op, group_name, world_size, lists, (), (("arg0", placed),), check).__enter__()  # raises the refusal
+
+
+def refuse_without_group(op: str, what: str, tensors, error: BaseException) -> None:
+    """Raise ``error``, a refusal of ``op`` made before any group was known (``what`` says why, in words),
+    after telling the peers through the default group's store when ``tensors`` are on the CPU (:func:`notify_refusal`).
+    Always raises."""
+    holder = [error]
+    del error
+    if all(t.device.type in ("cpu", "meta") for t in tensors):
+        notify_refusal(op, what, holder[0])
+    _raise(holder.pop())
