@@ -90,7 +90,7 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     with calls.agreed(op, group_name, world_size, (grads, shard_grads), (("shard_grads", shard_grads),),
                       (("grads", grads),),
                       lambda: _first_use_then(checks.check_reduce_scatter_params, op, grads, shard_grads, world_size),
-                      lambda group: (accumulate, topology.of_group(group))) as call:
+                      lambda group: (accumulate, f"scale={scale!r}", topology.of_group(group))) as call:
         group = call.group
         topo = topology.of_group(group)
         _count_cpu_call(op, grads[0], topo)
