@@ -1,6 +1,8 @@
 """The CPU fault campaign (reference backend, gloo): rounds of random faults in one run of W ranks, each
-round on a fresh group, the last one a kill: one rank's bad input, a stall, a skipped call, a skipped step,
-a skipped last call, two threads on a group. :func:`campaign` is a rank function for
+round on a fresh group, the last one a kill: one rank's bad input (the ops' checks, the typed entry points'
+arguments, a meta tensor, a scale unlike its peers'), a stall, a skipped call, a skipped step, a skipped last
+call, two threads on a group; the kill before a call, before the rank's first call on the group, in the
+exchange or in the collective. :func:`campaign` is a rank function for
 :func:`tide.launch.run_ranks_outcomes`; :func:`judge_campaign` judges its outcomes
 (``tests/faults/test_campaign.py``, ``bench/fault_campaign.py --campaign``).
 """
@@ -18,8 +20,9 @@ from tide.faults import DIED, fault_time
 
 SOFT_FAULTS = ("bad_input", "stalls", "skips_a_call", "skips_a_step", "skips_the_last_call", "threads")
 BAD_INPUTS = ("shape", "non_contiguous", "requires_grad", "world_size", "overlapping_outputs",
-              "input_in_an_output", "empty_lists", "functional_zero_d", "unknown_group")
-KILLS = ("before_a_call", "in_the_exchange", "in_the_collective")
+              "input_in_an_output", "empty_lists", "functional_zero_d", "unknown_group", "bare_tensor",
+              "group_type", "meta_tensor", "scale")
+KILLS = ("before_a_call", "before_its_first_call", "in_the_exchange", "in_the_collective")
 OPS_PER_ROUND = 6
 STEPS_PER_ROUND = 3  # skips_a_step: the round's ops are 3 steps of 2 module calls
 
@@ -38,8 +41,10 @@ def campaign_plan(seed: int, world_size: int, rounds: int) -> list[dict]:
                      "variant": rng.choice(BAD_INPUTS) if kind == "bad_input" else ""})
     # The kill comes before the last op: a peer that died after its last collective had sent its data leaves
     # nothing to fail, so the next op is where its peers must end.
-    plan.append({"kind": "kill", "faulty": rng.randrange(world_size), "at": rng.randrange(OPS_PER_ROUND - 1),
-                 "seed": rng.randrange(1 << 30), "variant": rng.choice(KILLS)})
+    kill = rng.choice(KILLS)
+    at = 0 if kill == "before_its_first_call" else rng.randrange(OPS_PER_ROUND - 1)
+    plan.append({"kind": "kill", "faulty": rng.randrange(world_size), "at": at, "seed": rng.randrange(1 << 30),
+                 "variant": kill})
     return plan
 
 
@@ -55,6 +60,14 @@ def _one_op(group, rnd: dict, i: int, kind: str, shapes, rank: int, thread: str 
     W, name, seed = group.size(), group.group_name, rnd["seed"]
     w = W + 1 if bad == "world_size" else W
     gname = "no-such-group" if bad == "unknown_group" else name
+    if bad in ("bare_tensor", "group_type"):  # the typed entry point, given one tensor or a group's name
+        import tide
+
+        shards = [_values(seed, i, thread, rank, j, shape=s) for j, s in enumerate(shapes)]
+        outs = [torch.empty(W * s[0], s[1]) for s in shapes]
+        typed = tide.ops.all_gather_into_params if kind == "ag" else tide.ops.reduce_scatter_params
+        typed(shards[0] if bad == "bare_tensor" else shards, outs, name if bad == "group_type" else group)
+        return "wrong"  # refused, or nothing to compare
     if kind == "ag":
         shards = [_values(seed, i, thread, rank, j, shape=s) for j, s in enumerate(shapes)]
         want = [torch.cat([_values(seed, i, thread, p, j, shape=s) for p in range(W)]) for j, s in enumerate(shapes)]
@@ -76,6 +89,8 @@ def _one_op(group, rnd: dict, i: int, kind: str, shapes, rank: int, thread: str 
             shards[0] = rows
         elif bad == "empty_lists":
             shards, outs = [], []
+        elif bad == "meta_tensor":
+            outs[0] = torch.empty_like(outs[0], device="meta")
         if bad == "functional_zero_d":
             torch.ops.tide.all_gather([torch.tensor(1.0)], w, gname)
         elif bad == "" and thread == "" and i % 3 == 2:  # the functional form now and then
@@ -100,12 +115,14 @@ def _one_op(group, rnd: dict, i: int, kind: str, shapes, rank: int, thread: str 
         shard_grads[0] = grads[0][rank * shapes[0][0]:(rank + 1) * shapes[0][0]]
     elif bad == "empty_lists":
         grads, shard_grads = [], []
+    elif bad == "meta_tensor":
+        grads[0] = torch.empty_like(grads[0], device="meta")
     if bad == "functional_zero_d":
         torch.ops.tide.reduce_scatter([torch.tensor(1.0)], 1.0, None, w, gname)
     elif bad == "" and thread == "" and i % 3 == 2:
         shard_grads = torch.ops.tide.reduce_scatter(grads, 1.0, None, w, gname)
-    else:
-        torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 1.0, False, w, gname)
+    else:  # scale: this rank's sum would be scaled unlike its peers'
+        torch.ops.tide.reduce_scatter_params_(grads, shard_grads, 0.5 if bad == "scale" else 1.0, False, w, gname)
     return "ok" if all(torch.equal(s, g) for s, g in zip(shard_grads, want)) else "wrong"
 
 
@@ -124,6 +141,8 @@ def _run_ops(group, rnd: dict, rank: int, thread: str, events: list, lock=None, 
     rng = random.Random(rnd["seed"])
     shapes = [(rng.randint(1, 4), rng.randint(1, 6)) for _ in range(rng.randint(1, 3))]
     kinds = [rng.choice(("ag", "rs")) for _ in range(OPS_PER_ROUND)]
+    if rnd["variant"] == "scale":  # a scale only a reduce-scatter has
+        kinds[rnd["at"]] = "rs"
     per_step = OPS_PER_ROUND // STEPS_PER_ROUND
     for i in range(OPS_PER_ROUND):
         what = fault(i) if fault else ""
@@ -200,7 +219,7 @@ def campaign(rank: int, world_size: int, seed: int, rounds: int, fault_file: str
             if kind in ("skips_a_call", "skips_the_last_call"):
                 return "skip"
             if kind == "kill":
-                if rnd["variant"] == "before_a_call":
+                if rnd["variant"] in ("before_a_call", "before_its_first_call"):
                     os._exit(DIED)
                 if rnd["variant"] == "in_the_exchange":  # after publishing its record, before the peers'
                     call_watcher.WATCHER.watch = lambda w: os._exit(DIED)
@@ -231,11 +250,14 @@ def campaign(rank: int, world_size: int, seed: int, rounds: int, fault_file: str
     return out
 
 
+LOCAL_BOUND_S = 5.0  # one rank's bad input is refused by its peers within this of the fault
+
+
 def judge_campaign(outcomes, fault_file: str, bound_s: float) -> dict:
     """How a campaign run ended (``outcomes`` of :func:`tide.launch.run_ranks_outcomes` running
     :func:`campaign`): ``hung`` ranks, ``wrong`` (results that returned without an error but differ from
     the expected data), ``late`` (a survivor whose first error came more than ``bound_s`` after the fault,
-    or never), ``not_tide`` (errors whose message does not start with ``tide``), ``worst_s`` (the slowest
+    or never; :data:`LOCAL_BOUND_S` after one rank's bad input), ``not_tide`` (errors whose message does not start with ``tide``), ``worst_s`` (the slowest
     survivor's seconds from fault to error) and ``rounds`` (how many were judged)."""
     verdict = {"hung": [o.rank for o in outcomes if o.status == "hung"], "wrong": [], "late": [], "not_tide": [],
                "worst_s": 0.0, "rounds": 0, "failed_ranks": []}
@@ -273,7 +295,7 @@ def judge_campaign(outcomes, fault_file: str, bound_s: float) -> dict:
             s = None if not errors or t0 is None else errors[0]["t1"] - t0
             if s is not None:
                 verdict["worst_s"] = max(verdict["worst_s"], s)
-            if s is None or s > bound_s:
+            if s is None or s > (LOCAL_BOUND_S if rnd["kind"] == "bad_input" else bound_s):
                 verdict["late"].append((k, rnd["kind"], rnd["variant"], r, s))
             after = [ev for ev in rec["events"] if ev["i"] == "after"]
             if rnd["kind"] == "bad_input" and after and after[0]["status"] != "ok":
