@@ -50,7 +50,7 @@ forward_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDP m
 released_in_backward: list = [None]  # the backward (graph task) whose end already releases the leases
 stock_functions: dict[str, object] = {}  # FSDP2 function name -> what was bound before the seam
 call_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParamGroup -> {(op, phase): calls}
-group_of_comm: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TideReduceScatter -> weakref(group)
+groups_of_params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParam -> weakref(its enabled group)
 compat_warned: set = set()  # torch versions warned about once
 
 

@@ -5,6 +5,10 @@ import types
 
 import pytest
 import torch
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather, DefaultReduceScatter,
+                                                                   ProcessGroupAllocAllGather,
+                                                                   ProcessGroupAllocReduceScatter)
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide.fsdp import compat, fallbacks
@@ -57,18 +61,49 @@ def _no_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
+def _tide_all_gather(fsdp_comm=None, output_fn=None):
+    """An enabled group's all-gather state; its FSDP2 comm is ``fsdp_comm`` (default: FSDP2's own)."""
+    param_group = types.SimpleNamespace(_all_gather_comm=fsdp_comm or DefaultAllGather())
+    if output_fn is not None:
+        param_group._all_gather_output_fn = output_fn
+    return TideAllGather(param_group)
+
+
+# comm: "tide" (enabled, FSDP2's comm in the group's slot), None (not enabled) or a TideAllGather/TideReduceScatter.
 # contract: the CUDA contract's verdict for the group (as looked up once per group); ... = not looked up
 def _ag(params=None, group=None, async_op=False, device=CPU, comm="tide", contract=..., output_fn=None):
-    param_group = types.SimpleNamespace(_all_gather_output_fn=output_fn) if output_fn is not None else None
-    comm = TideAllGather(None, param_group) if comm == "tide" else comm
+    comm = _tide_all_gather(output_fn=output_fn) if comm == "tide" else comm
     if contract is not ...:
         comm.contract = (contract,)
     return fallbacks.all_gather_reason(params or [_param()], group or _Group(), async_op, device, comm)
 
 
+def _tide_reduce_scatter(fsdp_comm=None):
+    param_group = types.SimpleNamespace(_reduce_scatter_comm=fsdp_comm or DefaultReduceScatter())
+    return TideReduceScatter(param_group, "in_place")
+
+
+class _UserAllGather(AllGather):
+    """A user's own comm (FSDPModule.set_custom_all_gather)."""
+
+    def allocate(self, size, *, dtype, device):
+        raise AssertionError("not called")
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        raise AssertionError("not called")
+
+
+class _UserReduceScatter(ReduceScatter):
+    def allocate(self, size, *, dtype, device):
+        raise AssertionError("not called")
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        raise AssertionError("not called")
+
+
 def _rs(params=None, grads=None, group=None, reduce_dtype=torch.float32, device=CPU, comm="tide", contract=...,
         custom_input_fn=False):
-    comm = TideReduceScatter(None, "in_place") if comm == "tide" else comm
+    comm = _tide_reduce_scatter() if comm == "tide" else comm
     if contract is not ...:
         comm.contract = (contract,)
     grads = grads if grads is not None else [torch.randn(4, 2).bfloat16()]
@@ -78,7 +113,9 @@ def _rs(params=None, grads=None, group=None, reduce_dtype=torch.float32, device=
 
 CASES = {
     # reason: (all-gather call or None, reduce-scatter call or None), each made to take that path
-    "not_enabled": (lambda: _ag(comm=object()), lambda: _rs(comm=object())),
+    "not_enabled": (lambda: _ag(comm=None), lambda: _rs(comm=None)),
+    "custom_comm": (lambda: _ag(comm=_tide_all_gather(fsdp_comm=_UserAllGather())),
+                    lambda: _rs(comm=_tide_reduce_scatter(fsdp_comm=_UserReduceScatter()))),
     "async_op": (lambda: _ag(async_op=True), None),
     "world_size_1": (lambda: _ag(group=_Group(1)), lambda: _rs(group=_Group(1))),
     "compute_capability": (lambda: _ag(device=CUDA, contract=fallbacks.contract_reason(8, ["h", "h"])),
@@ -130,6 +167,9 @@ def test_reason_is_triggered(reason):
 
 def test_supported_calls_take_tide():
     assert _ag() is None and _rs() is None
+    # FSDP2's own comms (set_allocate_memory_from_process_group_for_comm) only choose stock's staging buffers.
+    assert _ag(comm=_tide_all_gather(fsdp_comm=ProcessGroupAllocAllGather(None))) is None
+    assert _rs(comm=_tide_reduce_scatter(fsdp_comm=ProcessGroupAllocReduceScatter(None))) is None
     # torch 2.15 with bf16 params and an fp32 reduce: norm weights' fp32 grads beside bf16 ones.
     assert _rs(grads=[torch.randn(4, 2).bfloat16(), torch.randn(4)]) is None
     # bf16 grads with no reduce dtype reduce in bf16 (stock's), fp32 ones beside them do not change that.
@@ -180,7 +220,7 @@ def test_under_capture(arena, multinode, reason, monkeypatch):
 
 
 def test_static_reason_is_remembered_per_params_list():
-    comm = TideAllGather(None)
+    comm = _tide_all_gather()
     params = [_param()]
     assert fallbacks.all_gather_reason(params, _Group(), False, CPU, comm) is None
     params[0].param_dtype = torch.int8  # fixed after lazy init: the verdict for this list is kept

@@ -212,23 +212,28 @@ def world_size_1(rank: int, world_size: int) -> dict:
 
 
 def enable_disable(rank: int, world_size: int) -> dict:
-    """enable twice (idempotent, updates rs_mode), then disable: the groups get their stock comms back."""
+    """enable twice (idempotent, updates rs_mode), then disable; FSDP2's own comms stay in place throughout."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    from tide.fsdp import comms
 
     torch.set_num_threads(1)
     cfg = PRESETS["tiny"]
     model, optim, first = _train(cfg, rank, use_tide=True, steps=1)
-    tide.fsdp.enable(model, rs_mode="slot_reuse")
     groups = tide.fsdp.param_groups(model)
-    once = all(type(g._all_gather_comm.fallback) is DefaultAllGather
-               and type(g._reduce_scatter_comm.fallback) is DefaultReduceScatter
-               and g._reduce_scatter_comm.rs_mode == "slot_reuse" for g in groups)
+    states = [comms.of_group(g) for g in groups]
+    tide.fsdp.enable(model, rs_mode="slot_reuse")
+
+    def fsdp_comms_untouched():
+        return all(type(g._all_gather_comm) is DefaultAllGather and type(g._reduce_scatter_comm) is DefaultReduceScatter
+                   for g in groups)
+    once = fsdp_comms_untouched() and all(
+        comms.of_group(g) is state and state[1].rs_mode == "slot_reuse" for g, state in zip(groups, states))
     tide.reset_stats()
     train_step(model, optim, cfg, 1, rank)
     slot_reuse = tide.stats()["fsdp"]
     tide.fsdp.disable(model)
-    restored = all(type(g._all_gather_comm) is DefaultAllGather and type(g._reduce_scatter_comm) is DefaultReduceScatter
-                   for g in groups)
+    restored = fsdp_comms_untouched() and all(comms.of_group(g) is None for g in groups)
     tide.reset_stats()
     train_step(model, optim, cfg, 2, rank)
     return {"first": first["stats"], "once": once, "slot_reuse": slot_reuse, "restored": restored,
@@ -492,3 +497,82 @@ def subclass_weights(rank: int, world_size: int, hooks: bool, set_to_none: bool,
                       "params": [as_plain(p.detach().full_tensor()).numpy().copy() for p in model.parameters()],
                       "grads": [as_plain(p.grad.full_tensor()).numpy().copy() for p in model.parameters()]}
     return runs
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2 APIs
+def _user_comms():
+    """A user's own all-gather and reduce-scatter comms (``set_custom_all_gather`` / ``set_custom_reduce_scatter``):
+    FSDP2's defaults, counting their calls."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class CountingAllGather(DefaultAllGather):
+        calls = 0
+
+        def __call__(self, *args, **kwargs):
+            CountingAllGather.calls += 1
+            return super().__call__(*args, **kwargs)
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        calls = 0
+
+        def __call__(self, *args, **kwargs):
+            CountingReduceScatter.calls += 1
+            return super().__call__(*args, **kwargs)
+    return CountingAllGather, CountingReduceScatter
+
+
+def fsdp_apis(rank: int, world_size: int, steps: int) -> dict:
+    """FSDP2's public APIs that set a group's comms, on every FSDP module of the tiny model: stock, TIDE with
+    the API called after ``enable``, and TIDE with it called before; each ``steps`` AdamW steps and one more
+    backward. Per case and run: results, ``tide.stats()["fsdp"]``, the user comms' calls, the RuntimeWarnings
+    and the classes of the groups' FSDP2 comms after setup; and the error ``set_symm_mem_for_comm`` raises on
+    gloo, stock and enabled."""
+    import warnings
+
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.set_num_threads(1)
+    cfg = PRESETS["tiny"]
+    user_all_gather, user_reduce_scatter = _user_comms()
+    cases = {
+        "allocate_from_pg": lambda m: m.set_allocate_memory_from_process_group_for_comm(True),
+        "allocate_from_pg_off": lambda m: m.set_allocate_memory_from_process_group_for_comm(False),
+        "custom_all_gather": lambda m: m.set_custom_all_gather(user_all_gather()),
+        "custom_reduce_scatter": lambda m: m.set_custom_reduce_scatter(user_reduce_scatter()),
+        "separate_reduce_scatter_group": lambda m: m.set_separate_reduce_scatter_group(True, recurse=False),
+    }
+
+    def on_every_fsdp_module(api):
+        def setup(model):
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    api(m)
+        return setup
+
+    def comm_classes(model):
+        return sorted({f"{type(g._all_gather_comm).__name__}/{type(g._reduce_scatter_comm).__name__}"
+                       for g in tide.fsdp.param_groups(model)})
+
+    out = {}
+    for case, api in cases.items():
+        setups = {"stock": (False, on_every_fsdp_module(api)),
+                  "tide_after": (True, on_every_fsdp_module(api)),
+                  "tide_before": (False, lambda m, api=api: (on_every_fsdp_module(api)(m), tide.fsdp.enable(m)))}
+        out[case] = {}
+        for name, (use_tide, setup) in setups.items():
+            user_all_gather.calls = user_reduce_scatter.calls = 0
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model, _, run = _train(cfg, rank, use_tide=use_tide, steps=steps, setup=setup)
+            run["user_comm_calls"] = (user_all_gather.calls, user_reduce_scatter.calls)
+            run["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+            run["comms"] = comm_classes(model)
+            out[case][name] = run
+    # Symmetric memory needs NCCL: on gloo the call raises, and must raise as on stock.
+    out["symm_mem_errors"] = {}
+    for use_tide in (False, True):
+        try:
+            on_every_fsdp_module(lambda m: m.set_symm_mem_for_comm())(fsdp_model(cfg, device="cpu", use_tide=use_tide))
+        except Exception as e:  # noqa: BLE001 (compared with stock's)
+            out["symm_mem_errors"][use_tide] = f"{type(e).__name__}: {e}"
+    return out

@@ -72,7 +72,7 @@ def _group(nparams=3, numel=1024, leaf=True, raf=True, shard_dim=0):
               for _ in range(nparams)]
     params[-1].fsdp_placement.dim = shard_dim
     group = types.SimpleNamespace(fsdp_params=params, post_forward_mesh_info=object() if raf else None)
-    group._all_gather_comm = TideAllGather(None, group, leaf=leaf)
+    group._all_gather_comm = TideAllGather(group, leaf=leaf)
     return group
 
 

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from tide import knobs, topology
 from tide.knobs import RS_MODES, TRANSPORTS
-from tide.fsdp import compat, hooks, seam, wiring
+from tide.fsdp import comms, compat, hooks, seam, wiring
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 from tide.multinode import rails
 
@@ -76,8 +76,10 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
     Torch releases: the seam picks its wrappers by the signatures of the FSDP2 functions it replaces
     (``tide.fsdp.compat``). Outside the tested releases it warns once and runs where they match; where
     they do not, every call takes stock FSDP2 as ``stock:untested_torch:<what differed>``.
-    Calling it again updates ``rs_mode`` and ``transport``; other custom comms set before stay the stock
-    path's comms.
+    Calling it again updates ``rs_mode`` and ``transport``. The groups' FSDP2 comms stay FSDP2's: every
+    FSDP2 API works before or after ``enable`` as on stock. A collective whose comm is the user's own
+    (``set_custom_all_gather`` / ``set_custom_reduce_scatter``, before or after) keeps it: stock FSDP2,
+    ``stock:custom_comm``, with a warning once per group.
     """
     knobs.validate_once()  # TIDE's first use: every knob is checked here, whatever the device
     _check_module("tide.fsdp.enable", module)
@@ -97,12 +99,13 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
     if seam.install() is None:
         compat.warn_untested_once("tide.fsdp.enable")
     for g, leaf in groups:
-        if isinstance(g._all_gather_comm, TideAllGather):
-            g._reduce_scatter_comm.rs_mode = rs_mode
-            g._reduce_scatter_comm.transport = g._all_gather_comm.transport = transport
+        enabled = comms.of_group(g)
+        if enabled is not None:
+            all_gather, reduce_scatter = enabled
+            reduce_scatter.rs_mode = rs_mode
+            reduce_scatter.transport = all_gather.transport = transport
             continue
-        g._all_gather_comm = TideAllGather(g._all_gather_comm, g, transport, leaf)
-        g._reduce_scatter_comm = TideReduceScatter(g._reduce_scatter_comm, rs_mode, transport)
+        comms.attach(g, TideAllGather(g, transport, leaf), TideReduceScatter(g, rs_mode, transport))
         wiring.register_group(g)
     for m in _fsdp_modules(module):
         wiring.watch_forward(m)
@@ -110,12 +113,11 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
 
 
 def disable(module: nn.Module) -> nn.Module:
-    """Return every param group in ``module``'s tree to the comms it had before :func:`enable`, and drop
-    the transport arenas :func:`enable` created, and the direct NCCL rails of multi-node groups, once no
-    enabled group uses them (call it between steps: it refuses while unsharded parameters still live in
-    an arena slot)."""
+    """Return every param group in ``module``'s tree to stock FSDP2, and drop the transport arenas
+    :func:`enable` created, and the direct NCCL rails of multi-node groups, once no enabled group uses them
+    (call it between steps: it refuses while unsharded parameters still live in an arena slot)."""
     _check_module("tide.fsdp.disable", module)
-    groups = [g for g in param_groups(module) if isinstance(g._all_gather_comm, TideAllGather)]
+    groups = [g for g in param_groups(module) if comms.of_group(g) is not None]
     wiring.check_arenas_idle(groups)  # refuse before changing anything
     process_groups = {wiring.group_key(g._all_gather_process_group): g._all_gather_process_group for g in groups}
     emptied = [key for key in map(wiring.unregister_group, groups) if key is not None]
@@ -126,7 +128,5 @@ def disable(module: nn.Module) -> nn.Module:
         wiring.unwatch_forward(m)
     for g in groups:
         hooks.remove(g)
-        g._all_gather_comm = g._all_gather_comm.fallback
-        if isinstance(g._reduce_scatter_comm, TideReduceScatter):
-            g._reduce_scatter_comm = g._reduce_scatter_comm.fallback
+        comms.detach(g)
     return module

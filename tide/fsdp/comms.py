@@ -1,20 +1,34 @@
-"""The marker comm objects that opt an FSDP2 param group into TIDE (``tide.fsdp.enable`` installs them).
+"""Which FSDP2 param groups are TIDE's, and the per-group state the seam keeps for each collective.
 
-FSDP2 calls a group's ``_all_gather_comm`` / ``_reduce_scatter_comm`` only on its stock path, so each
-marker wraps the comm it replaced (``fallback``) and hands every call to it; the seam recognises the
-markers and takes the TIDE path instead. They also carry the per-group state the seam remembers.
+``tide.fsdp.enable`` gives each param group a :class:`TideAllGather` and a :class:`TideReduceScatter`
+(:func:`attach`). They are not FSDP2 comms: the group's own ``_all_gather_comm`` / ``_reduce_scatter_comm``
+stay FSDP2's, so every FSDP2 API that sets or checks them (``set_custom_all_gather``,
+``set_allocate_memory_from_process_group_for_comm``, ``set_symm_mem_for_comm``, ...) behaves as on stock, in
+either order with ``enable``, and the stock path calls whichever comm FSDP2 holds. The seam finds a group's
+state from the ``fsdp_params`` FSDP2 hands it (:func:`of_params`).
 """
 from __future__ import annotations
 
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+import weakref
+
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
 
+from tide import registry
 
-class TideAllGather(AllGather):
-    """Opt-in marker for a param group's all-gather; the stock path still uses ``fallback``."""
+# FSDP2's own comm classes: they only choose where stock's staging buffers come from, which TIDE's path has
+# none of. Any other comm in a group's slot is the user's (set_custom_all_gather / set_custom_reduce_scatter):
+# that collective then keeps it (stock:custom_comm). Looked up by name: torch 2.11 has fewer of them.
+STOCK_ALL_GATHERS = tuple(c for c in (getattr(_fsdp_collectives, n, None) for n in (
+    "DefaultAllGather", "ProcessGroupAllocAllGather", "SymmMemAllGather")) if c is not None)
+STOCK_REDUCE_SCATTERS = tuple(c for c in (getattr(_fsdp_collectives, n, None) for n in (
+    "DefaultReduceScatter", "ProcessGroupAllocReduceScatter", "SymmMemReduceScatter")) if c is not None)
 
-    def __init__(self, fallback: AllGather, param_group=None, transport: str = "auto", leaf: bool = False) -> None:
-        self.fallback = fallback
+
+class TideAllGather:
+    """TIDE's state of one enabled param group's all-gather."""
+
+    def __init__(self, param_group, transport: str = "auto", leaf: bool = False) -> None:
         # The FSDPParamGroup, whether its FSDP module has no FSDP module below it (both decide slot
         # binding), and the transport choice: "auto" uses the CUDA transport's arena on CUDA, "reference"
         # never creates one.
@@ -31,19 +45,21 @@ class TideAllGather(AllGather):
         self.slot_fit: tuple[list, tuple | None, bool] | None = None
         # The CUDA contract's verdict for this group's ranks (tide.fsdp.fallbacks.contract_reason), once.
         self.contract: tuple[str | None] | None = None
+        # (process group, whether its ranks are threads of this process), per process group seen.
+        self.threaded: tuple | None = None
+        # Whether the user's own comm in the group's slot was warned about (once per group and collective).
+        self.custom_comm_warned = False
 
-    def allocate(self, size, *, dtype, device):
-        return self.fallback.allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        return self.fallback(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+    def fsdp_comm(self):
+        """The comm FSDP2 holds for this group's all-gather (the stock path's)."""
+        return self.param_group._all_gather_comm
 
 
-class TideReduceScatter(ReduceScatter):
-    """Opt-in marker for a param group's reduce-scatter; carries the group's ``rs_mode``."""
+class TideReduceScatter:
+    """TIDE's state of one enabled param group's reduce-scatter; carries the group's ``rs_mode``."""
 
-    def __init__(self, fallback: ReduceScatter, rs_mode: str, transport: str = "auto") -> None:
-        self.fallback = fallback
+    def __init__(self, param_group, rs_mode: str, transport: str = "auto") -> None:
+        self.param_group = param_group
         self.rs_mode = rs_mode
         self.transport = transport
         # id(FSDPParam) -> handle of its Slot-Reuse post-accumulate-grad hook (tide.fsdp.hooks).
@@ -52,13 +68,43 @@ class TideReduceScatter(ReduceScatter):
         # fresh list (the params that have grads), so the check is remembered per param.
         self.checked_params: set[int] = set()
         self.contract: tuple[str | None] | None = None
+        self.threaded: tuple | None = None
+        self.custom_comm_warned = False
 
-    def allocate(self, size, *, dtype, device):
-        return self.fallback.allocate(size, dtype=dtype, device=device)
+    def fsdp_comm(self):
+        """The comm FSDP2 holds for this group's reduce-scatter (the stock path's)."""
+        return self.param_group._reduce_scatter_comm
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        return self.fallback(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
-                             async_op=async_op)
+
+# The attribute of an FSDPParamGroup holding its (TideAllGather, TideReduceScatter): the state lives and
+# dies with the group.
+_ATTR = "_tide_comms"
+
+
+def attach(param_group, all_gather: TideAllGather, reduce_scatter: TideReduceScatter) -> None:
+    setattr(param_group, _ATTR, (all_gather, reduce_scatter))
+    for p in param_group.fsdp_params:
+        registry.groups_of_params[p] = weakref.ref(param_group)
+
+
+def detach(param_group) -> None:
+    if hasattr(param_group, _ATTR):
+        delattr(param_group, _ATTR)
+    for p in param_group.fsdp_params:
+        registry.groups_of_params.pop(p, None)
+
+
+def of_group(param_group) -> tuple[TideAllGather, TideReduceScatter] | None:
+    """The group's TIDE state, or None when it is not enabled."""
+    return getattr(param_group, _ATTR, None)
+
+
+def of_params(fsdp_params) -> tuple[TideAllGather, TideReduceScatter] | None:
+    """The TIDE state of the enabled group that holds ``fsdp_params`` (what FSDP2 passes its collectives),
+    or None."""
+    ref = registry.groups_of_params.get(fsdp_params[0]) if fsdp_params else None
+    group = ref() if ref is not None else None
+    return None if group is None else of_group(group)
 
 
 class TideAllGatherResult(AllGatherResult):

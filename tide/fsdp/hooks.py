@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from tide import counters
-from tide.fsdp import compat, extensions
-from tide.fsdp.comms import TideReduceScatter
+from tide.fsdp import comms, compat, extensions
 from tide.transport import node_leg
 
 
@@ -14,7 +13,7 @@ def install(param_group) -> None:
     """Give each unsharded param of a bound Slot-Reuse group a post-accumulate-grad hook
     (:func:`grad_into_slot`), once; the hooks stay until :func:`remove` and do nothing while the group is
     in another mode."""
-    comm = param_group._reduce_scatter_comm
+    comm = comms.of_group(param_group)[1]
     for p in param_group.fsdp_params:
         if id(p) in comm.grad_hooks or not hasattr(p, "_unsharded_param") or not p._unsharded_param.requires_grad:
             continue
@@ -23,11 +22,10 @@ def install(param_group) -> None:
 
 
 def remove(param_group) -> None:
-    comm = param_group._reduce_scatter_comm
-    for handle in getattr(comm, "grad_hooks", {}).values():
+    comm = comms.of_group(param_group)[1]
+    for handle in comm.grad_hooks.values():
         handle.remove()
-    if isinstance(comm, TideReduceScatter):
-        comm.grad_hooks.clear()
+    comm.grad_hooks.clear()
 
 
 def grad_into_slot(param_group, fsdp_param, param) -> None:
@@ -67,9 +65,9 @@ def movable(param_group, fsdp_param, param) -> bool:
     """Whether ``param``'s finished gradient may move into a slot (if the group has one): see
     :func:`grad_into_slot`."""
     grad = param.grad
-    comm = param_group._reduce_scatter_comm
+    enabled = comms.of_group(param_group)
     return not (
-        grad is None or not isinstance(comm, TideReduceScatter) or comm.rs_mode != "slot_reuse"
+        grad is None or enabled is None or enabled[1].rs_mode != "slot_reuse"
         # TIDE reduces into fp32 only; others stay stock
         or (compat.reduce_dtype(fsdp_param) or grad.dtype) != torch.float32
         or not param_group.reduce_grads or not param_group.reshard_after_backward

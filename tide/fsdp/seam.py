@@ -21,7 +21,7 @@ may rebind them, as ``bench/fsdp_host_overhead.py`` does to time them): :func:`b
 """
 from __future__ import annotations
 
-import weakref
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,9 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from tide import counters, registry, topology
-from tide.fsdp import compat, extensions, hooks, reduce_output, replicate, shard_dims, wiring
-from tide.fsdp.comms import TideAllGatherResult, TideReduceScatter
-from tide.fsdp.fallbacks import (all_gather_reason, arena_reason, extension_inputs_reason, group_dtype,
-                                 reduce_reason)
+from tide.fsdp import comms, compat, extensions, hooks, reduce_output, replicate, shard_dims, wiring
+from tide.fsdp.comms import TideAllGatherResult
+from tide.fsdp.fallbacks import all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason
 from tide.meta.call_site import call_identity
 from tide.transport import node_leg
 from tide.transport.watchdog import WATCHDOG
@@ -206,45 +205,55 @@ _DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input
 
 
 def _identity(param_group, op: str, phase: str) -> call_identity:
-    """The identity of ``param_group``'s next TIDE ``op`` in ``phase`` (its count of those); none for an
-    unknown group."""
-    if param_group is None:
-        return call_identity()
+    """The identity of ``param_group``'s next TIDE ``op`` in ``phase`` (its count of those)."""
     counts = registry.call_counts.setdefault(param_group, {})
     count = counts[op, phase] = counts.get((op, phase), 0) + 1
     return call_identity(fqn=param_group._module_fqn or "", phase=phase, count=count)
+
+
+def _warn_custom_comm(comm, collective: str, setter: str) -> None:
+    """A group's collective left TIDE because its FSDP2 comm is the user's own: say so, once per group."""
+    if comm.custom_comm_warned:
+        return
+    comm.custom_comm_warned = True
+    warnings.warn(f"tide.fsdp: the {collective} of FSDP module {comm.param_group._module_fqn or '<root>'!r} uses a "
+                  f"custom comm ({type(comm.fsdp_comm()).__name__}, FSDPModule.{setter}), so it takes stock FSDP2 "
+                  "with that comm (tide.stats(): stock:custom_comm)", RuntimeWarning, stacklevel=2)
 
 
 @torch.no_grad()
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
                        all_gather_comm):
     WATCHDOG.check()
-    reason = all_gather_reason(fsdp_params, group, async_op, device, all_gather_comm)
+    enabled = comms.of_params(fsdp_params)
+    comm = enabled[0] if enabled is not None else None
+    reason = all_gather_reason(fsdp_params, group, async_op, device, comm)
     arena, plan, inputs = None, ("none", None), None
     if reason is None:
-        arena = wiring.arena_for(group, device, all_gather_comm.transport)
-        hooked = extensions.hooked(all_gather_comm, fsdp_params)
+        arena = wiring.arena_for(group, device, comm.transport)
+        hooked = extensions.hooked(comm, fsdp_params)
         if hooked:  # tensor extensions' inputs first, on the copy-in stream as stock runs them: they size the outputs
             with _get_device_handle(device.type).stream(all_gather_copy_in_stream):
                 inputs = extensions.pre_all_gather(fsdp_params, hooked)
             reason = extension_inputs_reason(inputs)
         if reason is None:
-            plan = wiring.plan_all_gather(arena, all_gather_comm, fsdp_params, group.size(), inputs)
+            plan = wiring.plan_all_gather(arena, comm, fsdp_params, group.size(), inputs)
             reason = arena_reason(plan[0])
         # On stock after a pre-all-gather, stock runs it again, on every rank alike.
     counters.count_fsdp("all_gather", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
+        if reason == "custom_comm":
+            _warn_custom_comm(comm, "all-gather", "set_custom_all_gather")
         return registry.stock_functions["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                            all_gather_stream, device, all_gather_comm)
     if arena is not None:
         wiring.release_at_backward_end()
-    param_group = all_gather_comm.param_group
-    registry.group_of_comm[param_group._reduce_scatter_comm] = weakref.ref(param_group)
+    param_group = comm.param_group
     phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
     with _identity(param_group, "all_gather", phase):
         result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena,
                                   plan, inputs)
-    if plan[0] == "bound" and getattr(param_group._reduce_scatter_comm, "rs_mode", None) == "slot_reuse":
+    if plan[0] == "bound" and enabled[1].rs_mode == "slot_reuse":
         hooks.install(param_group)
     return result
 
@@ -274,21 +283,24 @@ def foreach_all_gather_copy_out_with_output_fn(all_gather_result, fsdp_params, g
                                                 all_gather_output_fn=all_gather_output_fn)
 
 
-def _reduce(stock, fsdp_params, unsharded_grads, group, stream, comm, reduce_dtype, device, divide_factor,
+def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, device, divide_factor,
             across: replicate.Across, grad_dtypes, custom_input_fn: bool):
     """Both ``foreach_reduce`` shapes: TIDE's reduce, or ``stock()`` for the reason it records."""
     WATCHDOG.check()
+    enabled = comms.of_params(fsdp_params)
+    comm = enabled[1] if enabled is not None else None
     reason = reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device, custom_input_fn)
     counters.count_fsdp("reduce_scatter", reason, reason is None and topology.is_multinode(topology.of_group(group)))
     if reason is not None:
+        if reason == "custom_comm":
+            _warn_custom_comm(comm, "reduce-scatter", "set_custom_reduce_scatter")
         out = stock()
         wiring.order_slot_after_stock_reduce(fsdp_params, comm, group, stream)
         return out
-    arena = wiring.arena_for(group, device, getattr(comm, "transport", "auto"))
+    arena = wiring.arena_for(group, device, comm.transport)
     if arena is not None:
         wiring.release_at_backward_end()
-    ref = registry.group_of_comm.get(comm)  # the group is known once it all-gathered on TIDE
-    with _identity(ref() if ref is not None else None, "reduce_scatter", "backward"):
+    with _identity(comm.param_group, "reduce_scatter", "backward"):
         return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena,
                             across)
 
@@ -307,7 +319,7 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     across = replicate.Across(all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
                               all_reduce_hook, force_sum_reduction_for_comms)
     return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, across,
+                   reduce_dtype, device, gradient_divide_factor, across,
                    [orig_dtype] * len(fsdp_params), False)
 
 
@@ -328,7 +340,7 @@ def foreach_reduce_per_param_dtype(fsdp_params, unsharded_grads, reduce_scatter_
     across = replicate.Across(all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
                               all_reduce_hook, force_sum_reduction_for_comms)
     return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, across,
+                   reduce_dtype, device, gradient_divide_factor, across,
                    [p.sharded_grad_dtype for p in fsdp_params], prepare_reduce_scatter_inputs is not _DEFAULT_RS_INPUT_FN)
 
 

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tide import counters, registry, topology, transport
-from tide.fsdp.comms import TideAllGather, TideReduceScatter
-from tide.fsdp import extensions, shard_dims
+from tide.fsdp import comms, extensions, shard_dims
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
 from tide.meta import plans
 from tide.transport import node_leg
@@ -74,18 +73,19 @@ def rs_piece_bytes(fsdp_params) -> int:
                                 [group_dtype(p).itemsize for p in fsdp_params])
 
 
-def bindable(param_group) -> bool:
-    """Groups whose unsharded params live only while their own module runs: FSDP modules with no FSDP
-    module below them (blocks) that reshard after forward (``reshard_after_forward=True``/int). A parent
+def bindable(comm) -> bool:
+    """Whether the group of ``comm`` (its ``TideAllGather``) is bound into slots: groups whose unsharded
+    params live only while their own module runs: FSDP modules with no FSDP module below them (blocks)
+    that reshard after forward (``reshard_after_forward=True``/int). A parent
     (the root: embedding, final norm, head) holds its params across all its children's forward and
     backward, and a ``reshard_after_forward=False`` group from forward to the end of backward: those keep
     their outputs the way stock does (allocator memory, gathered in place), so slots are sized for the
     blocks alone and stay free for the current and the prefetched block."""
-    comm = getattr(param_group, "_all_gather_comm", None)
+    param_group = comm.param_group
     # A Shard(i > 0) param's blocks (tide.fsdp.shard_dims) are params of the op's plan, each padded to its own
     # place in a slot: its output would not be one tensor there, so such groups keep stock's outputs.
-    return (isinstance(comm, TideAllGather) and comm.leaf
-            and param_group.post_forward_mesh_info is not None and not shard_dims.sharded(param_group.fsdp_params))
+    return (comm.leaf and param_group.post_forward_mesh_info is not None
+            and not shard_dims.sharded(param_group.fsdp_params))
 
 
 def _create_arena(group: dist.ProcessGroup, multinode: bool):
@@ -98,7 +98,7 @@ def _create_arena(group: dist.ProcessGroup, multinode: bool):
     W = group.size()
     key = group_key(group)
     groups = [g for g in enabled_groups(key) if g.fsdp_params]
-    bound = [g for g in groups if bindable(g) and static_all_gather_reason(g.fsdp_params) is None]
+    bound = [g for g in groups if bindable(comms.of_group(g)[0]) and static_all_gather_reason(g.fsdp_params) is None]
     layouts = [slot_layout(g.fsdp_params, W) for g in bound]
     if multinode:
         arena = node_leg.enable(group, slot_bytes=max([0] + [layout.slot_bytes for layout in layouts]))
@@ -195,7 +195,7 @@ def plan_all_gather(arena, comm, fsdp_params, world_size: int, inputs: list | No
     if comm.slot_fit is None or comm.slot_fit[0] is not fsdp_params or comm.slot_fit[1] != sizes:
         fits = slot_layout(fsdp_params, world_size, inputs).slot_bytes <= arena.slot_bytes
         comm.slot_fit = (fsdp_params, sizes, fits)
-    if not bindable(comm.param_group) or not comm.slot_fit[2]:
+    if not bindable(comm) or not comm.slot_fit[2]:
         return "direct", None
     slot = arena.slots.acquire()
     return ("busy", None) if slot is None else ("bound", slot)
@@ -218,7 +218,7 @@ def order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
     """A stock reduce may read gradients that the Slot-Reuse hooks put in the group's slot: the next
     all-gather into that slot waits for what stock issued on the reduce-scatter stream (it reads the
     gradients there, within the call)."""
-    if not (isinstance(comm, TideReduceScatter) and comm.grad_hooks and fsdp_params and group is not None):
+    if not (comm is not None and comm.grad_hooks and fsdp_params and group is not None):
         return
     arena = node_leg.serving(group.group_name)
     own = arena.slots.last_slot(fsdp_params[0]) if arena is not None else None
