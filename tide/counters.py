@@ -8,7 +8,8 @@
   from its slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved), ``arena:created``;
 - ``ops``: calls of the mutating ``torch.ops.tide`` ops (the functional pair calls them), ``"<op>:tide"``
   (the CUDA transport, counted in C++ for the calls that stayed there: tide/ops/cuda.py), ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``
-  (a CUDA call on the reference backend), ``"<op>:reference"`` (a CPU call);
+  (a CUDA call on the reference backend), ``"<op>:reference"`` (a CPU call); and calls of the graph ops
+  (``all_gather_start``, ``reduce_scatter_start``: :func:`count_graph_op`), which call the mutating ops;
 - ``multinode``: point-to-point rounds of the multi-node schedule per leg and implementation
   (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/multinode/rails.py``), and its sums by
   implementation (``"sum:kernel"``, ``"sum:torch"``: ``tide/sums.py``);
@@ -63,6 +64,20 @@ def count_op(op: str, reason: str | None = None, multinode: bool = False, refere
     if reason is not None and ("op", op, reason) not in registry.logged_reasons:
         registry.logged_reasons.add(("op", op, reason))
         log.info("tide.transport: %s takes the stock path (%s)", op, reason)
+
+
+def count_graph_op(op: str, path: str) -> None:
+    """One call of the graph op ``op``, counted as ``"<op>:<path>"`` by where its outputs came from (the mutating
+    op it calls counts which backend moved the data): ``"reference"`` (CPU: a synchronous call, its work
+    complete) or ``"allocator"`` (CUDA: outputs from the caching allocator). ``all_gather_start`` outputs are
+    never bound in an arena slot yet, so TIDE-AG's zero-copy path does not run for them (logged once)."""
+    registry.op_calls[f"{op}:{path}"] += 1
+    if trace.ENABLED:
+        trace.event(f"op {op}:{path}")
+    if op == "all_gather_start" and path == "allocator" and ("op", op, path) not in registry.logged_reasons:
+        registry.logged_reasons.add(("op", op, path))
+        log.info("tide.transport: all_gather_start outputs come from the caching allocator, not an arena slot: "
+                 "all_gather_into_params_ gathers them on its reference backend")
 
 
 def count_multinode(key: str) -> None:

@@ -125,6 +125,33 @@ def check_reduce_scatter(op, inputs, out_dtype, world_size) -> None:
                       f"world_size={world_size} (a padded unsharded tensor)")
 
 
+def check_all_gather_start(op, shards, world_size) -> None:
+    check_world_size(op, world_size)
+    check_nonempty(op, "shards", shards)
+    check_tensor_list(op, "shards", shards, GATHER_DTYPES)
+    check_same_device(op, (("shards", shards),))
+    for i, s in enumerate(shards):
+        if s.dim() == 0:
+            _fail(op, f"shards[{i}] is 0-d; a padded shard has at least one dim")
+
+
+def check_reduce_scatter_start(op, grads, out_dtype, world_size) -> None:
+    check_world_size(op, world_size)
+    check_nonempty(op, "grads", grads)
+    check_tensor_list(op, "grads", grads)
+    check_same_device(op, (("grads", grads),))
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        _fail(op, f"out_dtype {out_dtype} is not a supported float dtype", TypeError)
+
+
+def padded_shard_shape(grad_shape: Sequence, world_size: int) -> tuple:
+    """``(c, *rest)``, c = ceil(d0 / W): this rank's padded shard of an unpadded ``(d0, *rest)`` gradient (a 0-d
+    one is one row: ``(1,)``). Symbolic sizes stay symbolic (the fake kernels run it under dynamic shapes)."""
+    if len(grad_shape) == 0:
+        return (1,)
+    return (-(-grad_shape[0] // world_size), *grad_shape[1:])
+
+
 def check_no_grad(op: str, named_lists: Sequence[tuple[str, Sequence[torch.Tensor]]]) -> None:
     """The mutating ops are not differentiable: under grad mode no argument may require grad (autograd
     would refuse the write into an output that does, after the collective, and silently drop an input's

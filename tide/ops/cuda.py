@@ -14,7 +14,9 @@ graph"); otherwise the reference backend runs (the stock collectives, layout-awa
 ``tide.stats()["ops"]`` counts why. Every call first raises the transport watchdog's error if an
 earlier TIDE op timed out (``tide.transport.watchdog``). The drivers (``tide.transport.all_gather``,
 ``tide.transport.reduce_scatter``) find the plan and the slot and enter the extension once. The
-functional ``all_gather`` / ``reduce_scatter`` are the reference's compositions: they call these two ops.
+functional ``all_gather`` / ``reduce_scatter`` are the reference's compositions: they call these two ops,
+and so do the graph ops ``all_gather_start`` / ``reduce_scatter_start``, whose kernels then register an
+event-backed work on their outputs (``tide.ops.works``).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 
 from tide import counters, knobs, registry, topology, trace
 from tide.meta import checks
-from tide.ops import reference
+from tide.ops import reference, works
 
 # The Python CUDA kernels' own library: dropped when the extension's C++ kernels take the key over.
 _python_kernels = torch.library.Library("tide", "IMPL")
@@ -95,6 +97,30 @@ _KERNELS = {
 }
 for _name, _fn in _KERNELS.items():
     _python_kernels.impl(_name, _fn, "CUDA")
+
+
+# The graph ops stay Python kernels (their own library: the extension takes over only the four above). Their
+# outputs come from the caching allocator, never from an arena slot: a slot is leased to outputs until FSDP
+# reshards them (tide/transport/slots.py), and a graph's outputs end when Inductor frees them, which nothing
+# tells the arena yet. The mutating op they call counts the backend it took.
+def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
+    outs = reference.gather_into_new("all_gather_start", shards, world_size, group_name)
+    counters.count_graph_op("all_gather_start", "allocator")
+    works.register(outs)
+    return outs
+
+
+def reduce_scatter_start(grads, scale, out_dtype, world_size, group_name) -> list[torch.Tensor]:
+    shards = reference.reduce_scatter_into_new("reduce_scatter_start", grads, scale, out_dtype, world_size,
+                                               group_name)
+    counters.count_graph_op("reduce_scatter_start", "allocator")
+    works.register(shards)
+    return shards
+
+
+_graph_kernels = torch.library.Library("tide", "IMPL")
+_graph_kernels.impl("all_gather_start", all_gather_start, "CUDA")
+_graph_kernels.impl("reduce_scatter_start", reduce_scatter_start, "CUDA")
 
 
 def hand_over(ext) -> None:

@@ -60,3 +60,20 @@ def reduce_scatter_fake(inputs, scale, out_dtype, world_size, group_name):
     return [
         x.new_empty((x.shape[0] // world_size, *x.shape[1:]), dtype=out_dtype or x.dtype) for x in inputs
     ]
+
+
+@torch.library.register_fake("tide::all_gather_start")
+def all_gather_start_fake(shards, world_size, group_name):
+    op = "all_gather_start"
+    _checked(op, lambda: checks.check_all_gather_start(op, shards, world_size), group_name, world_size,
+             (("shards", shards),))
+    return [s.new_empty((world_size * s.shape[0], *s.shape[1:])) for s in shards]
+
+
+@torch.library.register_fake("tide::reduce_scatter_start")
+def reduce_scatter_start_fake(grads, scale, out_dtype, world_size, group_name):
+    op = "reduce_scatter_start"
+    _checked(op, lambda: checks.check_reduce_scatter_start(op, grads, out_dtype, world_size), group_name,
+             world_size, (("grads", grads),))
+    return [g.new_empty(checks.padded_shard_shape(g.shape, world_size), dtype=out_dtype or torch.float32)
+            for g in grads]

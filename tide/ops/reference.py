@@ -27,7 +27,7 @@ from tide import counters, knobs, sums, topology
 from tide.meta import checks
 from tide.meta.layout import rank_row_range, rows_and_row_numel
 from tide.multinode import schedule as multinode
-from tide.ops import calls
+from tide.ops import calls, works
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -146,10 +146,50 @@ def reduce_scatter(inputs, scale, out_dtype, world_size, group_name) -> list[tor
             for s, x in zip(shards, inputs)]
 
 
+# The graph ops' work, on any device: fresh outputs filled by the mutating op through the dispatcher (on CUDA
+# the transport's kernels, in C++ where they take the call). Their kernels register the call's work after it.
+def gather_into_new(op, shards, world_size, group_name) -> list[torch.Tensor]:
+    try:
+        checks.check_all_gather_start(op, shards, world_size)
+    except (ValueError, TypeError) as e:
+        calls.refuse(op, group_name, world_size, (shards,), e)
+    shards = [s.detach() for s in shards]
+    outs = [s.new_empty((world_size * s.shape[0], *s.shape[1:])) for s in shards]
+    torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group_name)
+    return outs
+
+
+def reduce_scatter_into_new(op, grads, scale, out_dtype, world_size, group_name) -> list[torch.Tensor]:
+    try:
+        checks.check_reduce_scatter_start(op, grads, out_dtype, world_size)
+    except (ValueError, TypeError) as e:
+        calls.refuse(op, group_name, world_size, (grads,), e)
+    grads = [g.detach() for g in grads]
+    shards = [g.new_empty(checks.padded_shard_shape(g.shape, world_size), dtype=torch.float32) for g in grads]
+    torch.ops.tide.reduce_scatter_params_(grads, shards, scale, False, world_size, group_name)
+    return shards if out_dtype in (None, torch.float32) else [s.to(out_dtype) for s in shards]
+
+
+def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
+    outs = gather_into_new("all_gather_start", shards, world_size, group_name)
+    counters.count_graph_op("all_gather_start", "reference")
+    works.register(outs)
+    return outs
+
+
+def reduce_scatter_start(grads, scale, out_dtype, world_size, group_name) -> list[torch.Tensor]:
+    shards = reduce_scatter_into_new("reduce_scatter_start", grads, scale, out_dtype, world_size, group_name)
+    counters.count_graph_op("reduce_scatter_start", "reference")
+    works.register(shards)
+    return shards
+
+
 for _name, _fn in (
     ("all_gather_into_params_", all_gather_into_params_),
     ("reduce_scatter_params_", reduce_scatter_params_),
     ("all_gather", all_gather),
     ("reduce_scatter", reduce_scatter),
+    ("all_gather_start", all_gather_start),
+    ("reduce_scatter_start", reduce_scatter_start),
 ):
     torch.library.impl(f"tide::{_name}", "CPU", _fn)

@@ -21,10 +21,26 @@ reduce_scatter(inputs, scale, out_dtype, world_size, group_name) -> outs
     Functional forms on padded shapes (``(c_i, *rest)`` <-> ``(W*c_i, *rest)``), each the other's
     backward. ``out_dtype=None`` keeps each input's dtype; the sum is fp32 either way.
 
+all_gather_start(shards, world_size, group_name) -> outs
+reduce_scatter_start(grads, scale, out_dtype, world_size, group_name) -> shards
+    The graph ops: functional and asynchronous, for traced FX graphs (SimpleFSDP / DTensor under
+    ``torch.compile`` or ``make_fx``) in place of c10d's functional collectives. Each output is
+    registered with its call's ``tide.ops.works.TideWork``, so the graph's own
+    ``torch.ops._c10d_functional.wait_tensor(out)`` completes it; use an output only after that wait.
+    ``all_gather_start``: ``shards[i]`` padded ``(c_i, *rest)`` (bf16, fp16, fp32 or uint8), ``outs[i]`` a
+    new ``(W*c_i, *rest)`` tensor of the shard's dtype with rank r's shard in rows ``[r*c_i, (r+1)*c_i)``.
+    ``reduce_scatter_start``: ``grads[i]`` the unpadded ``(d0_i, *rest)`` gradient as autograd left it
+    (bf16, fp16 or fp32, dtypes may differ between i); ``shards[i]`` a new ``(c_i, *rest)`` tensor of
+    ``out_dtype`` (None: float32, the reduce dtype) holding exactly what ``reduce_scatter_params_`` writes
+    into a fresh fp32 shard (``scale * sum`` in fp32 in rank order, rows ``>= d0_i`` zero), then cast.
+    Neither is differentiable: they sit in graphs after autograd, and a backward through their outputs
+    raises.
+
 ``group_name`` is a registered ``ProcessGroup.group_name``; ``world_size`` must equal its size. Every
 list must hold at least one tensor.
 """
 import torch
+from torch._library.autograd import Info, make_autograd_impl
 
 from tide.meta import checks
 
@@ -41,7 +57,13 @@ SCHEMAS = {
     "reduce_scatter":
         "reduce_scatter(Tensor[] inputs, float scale, ScalarType? out_dtype, int world_size, str group_name) "
         "-> Tensor[]",
+    "all_gather_start":
+        "all_gather_start(Tensor[] shards, int world_size, str group_name) -> Tensor[]",
+    "reduce_scatter_start":
+        "reduce_scatter_start(Tensor[] grads, float scale, ScalarType? out_dtype, int world_size, str group_name) "
+        "-> Tensor[]",
 }
+GRAPH_OPS = ("all_gather_start", "reduce_scatter_start")
 
 for _schema in SCHEMAS.values():
     lib.define(_schema)
@@ -85,7 +107,28 @@ def _rs_without_tensors(inputs, scale, out_dtype, world_size, group_name):
             group_name, world_size, (inputs,))
 
 
+def _ag_start_without_tensors(shards, world_size, group_name):
+    op = "all_gather_start"
+    _refuse(op, lambda: checks.check_all_gather_start(op, shards, world_size), group_name, world_size, (shards,))
+
+
+def _rs_start_without_tensors(grads, scale, out_dtype, world_size, group_name):
+    op = "reduce_scatter_start"
+    _refuse(op, lambda: checks.check_reduce_scatter_start(op, grads, out_dtype, world_size), group_name, world_size,
+            (grads,))
+
+
 for _name, _kernel in (("all_gather_into_params_", _ag_into_params_without_tensors),
                        ("reduce_scatter_params_", _rs_params_without_tensors),
-                       ("all_gather", _ag_without_tensors), ("reduce_scatter", _rs_without_tensors)):
+                       ("all_gather", _ag_without_tensors), ("reduce_scatter", _rs_without_tensors),
+                       ("all_gather_start", _ag_start_without_tensors),
+                       ("reduce_scatter_start", _rs_start_without_tensors)):
     lib.impl(_name, _kernel, "CompositeExplicitAutograd")
+
+# The graph ops have no backward. They get the Autograd kernel torch.library.custom_op gives an op without
+# register_autograd: with no input requiring grad it runs the op below autograd, and otherwise the op's
+# outputs carry a node whose backward raises (instead of the autograd fallback's warning and a gradient
+# silently dropped).
+for _name in GRAPH_OPS:
+    lib.impl(_name, make_autograd_impl(getattr(torch.ops.tide, _name).default,
+                                       Info(_backward_fn=None, _setup_context_fn=None)), "Autograd", with_keyset=True)
