@@ -31,11 +31,15 @@ def _param(**kw):
 class _Group:
     group_name = "stand-in"
 
-    def __init__(self, size=2):
+    def __init__(self, size=2, backend="gloo"):
         self._size = size
+        self._backend = backend
 
     def size(self):
         return self._size
+
+    def getBackendName(self):  # noqa: N802 (ProcessGroup's name)
+        return self._backend
 
 
 class _Extension(torch.Tensor):
@@ -114,6 +118,7 @@ def _rs(params=None, grads=None, group=None, reduce_dtype=torch.float32, device=
 CASES = {
     # reason: (all-gather call or None, reduce-scatter call or None), each made to take that path
     "not_enabled": (lambda: _ag(comm=None), lambda: _rs(comm=None)),
+    "threaded_ranks": (lambda: _ag(group=_Group(backend="threaded")), lambda: _rs(group=_Group(backend="threaded"))),
     "custom_comm": (lambda: _ag(comm=_tide_all_gather(fsdp_comm=_UserAllGather())),
                     lambda: _rs(comm=_tide_reduce_scatter(fsdp_comm=_UserReduceScatter()))),
     "async_op": (lambda: _ag(async_op=True), None),

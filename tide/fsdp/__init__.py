@@ -11,6 +11,8 @@ versions).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -20,6 +22,7 @@ from tide.knobs import RS_MODES, TRANSPORTS
 from tide.fsdp import comms, compat, hooks, seam, wiring
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 from tide.multinode import rails
+from tide.ops import call_groups
 
 __all__ = ["enable", "disable", "param_groups", "RS_MODES", "TRANSPORTS"]
 
@@ -98,6 +101,11 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
         )
     if seam.install() is None:
         compat.warn_untested_once("tide.fsdp.enable")
+    threaded = sum(call_groups.threaded_ranks(g._all_gather_process_group) for g, _ in groups)
+    if threaded:
+        warnings.warn(f"tide.fsdp.enable: {threaded} of {len(groups)} param groups shard over ranks that are threads of "
+                      "one process (torch's threaded test backend); TIDE needs a process per rank, so their "
+                      "collectives take stock FSDP2 (tide.stats(): stock:threaded_ranks)", RuntimeWarning, stacklevel=2)
     for g, leaf in groups:
         enabled = comms.of_group(g)
         if enabled is not None:

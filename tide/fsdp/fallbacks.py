@@ -21,14 +21,15 @@ from tide.fsdp import compat
 from tide.fsdp.comms import STOCK_ALL_GATHERS, STOCK_REDUCE_SCATTERS
 from tide.meta.checks import FLOAT_DTYPES
 from tide.meta.multinode import Topology
+from tide.ops import call_groups
 
 # Every reason a call takes the stock path.
 REASONS = (
-    "not_enabled", "custom_comm", "capture_before_arena", "capture_multinode", "compiling", "functorch", "async_op",
-    "world_size_1", "compute_capability", "nvlink_domain", "post_forward_mesh", "keep_unsharded_storage",
-    "all_gather_output_fn", "cpu_offload", "extension_shard_dim", "dtensor_param", "subclass_param",
-    "mixed_param_dtypes", "unsupported_dtype", "reduce_dtype", "reduce_scatter_input_fn", "subclass_grad",
-    "noncontiguous_grad", "arena_busy",
+    "not_enabled", "threaded_ranks", "custom_comm", "capture_before_arena", "capture_multinode", "compiling",
+    "functorch", "async_op", "world_size_1", "compute_capability", "nvlink_domain", "post_forward_mesh",
+    "keep_unsharded_storage", "all_gather_output_fn", "cpu_offload", "extension_shard_dim", "dtensor_param",
+    "subclass_param", "mixed_param_dtypes", "unsupported_dtype", "reduce_dtype", "reduce_scatter_input_fn",
+    "subclass_grad", "noncontiguous_grad", "arena_busy",
 )
 # Besides these, on a torch whose FSDP2 signatures no seam wrapper fits, every call takes stock as
 # "untested_torch:<the function and its parameters>" (tide.fsdp.compat).
@@ -187,12 +188,22 @@ def extension_inputs_reason(inputs) -> str | None:
     return "subclass_param" if any(_subclass(t) for ins in inputs for t in ins or ()) else None
 
 
-def _call_reason(comm, stock_comms: tuple, device: torch.device) -> str | None:
+def threaded(comm, group) -> bool:
+    """Whether ``group``'s ranks are threads of this process (torch's threaded test backend, which PyTorch's
+    own FSDP2 tests use): TIDE's call agreement and counters are per process. Kept on ``comm`` per group."""
+    if comm.threaded is None or comm.threaded[0] is not group:
+        comm.threaded = (group, call_groups.threaded_ranks(group))
+    return comm.threaded[1]
+
+
+def _call_reason(comm, group, stock_comms: tuple, device: torch.device) -> str | None:
     """The reasons both call kinds check first: a group not opted in (``comm``, its TIDE state, is None),
-    a collective whose FSDP2 comm is the user's own (not one of ``stock_comms``; a subclass of one is the
-    user's), then :func:`common_reason`."""
+    ranks that are threads of one process, a collective whose FSDP2 comm is the user's own (not one of
+    ``stock_comms``; a subclass of one is the user's), then :func:`common_reason`."""
     if comm is None:
         return "not_enabled"
+    if group is not None and threaded(comm, group):
+        return "threaded_ranks"
     if type(comm.fsdp_comm()) not in stock_comms:
         return "custom_comm"
     return common_reason(device)
@@ -201,7 +212,7 @@ def _call_reason(comm, stock_comms: tuple, device: torch.device) -> str | None:
 def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
     """Why this ``foreach_all_gather`` call must take the stock path, or None for TIDE (``comm``: the
     group's ``TideAllGather``, None when it is not enabled)."""
-    if (reason := _call_reason(comm, STOCK_ALL_GATHERS, device)) is not None:
+    if (reason := _call_reason(comm, group, STOCK_ALL_GATHERS, device)) is not None:
         return reason
     if async_op:
         return "async_op"
@@ -232,7 +243,7 @@ def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, cust
     dtypes in one group (torch 2.15: fp32 norm weights beside bf16 ones) are TIDE's: each is summed in
     fp32. HSDP's all-reduce and an all-reduce hook follow TIDE-RS as they follow stock's reduce-scatter
     (tide.fsdp.replicate). ``comm``: the group's ``TideReduceScatter``, None when it is not enabled."""
-    if (reason := _call_reason(comm, STOCK_REDUCE_SCATTERS, device)) is not None:
+    if (reason := _call_reason(comm, rs_group, STOCK_REDUCE_SCATTERS, device)) is not None:
         return reason
     if custom_input_fn:
         return "reduce_scatter_input_fn"
