@@ -576,3 +576,39 @@ def fsdp_apis(rank: int, world_size: int, steps: int) -> dict:
         except Exception as e:  # noqa: BLE001 (compared with stock's)
             out["symm_mem_errors"][use_tide] = f"{type(e).__name__}: {e}"
     return out
+
+
+# ---------------------------------------------------------------------------------------------- CommDebugMode
+def comm_debug_counts(rank: int, world_size: int, steps: int) -> dict:
+    """What ``CommDebugMode`` counts, stock then TIDE, for the tiny model with bf16 params and explicit
+    prefetch: per step the collectives of the forward and of the backward (one mode each), and per module and
+    phase over a whole step (one mode); plus the run's ``tide.stats()["fsdp"]``."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    torch.set_num_threads(1)
+    cfg = PRESETS["tiny"]
+
+    def named(counts: dict) -> dict:
+        return {str(op): n for op, n in counts.items()}
+    out = {}
+    for name, use_tide in (("stock", False), ("tide", True)):
+        model = fsdp_model(cfg, device="cpu", mp_policy=BF16, use_tide=use_tide, prefetch=True)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tide.reset_stats()
+        phases = []
+        for step in range(steps):
+            tokens, targets = batch(cfg, step, rank)
+            with CommDebugMode() as forward:
+                loss = loss_fn(model(tokens), targets)
+            with CommDebugMode() as backward:
+                loss.backward()
+            optim.step()
+            optim.zero_grad()
+            phases.append({"forward": named(forward.get_comm_counts()), "backward": named(backward.get_comm_counts())})
+        tokens, targets = batch(cfg, steps, rank)
+        with CommDebugMode() as whole:
+            loss_fn(model(tokens), targets).backward()
+        modules = {module: {phase: named(c) for phase, c in counts.items()}
+                   for module, counts in whole.comm_module_counts.items()}
+        out[name] = {"phases": phases, "modules": modules, "stats": tide.stats()["fsdp"]}
+    return out

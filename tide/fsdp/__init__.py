@@ -5,9 +5,9 @@ rank-major buffers); unsupported cases take the original FSDP2 path per call (se
 block all-gather outputs bound in its slots, its data region leased for forward and for backward
 (docs/fsdp.md, "CUDA transport wiring").
 
-Modules: ``comms`` (the opt-in markers), ``fallbacks`` (why a call takes stock), ``seam`` (the three
-wrappers and their install), ``wiring`` (arena and slots), ``hooks`` (Slot-Reuse), ``compat`` (torch
-versions).
+Modules: ``comms`` (which groups are TIDE's, their per-group state), ``fallbacks`` (why a call takes stock),
+``seam`` (the three wrappers and their install), ``wiring`` (arena and slots), ``hooks`` (Slot-Reuse),
+``compat`` (torch versions), ``comm_debug`` (``CommDebugMode`` counts TIDE's collectives as stock's).
 """
 from __future__ import annotations
 

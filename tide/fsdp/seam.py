@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from tide import counters, registry, topology
-from tide.fsdp import comms, compat, extensions, hooks, reduce_output, replicate, shard_dims, wiring
+from tide.fsdp import comm_debug, comms, compat, extensions, hooks, reduce_output, replicate, shard_dims, wiring
 from tide.fsdp.comms import TideAllGatherResult
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason
 from tide.meta.call_site import call_identity
@@ -248,6 +248,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
                                            all_gather_stream, device, all_gather_comm)
     if arena is not None:
         wiring.release_at_backward_end()
+    comm_debug.register_if_loaded()
     param_group = comm.param_group
     phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
     with _identity(param_group, "all_gather", phase):
@@ -300,6 +301,7 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, de
     arena = wiring.arena_for(group, device, comm.transport)
     if arena is not None:
         wiring.release_at_backward_end()
+    comm_debug.register_if_loaded()
     with _identity(comm.param_group, "reduce_scatter", "backward"):
         return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena,
                             across)
