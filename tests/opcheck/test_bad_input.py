@@ -69,6 +69,21 @@ BAD_CALLS = {
                                   ValueError, r"tide\.reduce_scatter: inputs\[0\] has shape \(3, 2\)"),
     "rs_functional_out_dtype": (ops.reduce_scatter, lambda g: ([_f32(2)], 1.0, torch.int64, 1, g),
                                 TypeError, r"tide\.reduce_scatter: out_dtype torch\.int64"),
+    "ag_start_int_dtype": (ops.all_gather_start, lambda g: ([_f32(2), torch.ones(2, dtype=torch.int32)], 1, g),
+                           TypeError, r"tide\.all_gather_start: shards\[1\] has dtype torch\.int32; .*view other "
+                                      r"payloads as uint8"),
+    "ag_start_zero_d": (ops.all_gather_start, lambda g: ([torch.tensor(2.0)], 1, g),
+                        ValueError, r"tide\.all_gather_start: shards\[0\] is 0-d"),
+    "ag_start_non_contiguous": (ops.all_gather_start, lambda g: ([_f32(3, 2).t()], 1, g),
+                                ValueError, r"tide\.all_gather_start: shards\[0\] must be contiguous"),
+    "ag_start_bad_world_size": (ops.all_gather_start, lambda g: ([_f32(2)], 0, g),
+                                ValueError, r"tide\.all_gather_start: world_size must be >= 1"),
+    "rs_start_byte_grads": (ops.reduce_scatter_start, lambda g: ([torch.ones(2, dtype=torch.uint8)], 1.0, None, 1, g),
+                            TypeError, r"tide\.reduce_scatter_start: grads\[0\] has dtype torch\.uint8"),
+    "rs_start_non_contiguous": (ops.reduce_scatter_start, lambda g: ([_bf16(2), _bf16(2, 4).t()], 1.0, None, 1, g),
+                                ValueError, r"tide\.reduce_scatter_start: grads\[1\] must be contiguous"),
+    "rs_start_out_dtype": (ops.reduce_scatter_start, lambda g: ([_bf16(3)], 1.0, torch.int64, 1, g),
+                           TypeError, r"tide\.reduce_scatter_start: out_dtype torch\.int64"),
 }
 # Calls without any tensor reach no backend kernel (and no fake kernel): the ops' catch-all refuses them.
 EMPTY_CALLS = {
@@ -78,6 +93,9 @@ EMPTY_CALLS = {
                  r"tide\.reduce_scatter_params_: grads is empty"),
     "ag_functional_empty": (ops.all_gather, lambda g: ([], 1, g), r"tide\.all_gather: shards is empty"),
     "rs_functional_empty": (ops.reduce_scatter, lambda g: ([], 1.0, None, 1, g), r"tide\.reduce_scatter: inputs is empty"),
+    "ag_start_empty": (ops.all_gather_start, lambda g: ([], 1, g), r"tide\.all_gather_start: shards is empty"),
+    "rs_start_empty": (ops.reduce_scatter_start, lambda g: ([], 1.0, None, 1, g),
+                       r"tide\.reduce_scatter_start: grads is empty"),
 }
 
 
@@ -114,6 +132,8 @@ def test_mixed_devices_are_rejected():
     lambda g: ops.reduce_scatter_params_([_bf16(4)], [_f32(2)], 1.0, False, 2, g),
     lambda g: ops.all_gather([_f32(2)], 2, g),
     lambda g: ops.reduce_scatter([_f32(4)], 1.0, None, 2, g),
+    lambda g: ops.all_gather_start([_f32(2)], 2, g),
+    lambda g: ops.reduce_scatter_start([_bf16(3)], 1.0, None, 2, g),
 ])
 def test_world_size_must_match_the_group(call, group_name):
     with pytest.raises(ValueError, match=r"tide\.\w+: world_size=2 but group .* has 1 ranks"):
@@ -123,6 +143,8 @@ def test_world_size_must_match_the_group(call, group_name):
 @pytest.mark.parametrize("call", [
     lambda: ops.all_gather_into_params_([_f32(2)], [_f32(2)], 1, "no-such-group"),
     lambda: ops.reduce_scatter_params_([_bf16(2)], [_f32(2)], 1.0, False, 1, "no-such-group"),
+    lambda: ops.all_gather_start([_f32(2)], 1, "no-such-group"),
+    lambda: ops.reduce_scatter_start([_bf16(2)], 1.0, None, 1, "no-such-group"),
 ])
 def test_unknown_group_name(call, group_name):
     with pytest.raises(ValueError, match=r"tide\.\w+: group_name 'no-such-group' does not name a registered process group"):
@@ -154,6 +176,38 @@ def test_typed_wrappers_call_the_ops(group_name):
     assert torch.equal(gathered, shard)
     (reduced,) = tide.ops.reduce_scatter([grad], group, scale=2.0, out_dtype=torch.float32)
     assert reduced.dtype == torch.float32 and torch.equal(reduced, grad.float() * 2)
+
+
+def test_graph_ops_on_one_rank(group_name):
+    """W = 1: the gather is the shard in its dtype, the reduce ``scale * grad`` in fp32 (or ``out_dtype``),
+    a 0-d gradient one row; and each output's work is registered until wait_tensor takes it."""
+    wait = torch.ops._c10d_functional.wait_tensor
+    before = torch._C._distributed_c10d._get_work_registry_size()
+    shard, grad, scalar = _bf16(3, 2), _bf16(3, 2), torch.randn(())
+    (gathered,) = ops.all_gather_start([shard], 1, group_name)
+    reduced, reduced_scalar = ops.reduce_scatter_start([grad, scalar], 0.5, None, 1, group_name)
+    (reduced_bf16,) = ops.reduce_scatter_start([grad], 0.5, torch.bfloat16, 1, group_name)
+    assert torch._C._distributed_c10d._get_work_registry_size() == before + 4
+    assert wait(gathered) is gathered and torch.equal(gathered, shard)
+    assert torch.equal(wait(reduced), grad.float() * 0.5) and torch.equal(wait(reduced_scalar), scalar.view(1) * 0.5)
+    assert torch.equal(wait(reduced_bf16), (grad.float() * 0.5).to(torch.bfloat16))
+    assert torch._C._distributed_c10d._get_work_registry_size() == before
+
+
+@pytest.mark.parametrize("call", [
+    lambda g, x: ops.all_gather_start([x], 1, g),
+    lambda g, x: ops.reduce_scatter_start([x], 1.0, None, 1, g),
+])
+def test_graph_ops_have_no_backward(call, group_name):
+    """Not differentiable: outputs of inputs that do not require grad do not either, and a backward through
+    outputs of inputs that do raises, naming the op (no gradient silently dropped)."""
+    wait = torch.ops._c10d_functional.wait_tensor
+    (out,) = call(group_name, _f32(2, 3))
+    assert not wait(out).requires_grad
+    (out,) = call(group_name, _f32(2, 3).requires_grad_())
+    with pytest.raises(RuntimeError, match=r"Trying to backward through tide\.\w+_start\.default but no autograd "
+                                           r"formula was registered"):
+        wait(out).sum().backward()
 
 
 def _views(buf, *spans):

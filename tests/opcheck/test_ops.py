@@ -88,16 +88,47 @@ def _opcheck_all(rank, ws, seed):
           torch.randn(ws * 2, generator=cases.rank_generator(seed + 2, rank), dtype=torch.bfloat16).requires_grad_()]
     results["reduce_scatter"] = torch.library.opcheck(
         torch.ops.tide.reduce_scatter.default, (ys, 0.25, torch.float32, ws, g), raise_exception=False)
+    _opcheck_graph_ops(rank, ws, seed, g, results)
     return {op: {k: str(v) if v != "SUCCESS" else v for k, v in r.items()} for op, r in results.items()}
+
+
+def _opcheck_graph_ops(rank, ws, seed, g, results):
+    """The graph ops, several dtypes in one call. They are not differentiable: opcheck gets inputs that do not
+    require grad, as torch.library.opcheck documents for such ops, and one more run checks, with inputs that
+    do, that their Autograd kernel is registered (a backward through their outputs raises: test_bad_input)."""
+    shards_by_rank, _ = _ag_args(ws, rank, seed, torch.float32, torch.float32, flat_outs=False)
+    shards = [s.to(torch.bfloat16) if i % 2 else s for i, s in enumerate(shards_by_rank[rank])]
+    results["all_gather_start"] = torch.library.opcheck(
+        torch.ops.tide.all_gather_start.default, (shards, ws, g), raise_exception=False)
+    bytes_by_rank, _ = _ag_byte_args(ws, rank, seed)
+    results["all_gather_start:bytes"] = torch.library.opcheck(
+        torch.ops.tide.all_gather_start.default, (bytes_by_rank[rank], ws, g), test_utils=BYTE_OPCHECK_UTILS,
+        raise_exception=False)
+    grads_by_rank, _ = _rs_args(ws, rank, seed, torch.bfloat16)
+    grads = [x.float() if i % 2 else x for i, x in enumerate(grads_by_rank[rank])]
+    for out_dtype in (None, torch.bfloat16):
+        results[f"reduce_scatter_start:{out_dtype}"] = torch.library.opcheck(
+            torch.ops.tide.reduce_scatter_start.default, (grads, 0.5, out_dtype, ws, g), raise_exception=False)
+    results["reduce_scatter_start:requires_grad"] = torch.library.opcheck(
+        torch.ops.tide.reduce_scatter_start.default, ([x.clone().requires_grad_() for x in grads], 0.5, None, ws, g),
+        test_utils=("test_autograd_registration",), raise_exception=False)
+
+
+def _expected_utils(case: str) -> tuple:
+    if case.endswith(":bytes"):
+        return BYTE_OPCHECK_UTILS
+    return ("test_autograd_registration",) if case.endswith(":requires_grad") else OPCHECK_UTILS
 
 
 def test_opcheck_every_op(checked):
     seed = checked[0]
     for rank, results in enumerate(_part(checked, "opcheck")):
         assert set(results) == {"all_gather_into_params_", "all_gather_into_params_:bytes", "reduce_scatter_params_",
-                                "all_gather", "reduce_scatter"}
+                                "all_gather", "reduce_scatter", "all_gather_start", "all_gather_start:bytes",
+                                "reduce_scatter_start:None", "reduce_scatter_start:torch.bfloat16",
+                                "reduce_scatter_start:requires_grad"}
         for op, r in results.items():
-            assert tuple(r) == (BYTE_OPCHECK_UTILS if op.endswith(":bytes") else OPCHECK_UTILS), (seed, rank, op, r)
+            assert tuple(r) == _expected_utils(op), (seed, rank, op, r)
             assert all(v == "SUCCESS" for v in r.values()), f"seed {seed} rank {rank} {op}: {r}"
 
 
