@@ -15,7 +15,7 @@ from tide import ops  # noqa: F401,E402  (registers torch.ops.tide.*)
 from tide.counters import reset_stats, stats  # noqa: F401,E402
 from tide.meta.call_site import call_identity  # noqa: F401,E402
 
-_LAZY = ("fsdp", "transport", "meta", "train", "models", "launch")
+_LAZY = ("fsdp", "transport", "meta", "train", "models", "launch", "compile")
 
 
 def __getattr__(name: str):

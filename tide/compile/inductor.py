@@ -1,0 +1,54 @@
+"""``enable()`` / ``disable()``: TIDE's rewrite as an Inductor post-grad pass, so that a model compiled by
+``torch.compile`` after ``enable()`` gets TIDE's collectives. The pass runs in
+``torch._inductor.config.post_grad_custom_post_pass``, before Inductor's own bucketing and overlap passes
+(they then find no FSDP collective to bucket). A pass already set there is kept: both run, the user's first.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch._inductor import config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from tide.compile.rewrite import rewrite_graph
+
+_SOURCES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
+_previous: list = []  # the config value each enable() replaced, innermost last
+
+
+class TidePass(CustomGraphPass):
+    """The rewrite of ``tide.compile.rewrite_graph`` on Inductor's post-grad graph."""
+
+    def __call__(self, graph) -> None:
+        rewrite_graph(graph)
+
+    def uuid(self) -> bytes:
+        # The FX graph cache keys on this: a change to any of the pass's sources invalidates its entries.
+        return get_hash_for_files(_SOURCES)
+
+
+def _as_tuple(value) -> tuple:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def enable() -> TidePass:
+    """Append TIDE's pass to ``post_grad_custom_post_pass`` (a list of passes when one was set) and return it."""
+    tide_pass = TidePass()
+    previous = config.post_grad_custom_post_pass
+    _previous.append(previous)
+    passes = _as_tuple(previous) + (tide_pass,)
+    config.post_grad_custom_post_pass = passes[0] if len(passes) == 1 else list(passes)
+    return tide_pass
+
+
+def disable() -> None:
+    """Restore ``post_grad_custom_post_pass`` to what the matching :func:`enable` found."""
+    if not _previous:
+        raise RuntimeError("tide.compile.disable: TIDE's pass is not enabled")
+    config.post_grad_custom_post_pass = _previous.pop()
+
+
+def enabled() -> bool:
+    return any(isinstance(p, TidePass) for p in _as_tuple(config.post_grad_custom_post_pass))

@@ -1,0 +1,99 @@
+"""The bucket plan of one graph, from rank-invariant facts only, and its agreement across ranks.
+
+A rank's graph differs from its peers' where its shard is short (a pad before the all-gather, slices after
+the waits), so the plan reads none of that: per collective only its kind, module name, phase, group,
+world size and the shapes and dtypes every rank sees alike (an all-gather's padded shard, a
+reduce-scatter's unpadded gradient and output dtype), in graph order. A bucket is a run of consecutive
+matches of one kind (the other kind's collectives may lie between) with the same module, phase, group and,
+for reduce-scatters, the same scale and output dtype. An all-gather whose shard is produced after its
+bucket's first collective starts a new bucket (the bucket's op is issued where that collective was).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+from tide import agreement
+from tide.compile.patterns import Match, Stock
+
+
+@dataclass
+class Bucket:
+    kind: str
+    module: str
+    phase: str
+    group_name: str
+    world_size: int
+    members: list[Match] = field(default_factory=list)
+
+    def describe(self) -> str:
+        facts = ", ".join(_fact(m) for m in self.members)
+        return f"{self.kind} {self.phase} {self.module or '-'} on {self.group_name}/{self.world_size}: [{facts}]"
+
+
+def _dtype(d) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _fact(m: Match) -> str:
+    if m.kind == "all_gather":
+        shape, dtype = m.facts
+        return f"{shape} {_dtype(dtype)}"
+    shape, dtype, out_dtype = m.facts
+    return f"{shape} {_dtype(dtype)}->{_dtype(out_dtype)} x{m.scale:g}"
+
+
+def _key(m: Match) -> tuple:
+    extra = (m.scale, m.facts[2]) if m.kind == "reduce_scatter" else ()
+    return (m.module, m.phase, m.group_name, m.world_size, *extra)
+
+
+def buckets(matches: list[Match], position: dict) -> list[Bucket]:
+    """The buckets of ``matches`` (in graph order); ``position`` numbers the graph's nodes in order."""
+    out: list[Bucket] = []
+    open_bucket: dict[str, tuple] = {}  # kind -> (key, bucket) of the run in progress
+    for m in matches:
+        key, run = _key(m), open_bucket.get(m.kind)
+        fits = run is not None and run[0] == key
+        if fits and m.kind == "all_gather":
+            fits = position[m.source] < position[run[1].members[0].collective]
+        if not fits:
+            run = (key, Bucket(m.kind, m.module, m.phase, m.group_name, m.world_size))
+            open_bucket[m.kind] = run
+            out.append(run[1])
+        run[1].members.append(m)
+    return out
+
+
+def describe(plan: list[Bucket], stock: list[Stock], position: dict) -> str:
+    """One line per bucket (at its first collective) and per collective left to stock, in graph order: the
+    same text on every rank whose graph holds the same collectives (``position`` only orders them)."""
+    lines = [(position[b.members[0].collective], b.describe()) for b in plan]
+    lines += [(position[s.node], f"{s.kind} stock:{s.reason}") for s in stock]
+    return "\n".join(text for _, text in sorted(lines))
+
+
+def digest(description: str) -> str:
+    return hashlib.sha256(description.encode()).hexdigest()[:16]
+
+
+_agreements = [0]  # plans agreed by this process (numbers the store keys: every rank compiles the same graphs)
+
+
+def agree(description: str) -> None:
+    """Check that every rank of the default process group planned the same, through its store; raises
+    ``RuntimeError`` on every rank, naming the first difference, when a rank planned otherwise (and after
+    the group's timeout when a rank never got here)."""
+    import torch.distributed as dist
+
+    from tide import timeouts
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    _agreements[0] += 1
+    prefix = f"tide/compile/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/plan{_agreements[0]}"
+    group = dist.group.WORLD
+    agreement.agree(dist.distributed_c10d._get_default_store(), prefix, dist.get_rank(), dist.get_world_size(),
+                    f"{digest(description)}\n{description}", timeouts.timeout_for(group),
+                    "tide.compile.rewrite: the bucket plan")

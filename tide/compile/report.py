@@ -1,0 +1,47 @@
+"""What the rewrite did, per graph (:class:`Report`) and summed over the process (:func:`report`), in the
+shape of ``tide.stats()``: per collective kind, the buckets rewritten (``"buckets"``), the collectives they
+serve (``"tide"``), the inputs copied to make them contiguous (``"copies"``) and the collectives left to
+stock per reason (``"stock:<reason>"``)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+KINDS = ("all_gather", "reduce_scatter")
+
+
+@dataclass
+class Report:
+    counts: dict[str, Counter] = field(default_factory=dict)  # kind -> {"buckets", "tide", "copies", "stock:<r>"}
+    glue_removed: int = 0  # casts, pads, splits and cats of the reduce-scatters the rewrite erased
+    digest: str = ""  # of the agreed plan (tide.compile.plan.describe)
+    plan: str = ""
+
+    def count(self, kind: str, path: str, n: int = 1) -> None:
+        self.counts.setdefault(kind, Counter())[path] += n
+
+    def as_dict(self) -> dict:
+        return {kind: dict(sorted(c.items())) for kind, c in sorted(self.counts.items())}
+
+
+_totals: dict[str, Counter] = {}
+_graphs = Counter()
+
+
+def record(one: Report) -> None:
+    for kind, c in one.counts.items():
+        _totals.setdefault(kind, Counter()).update(c)
+    _graphs["graphs"] += 1
+    _graphs["glue_removed"] += one.glue_removed
+
+
+def report() -> dict:
+    """Every rewrite since the last :func:`reset_report`: ``{kind: {"buckets": n, "tide": n,
+    "stock:<reason>": n}, "graphs": n, "glue_removed": n}``."""
+    return {**{kind: dict(sorted(c.items())) for kind, c in sorted(_totals.items())},
+            "graphs": _graphs["graphs"], "glue_removed": _graphs["glue_removed"]}
+
+
+def reset_report() -> None:
+    _totals.clear()
+    _graphs.clear()
