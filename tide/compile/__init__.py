@@ -8,4 +8,4 @@
 """
 from tide.compile.inductor import TidePass, disable, enable, enabled  # noqa: F401
 from tide.compile.report import Report, report, reset_report  # noqa: F401
-from tide.compile.rewrite import rewrite, rewrite_graph  # noqa: F401
+from tide.compile.rewriter import rewrite, rewrite_graph  # noqa: F401

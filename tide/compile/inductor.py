@@ -10,7 +10,7 @@ from pathlib import Path
 from torch._inductor import config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from tide.compile.rewrite import rewrite_graph
+from tide.compile.rewriter import rewrite_graph
 
 _SOURCES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
 _previous: list = []  # the config value each enable() replaced, innermost last

@@ -1,0 +1,43 @@
+"""What a compiled graph holds, counted (the tests assert on these counts): TIDE's ops, c10d FSDP collectives,
+and the reduce-scatter glue TIDE removes (fp32 casts, pads not feeding an all-gather, splits, cats, dead nodes)."""
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph
+
+aten, prims, c10d = torch.ops.aten, torch.ops.prims, torch.ops._c10d_functional
+CASTS = {aten._to_copy.default, prims.convert_element_type.default}
+
+
+def _fp32_cast(node) -> bool:
+    val = node.meta.get("val")
+    return node.target in CASTS and isinstance(val, torch.Tensor) and val.dtype == torch.float32
+
+
+def summarize(graph: Graph) -> dict:
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    count = lambda pred: sum(1 for n in calls if pred(n))  # noqa: E731
+    ag_start = torch.ops.tide.all_gather_start.default
+    return {
+        "backward": any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes),
+        "all_gather_start": count(lambda n: n.target is ag_start),
+        "reduce_scatter_start": count(lambda n: n.target is torch.ops.tide.reduce_scatter_start.default),
+        "c10d": count(lambda n: n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)),
+        "fp32_casts": count(_fp32_cast),
+        "pads_not_for_all_gather": count(lambda n: n.target is aten.constant_pad_nd.default
+                                         and not any(u.target is ag_start for u in n.users)),
+        "splits": count(lambda n: n.target in (aten.split.Tensor, aten.split_with_sizes.default)),
+        "cats": count(lambda n: n.target is aten.cat.default),
+        "dead": count(lambda n: not n.users and not n.is_impure()),
+    }
+
+
+def assert_rewritten(summary: dict) -> None:
+    """TIDE's ops, no c10d FSDP collective, and in a backward graph none of the reduce-scatter's glue."""
+    assert summary["c10d"] == 0, summary
+    assert summary["all_gather_start"] + summary["reduce_scatter_start"] > 0, summary
+    assert summary["dead"] == 0, summary
+    if summary["backward"]:
+        assert summary["reduce_scatter_start"] > 0, summary
+        assert summary["fp32_casts"] == summary["pads_not_for_all_gather"] == summary["splits"] == 0, summary
+        assert summary["cats"] == 0, summary
