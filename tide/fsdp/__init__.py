@@ -103,8 +103,8 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
         compat.warn_untested_once("tide.fsdp.enable")
     threaded = sum(call_groups.threaded_ranks(g._all_gather_process_group) for g, _ in groups)
     if threaded:
-        warnings.warn(f"tide.fsdp.enable: {threaded} of {len(groups)} param groups shard over ranks that are threads of "
-                      "one process (torch's threaded test backend); TIDE needs a process per rank, so their "
+        warnings.warn(f"tide.fsdp.enable: {threaded} of {len(groups)} param groups shard over ranks that are "
+                      "threads of one process (torch's threaded test backend); TIDE needs a process per rank, so their "
                       "collectives take stock FSDP2 (tide.stats(): stock:threaded_ranks)", RuntimeWarning, stacklevel=2)
     for g, leaf in groups:
         enabled = comms.of_group(g)

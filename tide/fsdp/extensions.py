@@ -29,7 +29,7 @@ def has_hooks(fsdp_param) -> bool:
 
 def hooked(comm, fsdp_params) -> tuple[bool, ...]:
     """Per param, :func:`has_hooks`; empty when no param of the group has them (the common case). Kept on
-    the group's marker comm: FSDP passes the same list on every unshard."""
+    the group's ``TideAllGather``: FSDP passes the same list on every unshard."""
     if comm.hooked is None or comm.hooked[0] is not fsdp_params:
         flags = tuple(has_hooks(p) for p in fsdp_params)
         comm.hooked = (fsdp_params, flags if any(flags) else ())

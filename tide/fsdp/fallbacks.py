@@ -3,8 +3,8 @@ call's arguments and of facts fixed per group (docs/fsdp.md has the table of rea
 
 Every input is host-side state that is identical on every rank, so all ranks decide alike (a rank that
 took another path than its peers would leave them waiting in a collective). The only facts that need the
-machine, the CUDA contract (compute capability, NVLink domain), are looked up once per group and kept on
-its marker comm.
+machine, the CUDA contract (compute capability, NVLink domain), are looked up once per group and kept in
+its TIDE state (``tide.fsdp.comms``).
 """
 from __future__ import annotations
 

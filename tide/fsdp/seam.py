@@ -3,8 +3,9 @@
 ``install()`` rebinds ``foreach_all_gather``, ``foreach_all_gather_copy_out`` and ``foreach_reduce`` in
 ``torch.distributed.fsdp._fully_shard._fsdp_param_group``'s namespace, where ``FSDPParamGroup`` looks them
 up at call time (whatever was bound there before is kept and called for the stock path, so other
-patchers chain). A param group is opted in by carrying TIDE's marker comm objects (``tide.fsdp.comms``);
-every call decides on its own (``tide.fsdp.fallbacks``): the TIDE path when the group is opted in and the
+patchers chain). A param group is opted in by ``enable`` giving it TIDE's per-group state
+(``tide.fsdp.comms``, found from the params FSDP2 passes; FSDP2's own comms stay in place); every call
+decides on its own (``tide.fsdp.fallbacks``): the TIDE path when the group is opted in and the
 case is supported, else the original function, counted in ``tide.stats()["fsdp"]`` under
 ``"stock:<reason>"`` and logged once per reason. Both collectives first raise the transport watchdog's
 error if a TIDE op has timed out (``tide.transport.watchdog``), stock path included.
