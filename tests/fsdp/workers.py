@@ -534,13 +534,22 @@ def fsdp_apis(rank: int, world_size: int, steps: int) -> dict:
     torch.set_num_threads(1)
     cfg = PRESETS["tiny"]
     user_all_gather, user_reduce_scatter = _user_comms()
+    # case: (the FSDPModule method, a call of it); cases whose method this torch lacks are left out.
     cases = {
-        "allocate_from_pg": lambda m: m.set_allocate_memory_from_process_group_for_comm(True),
-        "allocate_from_pg_off": lambda m: m.set_allocate_memory_from_process_group_for_comm(False),
-        "custom_all_gather": lambda m: m.set_custom_all_gather(user_all_gather()),
-        "custom_reduce_scatter": lambda m: m.set_custom_reduce_scatter(user_reduce_scatter()),
-        "separate_reduce_scatter_group": lambda m: m.set_separate_reduce_scatter_group(True, recurse=False),
+        "allocate_from_pg": ("set_allocate_memory_from_process_group_for_comm",
+                             lambda m: m.set_allocate_memory_from_process_group_for_comm(True)),
+        "allocate_from_pg_off": ("set_allocate_memory_from_process_group_for_comm",
+                                 lambda m: m.set_allocate_memory_from_process_group_for_comm(False)),
+        "custom_all_gather": ("set_custom_all_gather", lambda m: m.set_custom_all_gather(user_all_gather())),
+        "custom_reduce_scatter": ("set_custom_reduce_scatter",
+                                  lambda m: m.set_custom_reduce_scatter(user_reduce_scatter())),
+        "separate_reduce_scatter_group": ("set_separate_reduce_scatter_group",
+                                          lambda m: m.set_separate_reduce_scatter_group(True, recurse=False)),
+        # Reads the reduce-scatter comm to refuse symmetric memory with more than one buffer.
+        "reduce_scatter_max_input_buffers": ("set_reduce_scatter_max_input_buffers",
+                                             lambda m: m.set_reduce_scatter_max_input_buffers(2, recurse=False)),
     }
+    cases = {case: api for case, (method, api) in cases.items() if hasattr(FSDPModule, method)}
 
     def on_every_fsdp_module(api):
         def setup(model):
@@ -570,7 +579,7 @@ def fsdp_apis(rank: int, world_size: int, steps: int) -> dict:
             out[case][name] = run
     # Symmetric memory needs NCCL: on gloo the call raises, and must raise as on stock.
     out["symm_mem_errors"] = {}
-    for use_tide in (False, True):
+    for use_tide in (False, True) if hasattr(FSDPModule, "set_symm_mem_for_comm") else ():
         try:
             on_every_fsdp_module(lambda m: m.set_symm_mem_for_comm())(fsdp_model(cfg, device="cpu", use_tide=use_tide))
         except Exception as e:  # noqa: BLE001 (compared with stock's)
