@@ -52,6 +52,7 @@ stock_functions: dict[str, object] = {}  # FSDP2 function name -> what was bound
 call_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParamGroup -> {(op, phase): calls}
 groups_of_params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParam -> weakref(its enabled group)
 compat_warned: set = set()  # torch versions warned about once
+comm_debug_rules: list = []  # tide.fsdp.comm_debug: each op's CountedAs, once its CommDebugMode rule is registered
 
 
 def group_entry(table: dict, group):

@@ -17,13 +17,14 @@ import sys
 
 import torch
 
+from tide import registry
+
 _COMM_MODE_MODULE = "torch.distributed.tensor.debug._comm_mode"
 # TIDE op -> the c10d collective it stands for.
 COUNTED_AS = {
     "all_gather_into_params_": "_allgather_base_",
     "reduce_scatter_params_": "_reduce_scatter_base_",
 }
-_registered: list = []  # the CountedAs of each op, once registered
 
 
 class CountedAs:
@@ -43,7 +44,7 @@ class CountedAs:
 
 def register_if_loaded() -> None:
     """Register the rules once ``CommDebugMode``'s module is loaded (nothing to count before)."""
-    if _registered or _COMM_MODE_MODULE not in sys.modules:
+    if registry.comm_debug_rules or _COMM_MODE_MODULE not in sys.modules:
         return
     mode_class = sys.modules[_COMM_MODE_MODULE].CommDebugMode
     counted = {}
@@ -53,4 +54,4 @@ def register_if_loaded() -> None:
         torch.library.register_torch_dispatch(f"tide::{name}", mode_class,
                                               lambda mode, func, types, args, kwargs:
                                               mode.__torch_dispatch__(counted[func], types, args, kwargs))
-    _registered.extend(counted.values())
+    registry.comm_debug_rules.extend(counted.values())
