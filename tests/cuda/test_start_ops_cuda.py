@@ -1,0 +1,132 @@
+"""The graph ops ``all_gather_start`` / ``reduce_scatter_start`` on CUDA (skipped without CUDA): two ranks
+share one GPU over gloo, without an arena (the reference backend) and with one (the reduce-scatter on the
+transport, the all-gather's allocator outputs on the reference), each result bit-exact against the CPU
+reference of the same data; the works complete through ``wait_tensor``; opcheck; and compiled graphs
+(``aot_eager`` and Inductor) equal to eager. Data is fresh per run (the seed is in every message).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.cuda import ranks
+from tests.opcheck import cases
+from tide.launch import run_ranks
+
+pytestmark = pytest.mark.cuda
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+SHARD_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+GRAD_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _registry_size() -> int:
+    return torch._C._distributed_c10d._get_work_registry_size()
+
+
+def _inputs(ws, seed):
+    """Every rank's padded shards and unpadded gradients (CPU), uneven, several dtypes in one call."""
+    shapes = cases.param_shapes(ws)
+    shards, grads = [], []
+    for r in range(ws):
+        gen = cases.rank_generator(seed, r)
+        shards.append([cases.random_bytes(cases.padded_shard(s, ws, r, torch.float32, gen).shape, gen)
+                       if dt == torch.uint8 else cases.padded_shard(s, ws, r, dt, gen)
+                       for s, dt in zip([s for s in shapes if s], SHARD_DTYPES * len(shapes))])
+        grads.append([cases.random_grad(s, dt, gen) for s, dt in zip(shapes, GRAD_DTYPES * len(shapes))])
+    return shards, grads
+
+
+def _check_calls(rank, ws, seed, dev, what):
+    import tide
+
+    g = dist.group.WORLD.group_name
+    wait = torch.ops._c10d_functional.wait_tensor
+    shards_by_rank, grads_by_rank = _inputs(ws, seed)
+    tide.reset_stats()
+    before = _registry_size()
+    outs = torch.ops.tide.all_gather_start([s.to(dev) for s in shards_by_rank[rank]], ws, g)
+    assert _registry_size() == before + len(outs), (seed, what)
+    for i, out in enumerate(outs):
+        assert wait(out) is out
+        ranks.assert_bits(f"seed {seed} {what} all_gather_start param {i}", out, torch.cat([s[i] for s in shards_by_rank]))
+    for out_dtype in (None, torch.bfloat16):
+        got = torch.ops.tide.reduce_scatter_start([x.to(dev) for x in grads_by_rank[rank]], 0.37, out_dtype, ws, g)
+        for i, shard in enumerate(got):
+            wait(shard)
+            _, fp32 = cases.reference_reduce_scatter([gr[i] for gr in grads_by_rank], ws, rank, 0.37)
+            ranks.assert_bits(f"seed {seed} {what} reduce_scatter_start param {i} out_dtype {out_dtype}", shard,
+                              fp32.to(out_dtype or torch.float32))
+    assert _registry_size() == before, (seed, what)
+    torch.cuda.synchronize()
+    return tide.stats()["ops"]
+
+
+def _fn(shards, grads, ws, g):
+    wait = torch.ops._c10d_functional.wait_tensor
+    gathered = [wait(o) for o in torch.ops.tide.all_gather_start(shards, ws, g)]
+    reduced = [wait(s) for s in torch.ops.tide.reduce_scatter_start(grads, 0.5, torch.bfloat16, ws, g)]
+    return [o.float() * 2 for o in gathered] + [s + 1 for s in reduced]
+
+
+def _check_compiled(rank, ws, seed, dev):
+    g = dist.group.WORLD.group_name
+    shards_by_rank, grads_by_rank = _inputs(ws, seed)
+    shards = [s.to(dev) for s in shards_by_rank[rank] if s.dtype != torch.uint8]
+    grads = [x.to(dev) for x in grads_by_rank[rank]]
+    want = _fn(shards, grads, ws, g)
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        got = torch.compile(lambda s, x: _fn(s, x, ws, g), backend=backend, fullgraph=True)(shards, grads)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), (seed, backend)
+    torch.cuda.synchronize()
+    return True
+
+
+def start_ops_rank(rank: int, ws: int, seed: int) -> dict:
+    from tide import transport
+
+    g = dist.group.WORLD.group_name
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = {"no_arena": _check_calls(rank, ws, seed, dev, "no arena")}
+    transport.enable(dist.group.WORLD, slot_bytes=1 << 20)
+    out["arena"] = _check_calls(rank, ws, seed + 1, dev, "arena")
+    out["arena_again"] = _check_calls(rank, ws, seed + 2, dev, "arena, same layouts")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # issued on a side stream, waited on the default one
+        (gathered,) = torch.ops.tide.all_gather_start([torch.full((3, 2), float(rank), device=dev)], ws, g)
+    torch.ops._c10d_functional.wait_tensor(gathered)
+    out["side_stream"] = gathered.cpu().tolist()
+    out["compiled"] = _check_compiled(rank, ws, seed + 3, dev)
+    shards_by_rank, grads_by_rank = _inputs(ws, seed + 4)
+    out["opcheck"] = {
+        "all_gather_start": torch.library.opcheck(torch.ops.tide.all_gather_start.default,
+                                                  ([s.to(dev) for s in shards_by_rank[rank]], ws, g),
+                                                  raise_exception=False),
+        "reduce_scatter_start": torch.library.opcheck(torch.ops.tide.reduce_scatter_start.default,
+                                                      ([x.to(dev) for x in grads_by_rank[rank]], 0.5, None, ws, g),
+                                                      raise_exception=False)}
+    out["opcheck"] = {op: {k: str(v) if v != "SUCCESS" else v for k, v in r.items()} for op, r in out["opcheck"].items()}
+    torch.cuda.synchronize()
+    transport.disable(g)
+    return out
+
+
+def test_graph_ops_on_cuda(ext):
+    seed = random.SystemRandom().randrange(1 << 30)
+    ws = 2
+    for rank, r in enumerate(run_ranks(start_ops_rank, ws, seed, backend="gloo", device_type="cuda", env=ranks.ENV,
+                                       timeout=500)):
+        assert r["no_arena"]["all_gather_start:allocator"] == 1 and r["no_arena"]["reduce_scatter_start:allocator"] == 2
+        assert r["no_arena"]["all_gather_into_params_:stock:no_arena"] == 1, (seed, r["no_arena"])
+        assert r["no_arena"]["reduce_scatter_params_:stock:no_arena"] == 2, (seed, r["no_arena"])
+        for part in ("arena", "arena_again"):
+            assert r[part]["all_gather_into_params_:stock:outputs_not_in_slot"] == 1, (seed, part, r[part])
+            assert r[part].get("reduce_scatter_params_:tide") == 2, (seed, part, r[part])  # on the transport
+        assert r["side_stream"] == [[float(q)] * 2 for q in range(ws) for _ in range(3)], (seed, r["side_stream"])
+        assert r["compiled"] is True
+        for op, checks in r["opcheck"].items():
+            assert tuple(checks) == OPCHECK_UTILS and all(v == "SUCCESS" for v in checks.values()), (seed, rank, op, checks)
