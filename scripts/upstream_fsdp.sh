@@ -16,6 +16,8 @@ shift
 modes=("$@")
 [ ${#modes[@]} -gt 0 ] || modes=(stock tide)
 py=${PYTHON:-python3}
+# a relative interpreter path must survive the cd into FOLDER (keep its name: a venv's python is a link)
+case "$py" in */*) py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")" ;; esac
 export PYTHONPATH="$repo/tests/upstream/site:$repo${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 export DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=${DISTRIBUTED_TESTS_DEFAULT_TIMEOUT:-1200}
