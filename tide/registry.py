@@ -52,6 +52,9 @@ stock_functions: dict[str, object] = {}  # FSDP2 function name -> what was bound
 call_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParamGroup -> {(op, phase): calls}
 groups_of_params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParam -> weakref(its enabled group)
 compat_warned: set = set()  # torch versions warned about once
+joined_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDPParamGroup -> (its join's reason,)
+join_instances: Counter = Counter()  # (process-group name, module FQN) -> param groups joined (numbers store keys)
+groups_missing_peers: set = set()  # process-group names on which a join found a peer not on TIDE
 comm_debug_rules: list = []  # tide.fsdp.comm_debug: each op's CountedAs, once its CommDebugMode rule is registered
 
 

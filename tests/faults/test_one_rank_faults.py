@@ -143,7 +143,8 @@ def every_rank_unknown_group(rank: int, W: int, how: str) -> dict:
 
 @pytest.mark.parametrize("how", ["destroyed", "unknown"])
 def test_a_group_no_rank_knows_raises_at_once(how):
-    outcomes = run_ranks_outcomes(every_rank_unknown_group, 2, how, timeout=120, pg_timeout=PG_TIMEOUT_S, env=ENV)
+    # No TIDE_TIMEOUT_S: the bound is the process groups' 60 s, which no rank may wait for.
+    outcomes = run_ranks_outcomes(every_rank_unknown_group, 2, how, timeout=120, pg_timeout=PG_TIMEOUT_S)
     for o in outcomes:
         assert o.status == "ok", o
         bad = o.detail["bad"]
@@ -228,3 +229,35 @@ def test_ranks_that_are_threads_are_refused_at_once():
     assert len(got) == 2, got
     for g in got:
         assert not g["ok"] and g["s"] < LOCAL_BOUND_S and "threads of one process" in g["msg"], g
+
+
+def enabled_on_one_rank(rank: int, W: int) -> dict:
+    """Two trainings of the same model: stock on every rank, then with ``tide.fsdp.enable`` on rank 0 only."""
+    import warnings
+
+    import numpy as np
+
+    from tests.fsdp.workers import _train
+    from tide.models import PRESETS
+
+    cfg = PRESETS["tiny"]
+    _, _, stock = _train(cfg, rank, use_tide=False, steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, mixed = _train(cfg, rank, use_tide=rank == 0, steps=2)
+    same = stock["losses"] == mixed["losses"] and all(
+        np.array_equal(a, b) for a, b in zip(stock["params"] + stock["grads"], mixed["params"] + mixed["grads"]))
+    return {"same": same, "stats": mixed["stats"], "warnings": [str(w.message) for w in caught]}
+
+
+def test_enable_on_one_rank_only_trains_as_stock_on_every_rank():
+    outcomes = run_ranks_outcomes(enabled_on_one_rank, 2, timeout=240, pg_timeout=PG_TIMEOUT_S, env=ENV)
+    for o in outcomes:
+        assert o.status == "ok", o
+        assert o.detail["same"], o.rank  # bit for bit what stock FSDP2 gives
+    tide_rank = outcomes[0].detail
+    for kind in ("all_gather", "reduce_scatter"):
+        paths = tide_rank["stats"][kind]
+        assert set(paths) == {"stock:peer_not_enabled"}, paths
+    said = [w for w in tide_rank["warnings"] if "stock:peer_not_enabled" in w]
+    assert said and "group rank(s) [1]" in said[0], tide_rank["warnings"]

@@ -99,6 +99,7 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
             f"tide.fsdp.enable: module ({type(module).__name__}) contains no FSDP2 module with parameters; "
             "call torch.distributed.fsdp.fully_shard on it (or its submodules) first"
         )
+    call_groups.publish_process()  # a peer that waits for this rank from now on can tell whether it ended
     if seam.install() is None:
         compat.warn_untested_once("tide.fsdp.enable")
     threaded = sum(call_groups.threaded_ranks(g._all_gather_process_group) for g, _ in groups)

@@ -17,7 +17,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide import knobs, topology
-from tide.fsdp import compat
+from tide.fsdp import compat, joined
 from tide.fsdp.comms import STOCK_ALL_GATHERS, STOCK_REDUCE_SCATTERS
 from tide.meta.checks import FLOAT_DTYPES
 from tide.meta.multinode import Topology
@@ -26,7 +26,7 @@ from tide.ops import call_groups
 # Every reason a call takes the stock path.
 REASONS = (
     "not_enabled", "threaded_ranks", "custom_comm", "capture_before_arena", "capture_multinode", "compiling",
-    "functorch", "async_op", "world_size_1", "compute_capability", "nvlink_domain", "post_forward_mesh",
+    "functorch", "async_op", "world_size_1", "peer_not_enabled", "compute_capability", "nvlink_domain", "post_forward_mesh",
     "keep_unsharded_storage", "all_gather_output_fn", "cpu_offload", "extension_shard_dim", "dtensor_param",
     "subclass_param", "mixed_param_dtypes", "unsupported_dtype", "reduce_dtype", "reduce_scatter_input_fn",
     "subclass_grad", "noncontiguous_grad", "arena_busy",
@@ -218,6 +218,8 @@ def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
         return "async_op"
     if group.size() == 1:
         return "world_size_1"
+    if (reason := joined.reason(comm.param_group, group)) is not None:
+        return reason
     if (reason := _device_reason(device, group, comm) or capture_reason(device, group)) is not None:
         return reason
     for p in fsdp_params:
@@ -249,6 +251,8 @@ def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, cust
         return "reduce_scatter_input_fn"
     if rs_group is None or rs_group.size() == 1:
         return "world_size_1"
+    if (reason := joined.reason(comm.param_group, rs_group)) is not None:
+        return reason
     if (reason := _device_reason(device, rs_group, comm) or capture_reason(device, rs_group)) is not None:
         return reason
     for g in grads:
