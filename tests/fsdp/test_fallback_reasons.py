@@ -11,6 +11,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGat
                                                                    ProcessGroupAllocReduceScatter)
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
+from tide import registry
 from tide.fsdp import compat, fallbacks
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 
@@ -65,9 +66,20 @@ def _no_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
-def _tide_all_gather(fsdp_comm=None, output_fn=None):
+class _ParamGroup(types.SimpleNamespace):
+    """A stand-in FSDPParamGroup, its first collective already joined by every rank (``tide.fsdp.joined``:
+    ``joined`` is that join's verdict, None: every rank runs it on TIDE)."""
+
+    __eq__, __hash__ = object.__eq__, object.__hash__  # a group is itself, as in the weak registry FSDP's are
+
+    def __init__(self, joined=None, **kw):
+        super().__init__(**kw)
+        registry.joined_groups[self] = (joined,)
+
+
+def _tide_all_gather(fsdp_comm=None, output_fn=None, joined=None):
     """An enabled group's all-gather state; its FSDP2 comm is ``fsdp_comm`` (default: FSDP2's own)."""
-    param_group = types.SimpleNamespace(_all_gather_comm=fsdp_comm or DefaultAllGather())
+    param_group = _ParamGroup(joined, _all_gather_comm=fsdp_comm or DefaultAllGather())
     if output_fn is not None:
         param_group._all_gather_output_fn = output_fn
     return TideAllGather(param_group)
@@ -75,15 +87,15 @@ def _tide_all_gather(fsdp_comm=None, output_fn=None):
 
 # comm: "tide" (enabled, FSDP2's comm in the group's slot), None (not enabled) or a TideAllGather/TideReduceScatter.
 # contract: the CUDA contract's verdict for the group (as looked up once per group); ... = not looked up
-def _ag(params=None, group=None, async_op=False, device=CPU, comm="tide", contract=..., output_fn=None):
-    comm = _tide_all_gather(output_fn=output_fn) if comm == "tide" else comm
+def _ag(params=None, group=None, async_op=False, device=CPU, comm="tide", contract=..., output_fn=None, joined=None):
+    comm = _tide_all_gather(output_fn=output_fn, joined=joined) if comm == "tide" else comm
     if contract is not ...:
         comm.contract = (contract,)
     return fallbacks.all_gather_reason(params or [_param()], group or _Group(), async_op, device, comm)
 
 
-def _tide_reduce_scatter(fsdp_comm=None):
-    param_group = types.SimpleNamespace(_reduce_scatter_comm=fsdp_comm or DefaultReduceScatter())
+def _tide_reduce_scatter(fsdp_comm=None, joined=None):
+    param_group = _ParamGroup(joined, _reduce_scatter_comm=fsdp_comm or DefaultReduceScatter())
     return TideReduceScatter(param_group, "in_place")
 
 
@@ -106,8 +118,8 @@ class _UserReduceScatter(ReduceScatter):
 
 
 def _rs(params=None, grads=None, group=None, reduce_dtype=torch.float32, device=CPU, comm="tide", contract=...,
-        custom_input_fn=False):
-    comm = _tide_reduce_scatter() if comm == "tide" else comm
+        custom_input_fn=False, joined=None):
+    comm = _tide_reduce_scatter(joined=joined) if comm == "tide" else comm
     if contract is not ...:
         comm.contract = (contract,)
     grads = grads if grads is not None else [torch.randn(4, 2).bfloat16()]
@@ -123,6 +135,7 @@ CASES = {
                     lambda: _rs(comm=_tide_reduce_scatter(fsdp_comm=_UserReduceScatter()))),
     "async_op": (lambda: _ag(async_op=True), None),
     "world_size_1": (lambda: _ag(group=_Group(1)), lambda: _rs(group=_Group(1))),
+    "peer_not_enabled": (lambda: _ag(joined="peer_not_enabled"), lambda: _rs(joined="peer_not_enabled")),
     "compute_capability": (lambda: _ag(device=CUDA, contract=fallbacks.contract_reason(8, ["h", "h"])),
                            lambda: _rs(device=CUDA, contract=fallbacks.contract_reason(8, ["h", "h"]))),
     "nvlink_domain": (lambda: _ag(device=CUDA, contract=fallbacks.contract_reason(9, ["h1", "h2"])),
