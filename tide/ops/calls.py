@@ -32,9 +32,11 @@ backend's error kept as the cause; one that does not complete within the timeout
 ``TideTimeoutError``. After either, the group is marked broken: its pending or failed collectives make it
 unusable, and every later TIDE call on it raises at once.
 
-A rank whose ``group_name`` names no group it knows cannot reach that group's exchange: it leaves a notice
-in the default group's store (:func:`notify_refusal`), which a waiting peer's watcher turns into the
-tombstone of its call; every rank raises with its error and the ranks stay in step.
+A rank whose ``group_name`` names no group it knows (or whose typed call's ``group`` is no process group)
+cannot reach that group's exchange: it leaves a notice in the default group's store (:func:`notify_refusal`),
+which a waiting peer's watcher turns into the tombstone of its call; every rank raises with its error and
+the ranks stay in step. Ranks that are threads of one process (torch's threaded test backend) share this
+process's state, so their calls are refused at once, on every thread.
 
 What cannot be caught: two direct calls with the same op, layout and declared identity are the same
 call to every rank (as with NCCL), so a rank that skipped one pairs its next call with the skipped one,
