@@ -102,46 +102,34 @@ def check_reduce_scatter_params(op, grads, shard_grads, world_size) -> None:
                       f"world_size={world_size} needs {want}")
 
 
-def check_all_gather(op, shards, world_size) -> None:
+def check_all_gather(op, shards, world_size, dtypes=FLOAT_DTYPES) -> None:
+    """The functional all-gathers' shards (``dtypes``: the graph op ``all_gather_start`` also moves bytes)."""
     check_world_size(op, world_size)
     check_nonempty(op, "shards", shards)
-    check_tensor_list(op, "shards", shards)
+    check_tensor_list(op, "shards", shards, dtypes)
     check_same_device(op, (("shards", shards),))
     for i, s in enumerate(shards):
         if s.dim() == 0:
             _fail(op, f"shards[{i}] is 0-d; a padded shard has at least one dim")
 
 
-def check_reduce_scatter(op, inputs, out_dtype, world_size) -> None:
+def check_reduce_scatter_start(op, grads, out_dtype, world_size, name="grads") -> None:
+    """Unpadded unsharded inputs of a functional reduce-scatter (``name``: the op's argument) and its out dtype."""
     check_world_size(op, world_size)
-    check_nonempty(op, "inputs", inputs)
-    check_tensor_list(op, "inputs", inputs)
-    check_same_device(op, (("inputs", inputs),))
+    check_nonempty(op, name, grads)
+    check_tensor_list(op, name, grads)
+    check_same_device(op, ((name, grads),))
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         _fail(op, f"out_dtype {out_dtype} is not a supported float dtype", TypeError)
+
+
+def check_reduce_scatter(op, inputs, out_dtype, world_size) -> None:
+    """``reduce_scatter``'s inputs: as ``reduce_scatter_start``'s, padded (dim 0 a multiple of W)."""
+    check_reduce_scatter_start(op, inputs, out_dtype, world_size, "inputs")
     for i, x in enumerate(inputs):
         if x.dim() == 0 or x.shape[0] % world_size != 0:
             _fail(op, f"inputs[{i}] has shape {_shape(x)}; its dim 0 must be a multiple of "
                       f"world_size={world_size} (a padded unsharded tensor)")
-
-
-def check_all_gather_start(op, shards, world_size) -> None:
-    check_world_size(op, world_size)
-    check_nonempty(op, "shards", shards)
-    check_tensor_list(op, "shards", shards, GATHER_DTYPES)
-    check_same_device(op, (("shards", shards),))
-    for i, s in enumerate(shards):
-        if s.dim() == 0:
-            _fail(op, f"shards[{i}] is 0-d; a padded shard has at least one dim")
-
-
-def check_reduce_scatter_start(op, grads, out_dtype, world_size) -> None:
-    check_world_size(op, world_size)
-    check_nonempty(op, "grads", grads)
-    check_tensor_list(op, "grads", grads)
-    check_same_device(op, (("grads", grads),))
-    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
-        _fail(op, f"out_dtype {out_dtype} is not a supported float dtype", TypeError)
 
 
 def padded_shard_shape(grad_shape: Sequence, world_size: int) -> tuple:

@@ -65,7 +65,7 @@ def reduce_scatter_fake(inputs, scale, out_dtype, world_size, group_name):
 @torch.library.register_fake("tide::all_gather_start")
 def all_gather_start_fake(shards, world_size, group_name):
     op = "all_gather_start"
-    _checked(op, lambda: checks.check_all_gather_start(op, shards, world_size), group_name, world_size,
+    _checked(op, lambda: checks.check_all_gather(op, shards, world_size, checks.GATHER_DTYPES), group_name, world_size,
              (("shards", shards),))
     return [s.new_empty((world_size * s.shape[0], *s.shape[1:])) for s in shards]
 

@@ -150,7 +150,7 @@ def reduce_scatter(inputs, scale, out_dtype, world_size, group_name) -> list[tor
 # the transport's kernels, in C++ where they take the call). Their kernels register the call's work after it.
 def gather_into_new(op, shards, world_size, group_name) -> list[torch.Tensor]:
     try:
-        checks.check_all_gather_start(op, shards, world_size)
+        checks.check_all_gather(op, shards, world_size, checks.GATHER_DTYPES)
     except (ValueError, TypeError) as e:
         calls.refuse(op, group_name, world_size, (shards,), e)
     shards = [s.detach() for s in shards]
