@@ -54,18 +54,17 @@ class Block(nn.Module):
 
 
 class Toy(nn.Module):
-    def __init__(self, checkpointed: bool = True):
+    def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied
-        self.checkpointed = checkpointed
 
     def forward(self, tokens):
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed and i == 0 else block(x)
+            x = checkpoint(block, x, use_reentrant=False) if i == 0 else block(x)  # blocks.0 recomputed
         return self.head(x)
 
 
@@ -73,10 +72,9 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def build(mesh, seed: int = 0, **kwargs) -> Toy:
+def build(mesh, seed: int = 0) -> Toy:
     torch.manual_seed(seed)
-    return simple_fsdp(Toy(**{k: v for k, v in kwargs.items() if k == "checkpointed"}), mesh,
-                       **{k: v for k, v in kwargs.items() if k != "checkpointed"})
+    return simple_fsdp(Toy(), mesh)
 
 
 def batch(step: int, rank: int, batch_size: int = 2, seq: int = 5):

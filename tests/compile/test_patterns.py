@@ -45,7 +45,8 @@ def test_all_gather_with_cast_and_pad_on_short_ranks(pad):
     assert isinstance(m, patterns.Match) and m.kind == "all_gather"
     assert m.facts == ((4, 8), BF16) and (m.world_size, m.group_name) == (2, "0")
     assert m.source.op == "placeholder" and m.input is m.collective.args[0]
-    assert [n.target for n in m.glue] == [torch.ops.aten._to_copy.default] + [torch.ops.aten.constant_pad_nd.default] * pad
+    aten = torch.ops.aten
+    assert [n.target for n in m.glue] == [aten._to_copy.default] + [aten.constant_pad_nd.default] * pad
 
 
 def test_all_gather_without_cast_and_with_prims_convert_element_type():

@@ -83,8 +83,8 @@ _agreements = [0]  # plans agreed by this process (numbers the store keys: every
 
 def agree(description: str) -> None:
     """Check that every rank of the default process group planned the same, through its store; raises
-    ``RuntimeError`` on every rank, naming the first difference, when a rank planned otherwise (and after
-    the group's timeout when a rank never got here)."""
+    ``RuntimeError`` on every rank, naming the first line that differs, when a rank planned otherwise (and
+    after the group's timeout when a rank never got here)."""
     import torch.distributed as dist
 
     from tide import timeouts
@@ -93,7 +93,15 @@ def agree(description: str) -> None:
         return
     _agreements[0] += 1
     prefix = f"tide/compile/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/plan{_agreements[0]}"
-    group = dist.group.WORLD
-    agreement.agree(dist.distributed_c10d._get_default_store(), prefix, dist.get_rank(), dist.get_world_size(),
-                    f"{digest(description)}\n{description}", timeouts.timeout_for(group),
-                    "tide.compile.rewrite: the bucket plan")
+    rank, what = dist.get_rank(), "tide.compile.rewrite: the bucket plan"
+    plans = agreement.exchange(dist.distributed_c10d._get_default_store(), prefix, rank, dist.get_world_size(),
+                               description, timeouts.timeout_for(dist.group.WORLD), what)
+    for peer, theirs in enumerate(plans):
+        if theirs != description:
+            mine_lines, their_lines = description.split("\n"), theirs.split("\n")
+            i = next((k for k, (a, b) in enumerate(zip(mine_lines, their_lines)) if a != b),
+                     min(len(mine_lines), len(their_lines)))
+            line = lambda lines: lines[i] if i < len(lines) else "(nothing)"  # noqa: E731
+            raise RuntimeError(f"{what} of rank {rank} (digest {digest(description)}) differs from rank {peer}'s "
+                               f"(digest {digest(theirs)}) at plan entry {i}: {line(mine_lines)!r} here, "
+                               f"{line(their_lines)!r} there; the ranks' graphs differ beyond their shards' padding")

@@ -1,0 +1,113 @@
+"""Rank functions of the compile tests (run by ``tide.launch.run_ranks``): the SimpleFSDP toy trained a few SGD
+steps compiled without TIDE's pass (stock) and with it, from the same seed and data, returning losses, full
+parameters, what the compiled graphs hold (``graph_checks.summarize``) and the rewrite's reports."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from tests.compile import graph_checks, simple_fsdp
+
+STEPS = 3
+
+
+def _aot_eager(rewrite: bool, graphs: list, reports: list):
+    """aot_eager with the rewrite applied to each forward and backward graph (``rewrite``), recording them."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    import tide.compile
+
+    def compiler(gm, example_inputs):
+        if rewrite:
+            reports.append(tide.compile.rewrite(gm))
+        graphs.append(graph_checks.summarize(gm.graph))
+        return make_boxed_func(gm)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+
+
+class Recorder(CustomGraphPass):
+    """A post-grad pass that records what the graph holds (a ``CustomGraphPass``, so the FX graph cache works)."""
+
+    def __init__(self, graphs: list):
+        self.graphs = graphs
+
+    def __call__(self, graph) -> None:
+        self.graphs.append(graph_checks.summarize(graph))
+
+    def uuid(self) -> bytes:
+        return b"tests.compile.workers.Recorder"
+
+
+@contextlib.contextmanager
+def _inductor(rewrite: bool, graphs: list):
+    """Inductor with ``tide.compile.enable()`` (``rewrite``), the post-grad graph recorded after every pass.
+    Intermediates are rounded to their dtype as in eager (``emulate_precision_casts``): else a bf16 gradient
+    fused into stock's fp32 cast is never rounded, while TIDE's op reads it rounded."""
+    from torch._inductor import config
+
+    import tide.compile
+
+    if rewrite:
+        tide.compile.enable()
+    passes = config.post_grad_custom_post_pass
+    passes = list(passes) if isinstance(passes, list) else [p for p in (passes,) if p is not None]
+    try:
+        with config.patch(post_grad_custom_post_pass=passes + [Recorder(graphs)], emulate_precision_casts=True):
+            yield
+    finally:
+        if rewrite:
+            tide.compile.disable()
+
+
+def train(rank: int, world_size: int, backend: str, rewrite: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tide.compile
+
+    torch._dynamo.reset()
+    tide.compile.reset_report()
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = simple_fsdp.build(mesh)
+    graphs, reports = [], []
+    compiled = torch.compile(lambda tokens, targets: simple_fsdp.loss_fn(model(tokens), targets), fullgraph=True,
+                             dynamic=False,
+                             backend=_aot_eager(rewrite, graphs, reports) if backend == "aot_eager" else "inductor")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    with _inductor(rewrite, graphs) if backend == "inductor" else contextlib.nullcontext():
+        for step in range(STEPS):
+            loss = compiled(*simple_fsdp.batch(step, rank))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    params = [p.detach().full_tensor().numpy() for p in model.parameters()]
+    return {"losses": losses, "params": params, "graphs": graphs, "plans": [r.plan for r in reports],
+            "report": tide.compile.report(), "stats": tide.stats()["ops"]}
+
+
+def compare(rank: int, world_size: int, backend: str = "aot_eager", cache_dir: str = "") -> dict:
+    """Stock, then TIDE. Inductor's caches go to ``cache_dir``/rank<r>: with uneven shards the ranks' graphs
+    differ while Dynamo's (of the global DTensor shapes) do not, and a shared cache mixes them up."""
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
+    return {"stock": train(rank, world_size, backend, False), "tide": train(rank, world_size, backend, True)}
+
+
+def divergent_plan(rank: int, world_size: int) -> str:
+    """Rank 1 plans one bucket per collective (the others one per module): every rank must raise."""
+    from tide.compile import plan
+
+    if rank == 1:
+        original = plan.buckets
+        plan.buckets = lambda matches, position: [b for m in matches for b in original([m], position)]
+    try:
+        train(rank, world_size, "aot_eager", True)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
