@@ -80,3 +80,13 @@ def test_a_plan_that_differs_on_one_rank_raises_on_every_rank():
     for message in run_ranks(workers.divergent_plan, 2, timeout=300):
         assert "tide.compile.rewrite: the bucket plan of rank" in message and "differs from rank" in message, message
         assert "at plan entry 1: \"all_gather forward L['model'].blocks.0 on 0/2: [(4, 8) bfloat16" in message, message
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dtensor_lowerings(world_size):
+    for result in run_ranks(workers.lowerings, world_size, timeout=300):
+        assert result["avg"]["found"] == [("all_gather", "tide", 1.0), ("reduce_scatter", "tide", 1 / world_size)]
+        assert result["shard1"]["found"] == [
+            ("all_gather", "shard_dim", None), ("reduce_scatter", "input_shape", None)]
+        assert result["hsdp"]["found"] == [("all_reduce", "all_reduce", None)]
+        assert all(r["grads_equal"] for r in result.values()), result

@@ -31,9 +31,11 @@ def _gather(x, world_size=2, cast=BF16, pad=0):
 def _scatter(grad, world_size=2, op="sum", cast=FP32):
     x = grad.to(cast) if cast is not None else grad
     rows = -(-x.shape[0] // world_size)
-    if x.shape[0] % world_size:
+    if x.shape[0] % world_size:  # DTensor pads the short chunk, and adds zero-padded empty ones when too few
+        pad = lambda t: torch.constant_pad_nd(t, [0, 0] * (x.dim() - 1) + [0, rows - t.shape[0]])  # noqa: E731
         pieces = list(torch.split(x, rows))
-        pieces[-1] = torch.constant_pad_nd(pieces[-1], [0, 0] * (x.dim() - 1) + [0, rows - pieces[-1].shape[0]])
+        pieces[-1] = pad(pieces[-1]) if pieces[-1].shape[0] < rows else pieces[-1]
+        pieces += [pad(x.new_zeros((0, *x.shape[1:])))] * (world_size - len(pieces))
         x = torch.cat(pieces)
     return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, op, world_size, "0"))
 
@@ -66,7 +68,7 @@ def test_reduce_scatter_uneven_avg_takes_the_original_grad():
                               "<built-in function getitem>", "aten.constant_pad_nd.default", "aten.cat.default"])
 
 
-@pytest.mark.parametrize("world_size,rows", [(2, 8), (3, 7), (3, 9)])
+@pytest.mark.parametrize("world_size,rows", [(2, 8), (3, 7), (3, 9), (3, 4), (4, 5), (2, 1)])
 def test_reduce_scatter_shapes(world_size, rows):
     (m,) = _found(_trace(lambda g: _scatter(g, world_size), ((rows, 4), BF16)))
     assert m.facts == ((rows, 4), BF16, FP32) and m.input.op == "placeholder"

@@ -111,3 +111,54 @@ def divergent_plan(rank: int, world_size: int) -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def _classified(name: str, param, placements, grad_placements, rewrite: bool) -> tuple[list, torch.Tensor]:
+    """What the matchers say of one parameter read ``param.redistribute(placements)`` compiled with aot_eager
+    (forward and backward), and the parameter's local gradient (with the rewrite applied: ``rewrite``)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    import tide.compile
+    from tide.compile import patterns
+
+    found = []
+
+    def compiler(gm, example_inputs):
+        found.extend((f.kind, getattr(f, "reason", "tide"), getattr(f, "scale", None))
+                     for f in map(patterns.classify, gm.graph.nodes) if f is not None)
+        if rewrite:
+            tide.compile.rewrite(gm)
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    param.grad = None
+    read = lambda x: (param.redistribute(placements=placements).to_local(grad_placements=grad_placements) * x).sum()  # noqa: E731
+    torch.compile(read, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler), fullgraph=True,
+                  dynamic=False)(torch.arange(4.0)[:, None] if name == "avg" else torch.ones(())).backward()
+    return found, param.grad.to_local().clone()
+
+
+def lowerings(rank: int, world_size: int) -> dict:
+    """DTensor's real lowerings: an uneven ``Shard(0)`` parameter with an ``avg`` gradient (rewritten: its
+    gradient must equal stock's), a ``Shard(1)`` parameter, and HSDP's replicate-dim all-reduce."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    hsdp = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    cases = {
+        "avg": (distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]), [Replicate()], [Partial("avg")]),
+        "shard1": (distribute_tensor(torch.randn(6, 5), mesh, [Shard(1)]), [Replicate()], [Partial()]),
+        "hsdp": (distribute_tensor(torch.randn(5, 4), hsdp, [Replicate(), Shard(0)]), [Replicate(), Replicate()],
+                 [Partial(), Partial()]),
+    }
+    out = {}
+    for name, (tensor, placements, grads) in cases.items():
+        param = nn.Parameter(tensor)
+        found, stock_grad = _classified(name, param, placements, grads, rewrite=False)
+        _, tide_grad = _classified(name, param, placements, grads, rewrite=True)
+        out[name] = {"found": found, "grads_equal": torch.equal(stock_grad, tide_grad)}
+    return out

@@ -157,15 +157,22 @@ def match_all_gather(node: Node) -> Match | Stock:
 
 def _uneven_chunks(cat: Node, rows: int, world_size: int):
     """(the padded gradient, the glue nodes) when ``cat`` is DTensor's dim-0 padding of one tensor into
-    ``world_size`` chunks of ``rows`` rows (split, pad of the short chunks, cat), else None."""
+    ``world_size`` chunks of ``rows`` rows (split, pad of the short chunk, zero-padded empty chunks when
+    d0 <= (W-1) * rows, cat), else None."""
     pieces = cat.args[0]
     if (len(cat.args) > 1 and cat.args[1] != 0) or len(pieces) != world_size:
         return None
-    glue, split = [cat], None
+    glue, split, empties = [cat], None, 0
     for i, piece in enumerate(pieces):
         padded = _dim0_pad_input(piece)
         item = padded if padded is not None else piece
-        if (_target(item) is not operator.getitem or item.args[1] != i or _val(piece).shape[0] != rows
+        if _val(piece).shape[0] != rows:
+            return None
+        if padded is not None and split is not None and _val(padded).shape[0] == 0:  # an empty chunk
+            glue += [piece, padded]
+            empties += 1
+            continue
+        if (empties or _target(item) is not operator.getitem or item.args[1] != i
                 or (split is not None and item.args[0] is not split)):
             return None
         split = item.args[0]
@@ -197,7 +204,7 @@ def match_reduce_scatter(node: Node) -> Match | Stock:
     g = _val(grad)
     if g is None or g.dtype not in FLOAT_DTYPES or g.dim() == 0:
         return Stock(node, "reduce_scatter", "input_shape")
-    if not (world_size - 1) * rows < g.shape[0] <= world_size * rows:  # not ceil(d0 / W) rows per rank
+    if -(-g.shape[0] // world_size) != rows:  # not ceil(d0 / W) rows per rank
         return Stock(node, "reduce_scatter", "input_shape")
     if _val(x).shape[1:] != out.shape[1:]:
         return Stock(node, "reduce_scatter", "input_shape")
