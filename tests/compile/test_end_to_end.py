@@ -85,8 +85,13 @@ def test_a_plan_that_differs_on_one_rank_raises_on_every_rank():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_dtensor_lowerings(world_size):
     for result in run_ranks(workers.lowerings, world_size, timeout=300):
-        assert result["avg"]["found"] == [("all_gather", "tide", 1.0), ("reduce_scatter", "tide", 1 / world_size)]
-        assert result["shard1"]["found"] == [
-            ("all_gather", "shard_dim", None), ("reduce_scatter", "input_shape", None)]
-        assert result["hsdp"]["found"] == [("all_reduce", "all_reduce", None)]
-        assert all(r["grads_equal"] for r in result.values()), result
+        cases = result["cases"]
+        assert cases["avg"]["found"] == [("all_gather", "tide", 1.0), ("reduce_scatter", "tide", 1 / world_size)]
+        assert cases["shard1"]["found"] == [("all_gather", "shard_dim", None), ("reduce_scatter", "input_shape", None)]
+        assert cases["hsdp"]["found"] == [("all_reduce", "all_reduce", None)]
+        assert all(c["grads_equal"] for c in cases.values()), cases
+        assert result["report"] == {
+            "all_gather": {"buckets": 1, "tide": 1, "stock:shard_dim": 1},
+            "reduce_scatter": {"buckets": 1, "tide": 1, "stock:input_shape": 1},
+            "all_reduce": {"stock:all_reduce": 1}, "graphs": 6,
+            "glue_removed": {2: 0, 3: 6}[world_size]}  # W = 3: split, 2 getitems, empty, its pad, cat

@@ -146,6 +146,8 @@ def lowerings(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
+    import tide.compile
+
     mesh = init_device_mesh("cpu", (world_size,))
     hsdp = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -156,9 +158,10 @@ def lowerings(rank: int, world_size: int) -> dict:
                  [Partial(), Partial()]),
     }
     out = {}
+    tide.compile.reset_report()
     for name, (tensor, placements, grads) in cases.items():
         param = nn.Parameter(tensor)
         found, stock_grad = _classified(name, param, placements, grads, rewrite=False)
         _, tide_grad = _classified(name, param, placements, grads, rewrite=True)
         out[name] = {"found": found, "grads_equal": torch.equal(stock_grad, tide_grad)}
-    return out
+    return {"cases": out, "report": tide.compile.report()}

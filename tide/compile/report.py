@@ -4,8 +4,11 @@ serve (``"tide"``), the inputs copied to make them contiguous (``"copies"``) and
 stock per reason (``"stock:<reason>"``)."""
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
+
+log = logging.getLogger("tide")
 
 KINDS = ("all_gather", "reduce_scatter")
 
@@ -26,11 +29,17 @@ class Report:
 
 _totals: dict[str, Counter] = {}
 _graphs = Counter()
+_logged: set = set()  # (kind, path) of the stock reasons already logged
 
 
 def record(one: Report) -> None:
+    """Add ``one`` to the process's totals; a reason to leave a collective to stock is logged once."""
     for kind, c in one.counts.items():
         _totals.setdefault(kind, Counter()).update(c)
+        for path in c:
+            if path.startswith("stock:") and (kind, path) not in _logged:
+                _logged.add((kind, path))
+                log.info("tide.compile: a %s stays a c10d collective (%s); logged once", kind, path)
     _graphs["graphs"] += 1
     _graphs["glue_removed"] += one.glue_removed
 
