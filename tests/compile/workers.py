@@ -133,7 +133,10 @@ def _classified(name: str, param, placements, grad_placements, rewrite: bool) ->
 
     torch._dynamo.reset()
     param.grad = None
-    read = lambda x: (param.redistribute(placements=placements).to_local(grad_placements=grad_placements) * x).sum()  # noqa: E731
+
+    def read(x):
+        return (param.redistribute(placements=placements).to_local(grad_placements=grad_placements) * x).sum()
+
     torch.compile(read, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler), fullgraph=True,
                   dynamic=False)(torch.arange(4.0)[:, None] if name == "avg" else torch.ones(())).backward()
     return found, param.grad.to_local().clone()
