@@ -35,7 +35,7 @@ def _scatter(grad, world_size=2, op="sum", cast=FP32):
         pad = lambda t: torch.constant_pad_nd(t, [0, 0] * (x.dim() - 1) + [0, rows - t.shape[0]])  # noqa: E731
         pieces = list(torch.split(x, rows))
         pieces[-1] = pad(pieces[-1]) if pieces[-1].shape[0] < rows else pieces[-1]
-        pieces += [pad(x.new_zeros((0, *x.shape[1:])))] * (world_size - len(pieces))
+        pieces += [pad(x.new_zeros((0, *x.shape[1:]))) for _ in range(world_size - len(pieces))]
         x = torch.cat(pieces)
     return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, op, world_size, "0"))
 

@@ -37,7 +37,7 @@ def _plan(gm):
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     found = [f for f in map(patterns.classify, gm.graph.nodes) if f is not None]
     buckets = plan.buckets([f for f in found if isinstance(f, patterns.Match)], position)
-    return buckets, plan.describe(buckets, [f for f in found if isinstance(f, patterns.Stock)], position)
+    return buckets, plan.describe(plan.entries(buckets, [f for f in found if isinstance(f, patterns.Stock)], position))
 
 
 def test_one_bucket_per_module_and_kind_in_graph_order():

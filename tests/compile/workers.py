@@ -168,3 +168,19 @@ def lowerings(rank: int, world_size: int) -> dict:
         _, tide_grad = _classified(name, param, placements, grads, rewrite=True)
         out[name] = {"found": found, "grads_equal": torch.equal(stock_grad, tide_grad)}
     return {"cases": out, "report": tide.compile.report()}
+
+
+def stages(rank: int, world_size: int) -> list[str]:
+    """Two pipeline stages of ``world_size // 2`` data-parallel ranks, each stage with its own model: the plans
+    differ between stages and are agreed within each stage's group only."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = simple_fsdp.simple_fsdp(nn.Linear(8, 5 + 2 * mesh.get_local_rank("pp")), mesh["dp"])
+    graphs, reports = [], []
+    step = torch.compile(lambda x: model(x).float().square().sum(), backend=_aot_eager(True, graphs, reports),
+                         fullgraph=True, dynamic=False)
+    step(torch.ones(3, 8, dtype=torch.bfloat16)).backward()
+    return [r.plan for r in reports]

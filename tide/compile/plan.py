@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
-from tide import agreement
+from tide import agreement, timeouts
 from tide.compile.patterns import Match, Stock
+from tide.ops.calls import resolve_group
 
 
 @dataclass
@@ -66,36 +68,49 @@ def buckets(matches: list[Match], position: dict) -> list[Bucket]:
     return out
 
 
-def describe(plan: list[Bucket], stock: list[Stock], position: dict) -> str:
-    """One line per bucket (at its first collective) and per collective left to stock, in graph order: the
-    same text on every rank whose graph holds the same collectives (``position`` only orders them)."""
-    lines = [(position[b.members[0].collective], b.describe()) for b in plan]
-    lines += [(position[s.node], f"{s.kind} stock:{s.reason}") for s in stock]
-    return "\n".join(text for _, text in sorted(lines))
+def entries(plan: list[Bucket], stock: list[Stock], position: dict) -> list[tuple[str, str]]:
+    """(group name, one line) per bucket (at its first collective) and per collective left to stock, in graph
+    order: the same on every rank whose graph holds the same collectives (``position`` only orders them)."""
+    rows = [(position[b.members[0].collective], b.group_name, b.describe()) for b in plan]
+    rows += [(position[s.node], str(s.node.args[-1]), f"{s.kind} stock:{s.reason}") for s in stock]
+    return [(group, line) for _, group, line in sorted(rows)]
+
+
+def describe(plan_entries: list[tuple[str, str]]) -> str:
+    return "\n".join(line for _, line in plan_entries)
 
 
 def digest(description: str) -> str:
     return hashlib.sha256(description.encode()).hexdigest()[:16]
 
 
-_agreements = [0]  # plans agreed by this process (numbers the store keys: every rank compiles the same graphs)
+_agreements: Counter = Counter()  # group name -> plans agreed on it (numbers the store keys: its ranks compile alike)
 
 
-def agree(description: str) -> None:
-    """Check that every rank of the default process group planned the same, through its store; raises
-    ``RuntimeError`` on every rank, naming the first line that differs, when a rank planned otherwise (and
-    after the group's timeout when a rank never got here)."""
+def agree(plan_entries: list[tuple[str, str]]) -> None:
+    """Check that every rank of each group in the plan planned the same for that group, through the default
+    store; raises ``RuntimeError`` on every rank of a group, naming the first entry that differs, when one of
+    its ranks planned otherwise (and after the group's timeout when a rank never got here). Without a
+    default process group there is nobody to agree with."""
     import torch.distributed as dist
 
-    from tide import timeouts
-
-    if not dist.is_initialized() or dist.get_world_size() < 2:
+    if not dist.is_initialized():
         return
-    _agreements[0] += 1
-    prefix = f"tide/compile/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/plan{_agreements[0]}"
-    rank, what = dist.get_rank(), "tide.compile.rewrite: the bucket plan"
-    plans = agreement.exchange(dist.distributed_c10d._get_default_store(), prefix, rank, dist.get_world_size(),
-                               description, timeouts.timeout_for(dist.group.WORLD), what)
+    for group_name in sorted({g for g, _ in plan_entries}):
+        _agree_on(resolve_group("compile.rewrite", group_name), describe([e for e in plan_entries if e[0] == group_name]))
+
+
+def _agree_on(group, description: str) -> None:
+    import torch.distributed as dist
+
+    if group.size() < 2:
+        return
+    _agreements[group.group_name] += 1
+    prefix = (f"tide/compile/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{group.group_name}/"
+              f"plan{_agreements[group.group_name]}")
+    rank, what = group.rank(), f"tide.compile.rewrite: the bucket plan on group {group.group_name!r}"
+    plans = agreement.exchange(dist.distributed_c10d._get_default_store(), prefix, rank, group.size(), description,
+                               timeouts.timeout_for(group), what)
     for peer, theirs in enumerate(plans):
         if theirs != description:
             mine_lines, their_lines = description.split("\n"), theirs.split("\n")

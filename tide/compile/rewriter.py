@@ -131,16 +131,17 @@ def stable_topological_sort(graph: Graph) -> None:
 
 
 def rewrite_graph(graph: Graph, agree: bool = True) -> Report:
-    """Rewrite ``graph`` in place (see the module doc); the plan is agreed with every rank of the default
-    process group first (``agree``). Returns what was rewritten and what was left to stock, and why."""
+    """Rewrite ``graph`` in place (see the module doc); the plan is agreed first with the ranks of each group
+    it names (``agree``). Returns what was rewritten and what was left to stock, and why."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     found = [f for f in map(patterns.classify, graph.nodes) if f is not None]
     matches = [f for f in found if isinstance(f, patterns.Match)]
     stock = [f for f in found if isinstance(f, patterns.Stock)]
     plan = planning.buckets(matches, position)
-    description = planning.describe(plan, stock, position)
-    if agree and found:
-        planning.agree(description)
+    plan_entries = planning.entries(plan, stock, position)
+    description = planning.describe(plan_entries)
+    if agree:
+        planning.agree(plan_entries)
     report = Report(digest=planning.digest(description), plan=description)
     for bucket in plan:
         (_gather if bucket.kind == "all_gather" else _scatter)(graph, bucket, position, report)
