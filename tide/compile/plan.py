@@ -1,4 +1,4 @@
-"""The bucket plan of one graph, from rank-invariant facts only, and its agreement across ranks.
+"""The bucket plan of one graph, from rank-invariant facts only, and its agreement among each group's ranks.
 
 A rank's graph differs from its peers' where its shard is short (a pad before the all-gather, slices after
 the waits), so the plan reads none of that: per collective only its kind, module name, phase, group,
@@ -97,7 +97,8 @@ def agree(plan_entries: list[tuple[str, str]]) -> None:
     if not dist.is_initialized():
         return
     for group_name in sorted({g for g, _ in plan_entries}):
-        _agree_on(resolve_group("compile.rewrite", group_name), describe([e for e in plan_entries if e[0] == group_name]))
+        mine = describe([entry for entry in plan_entries if entry[0] == group_name])
+        _agree_on(resolve_group("compile.rewrite", group_name), mine)
 
 
 def _agree_on(group, description: str) -> None:
