@@ -103,3 +103,21 @@ def test_plans_are_agreed_per_group():
     plans = run_ranks(workers.stages, 4, timeout=300)
     assert plans[0] == plans[1] and plans[2] == plans[3] and plans[0] != plans[2], plans
     assert "(3, 8) bfloat16" in plans[0][0] and "(4, 8) bfloat16" in plans[2][0], plans
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_make_fx_joint_graph(world_size):
+    """GraphTrainer's way: forward and backward in one make_fx graph without module names (buckets end at
+    matmuls), rewritten by ``tide.compile.rewrite``."""
+    for result in run_ranks(workers.joint, world_size, timeout=300):
+        assert result["report"]["all_gather"]["tide"] == 11 and result["report"]["reduce_scatter"]["tide"] == 8
+        graph = result["graph"]
+        assert graph["c10d"] == 0 and graph["dead"] == graph["glue_into_reduce_scatter"] == 0, graph
+        assert graph["splits"] == graph["cats"] == graph["pads_not_for_all_gather"] == 0, graph
+        assert graph["fp32_casts"] == 1, graph  # the loss's logits.float()
+        assert len(result["tide"]) == len(result["stock"]) == 8
+        for a, b in zip(result["tide"], result["stock"]):
+            if world_size == 2:
+                assert np.array_equal(a, b)
+            else:
+                np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)

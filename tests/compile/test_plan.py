@@ -55,6 +55,18 @@ def test_the_plan_is_the_same_on_short_and_full_ranks():
     assert "reduce_scatter forward layers.0 on 0/2: [(7,) bfloat16->float32 x1, (7, 4) bfloat16->float32 x1]" in short
 
 
+def test_without_module_names_a_matmul_ends_a_bucket():
+    def fn(p0, p1, p2, x):
+        w0, w1 = _gather(p0), _gather(p1)
+        y = x @ w0.t() @ w1
+        return y @ _gather(p2).t()
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(4, 8),
+                                          torch.zeros(3, 8, dtype=BF16))
+    buckets, _ = _plan(gm)
+    assert [(b.module, len(b.members)) for b in buckets] == [("", 2), ("", 1)]
+
+
 def test_a_shard_made_after_the_first_gather_starts_a_new_bucket():
     def fn(p):
         first = _gather(p)

@@ -184,3 +184,43 @@ def stages(rank: int, world_size: int) -> list[str]:
                          fullgraph=True, dynamic=False)
     step(torch.ones(3, 8, dtype=torch.bfloat16)).backward()
     return [r.plan for r in reports]
+
+
+def joint(rank: int, world_size: int) -> dict:
+    """One training step (forward, loss and backward) traced into one graph by make_fx over the local shards, as
+    torchtitan's GraphTrainer traces it, run as traced (stock) and after ``tide.compile.rewrite``."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import tide.compile
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = simple_fsdp.build(mesh)
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    slots = [(m, n, index[id(p)]) for m in model.modules() for n, p in m._parameters.items() if p is not None]
+
+    def step(shards, tokens, targets):
+        dparams = [DTensor.from_local(s, mesh, [Shard(0)], shape=p.shape, stride=p.stride(), run_check=False)
+                   for s, p in zip(shards, params)]
+        for module, name, i in slots:
+            module._parameters[name] = dparams[i]
+        try:  # the checkpointed block reads its parameters again in the backward
+            loss = simple_fsdp.loss_fn(model(tokens), targets)
+            grads = torch.autograd.grad(loss, dparams)
+        finally:
+            for module, name, i in slots:
+                module._parameters[name] = params[i]
+        return [loss] + [g.to_local() for g in grads]
+
+    shards = [p.detach().to_local().requires_grad_() for p in params]
+    tokens, targets = simple_fsdp.batch(0, rank)
+    stock = make_fx(step, tracing_mode="fake")(shards, tokens, targets)
+    rewritten = copy.deepcopy(stock)
+    report = tide.compile.rewrite(rewritten)
+    outputs = [[t.detach().numpy() for t in gm(shards, tokens, targets)] for gm in (stock, rewritten)]
+    return {"stock": outputs[0], "tide": outputs[1], "graph": graph_checks.summarize(rewritten.graph),
+            "report": report.as_dict()}

@@ -5,19 +5,28 @@ the waits), so the plan reads none of that: per collective only its kind, module
 world size and the shapes and dtypes every rank sees alike (an all-gather's padded shard, a
 reduce-scatter's unpadded gradient and output dtype), in graph order. A bucket is a run of consecutive
 matches of one kind (the other kind's collectives may lie between) with the same module, phase, group and,
-for reduce-scatters, the same scale and output dtype. An all-gather whose shard is produced after its
-bucket's first collective starts a new bucket (the bucket's op is issued where that collective was).
+for reduce-scatters, the same scale and output dtype; collectives of no known module bucket only with
+those that no matmul separates from them. An all-gather whose shard is produced after its bucket's first
+collective starts a new bucket (the bucket's op is issued where that collective was).
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from tide import agreement, timeouts
 from tide.compile.patterns import Match, Stock
 from tide.ops.calls import resolve_group
+
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+           aten.convolution_backward.default, aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default}
 
 
 @dataclass
@@ -55,11 +64,15 @@ def buckets(matches: list[Match], position: dict) -> list[Bucket]:
     """The buckets of ``matches`` (in graph order); ``position`` numbers the graph's nodes in order."""
     out: list[Bucket] = []
     open_bucket: dict[str, tuple] = {}  # kind -> (key, bucket) of the run in progress
+    matmuls = sorted(i for n, i in position.items() if n.op == "call_function" and n.target in MATMULS)
     for m in matches:
         key, run = _key(m), open_bucket.get(m.kind)
         fits = run is not None and run[0] == key
         if fits and m.kind == "all_gather":
             fits = position[m.source] < position[run[1].members[0].collective]
+        if fits and not m.module:  # no module name: a run of collectives between two matmuls
+            last = position[run[1].members[-1].collective]
+            fits = bisect.bisect(matmuls, last) == bisect.bisect(matmuls, position[m.collective])
         if not fits:
             run = (key, Bucket(m.kind, m.module, m.phase, m.group_name, m.world_size))
             open_bucket[m.kind] = run
