@@ -25,7 +25,7 @@ def _step(short: bool):
     grads = [(16, 4), (7, 4), (7,), (8, 4)]
     args = [torch.zeros(s) for s in shapes] + [torch.zeros(s, dtype=BF16) for s in grads]
     gm = make_fx(fn, tracing_mode="fake")(*args)
-    collectives = [n for n in gm.graph.nodes if n.target in patterns.KINDS]
+    collectives = [n for n in gm.graph.nodes if n.target in (patterns.ALL_GATHER, patterns.REDUCE_SCATTER)]
     gathers = [n for n in collectives if n.target is patterns.ALL_GATHER]
     scatters = [n for n in collectives if n.target is patterns.REDUCE_SCATTER]
     for node, module in zip(gathers + scatters[::-1], MODULES + MODULES):

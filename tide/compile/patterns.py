@@ -36,7 +36,6 @@ OTHER_COLLECTIVES = {
     "reduce_scatter_tensor_coalesced": "coalesced", "all_gather_into_tensor_out": "out_variant",
     "all_to_all_single": "all_to_all", "broadcast": "broadcast",
 }
-KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
 
 
 @dataclass
@@ -50,7 +49,7 @@ class Stock:
 
 @dataclass
 class Match:
-    """A collective the pass can serve. ``inputs`` is what TIDE's op takes for it: the all-gather's own
+    """A collective the pass can serve. ``input`` is what TIDE's op takes for it: the all-gather's own
     (cast, padded) input, or the reduce-scatter's original unsharded gradient; ``source`` the first node of
     the chain; ``glue`` the nodes between ``source`` and the collective: the all-gather's cast and pad (moved
     up with its bucket's op) or the reduce-scatter's cast and pad (removed when nothing else reads them)."""
@@ -124,10 +123,10 @@ def phase_of(node: Node) -> str:
 def _common(node: Node, kind: str):
     """(the wait, W, group) of a collective fit for TIDE, or the :class:`Stock` reason it is not."""
     world_size, group_name = node.args[-2], node.args[-1]
-    out = _val(node)
-    if out is None:
+    out, src = _val(node), _val(node.args[0])
+    if out is None or src is None:
         return Stock(node, kind, "no_meta")
-    if not _is_static(out) or not _is_static(_val(node.args[0])):
+    if not _is_static(out) or not _is_static(src):
         return Stock(node, kind, "dynamic_shape")
     if out.dtype not in FLOAT_DTYPES:  # the dtypes TIDE's ops take (bf16, fp16, fp32)
         return Stock(node, kind, "dtype")

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("tide")
 
-KINDS = ("all_gather", "reduce_scatter")
-
 
 @dataclass
 class Report:
