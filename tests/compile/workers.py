@@ -7,6 +7,7 @@ import contextlib
 import os
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tests.compile import graph_checks, simple_fsdp
@@ -70,6 +71,7 @@ def train(rank: int, world_size: int, backend: str, rewrite: bool) -> dict:
     import tide.compile
 
     torch._dynamo.reset()
+    counters.clear()
     tide.compile.reset_report()
     mesh = init_device_mesh("cpu", (world_size,))
     model = simple_fsdp.build(mesh)
@@ -87,8 +89,9 @@ def train(rank: int, world_size: int, backend: str, rewrite: bool) -> dict:
             optimizer.zero_grad()
             losses.append(loss.item())
     params = [p.detach().full_tensor().numpy() for p in model.parameters()]
+    cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
     return {"losses": losses, "params": params, "graphs": graphs, "plans": [r.plan for r in reports],
-            "report": tide.compile.report(), "stats": tide.stats()["ops"]}
+            "report": tide.compile.report(), "stats": tide.stats()["ops"], "fx_graph_cache": cache}
 
 
 def compare(rank: int, world_size: int, backend: str = "aot_eager", cache_dir: str = "") -> dict:
