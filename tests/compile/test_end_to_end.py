@@ -14,8 +14,9 @@ from tide.launch import run_ranks
 # Per step: the forward gathers embed, blocks.0, blocks.1 and head (4 buckets, 8 parameters); the backward
 # recomputes blocks.0's gathers (1 bucket, 3) and reduce-scatters head, blocks.1, blocks.0 and embed (4, 8).
 REPORT = {"all_gather": {"buckets": 5, "tide": 11}, "reduce_scatter": {"buckets": 4, "tide": 8}}
-# The reduce-scatters' fp32 casts (8), and per uneven gradient a split, its W getitems, a pad and a cat: 4
-# uneven gradients of 8 at W = 2 (7-row weights and biases), all 8 at W = 3.
+# At least the reduce-scatters' fp32 casts (8), and per uneven gradient a split, its W getitems, a pad and a
+# cat: 4 uneven gradients of 8 at W = 2 (7-row weights and biases), all 8 at W = 3. torch 2.15's lowering adds
+# nodes of its own to that glue; that none is left is what _assert_graphs checks.
 GLUE = {2: 8 + 4 * 5, 3: 8 + 8 * 6}
 
 
@@ -61,7 +62,9 @@ def test_aot_eager_like_stock(aot_eager_run):
 def test_aot_eager_report_and_op_calls(aot_eager_run):
     world_size, results = aot_eager_run
     for result in results:
-        assert result["tide"]["report"] == {**REPORT, "graphs": 2, "glue_removed": GLUE[world_size]}
+        report = dict(result["tide"]["report"])
+        assert report.pop("glue_removed") >= GLUE[world_size], result["tide"]["report"]
+        assert report == {**REPORT, "graphs": 2}
         calls = result["tide"]["stats"]
         assert calls["all_gather_start:reference"] == 5 * workers.STEPS, calls
         assert calls["reduce_scatter_start:reference"] == 4 * workers.STEPS, calls
@@ -94,11 +97,13 @@ def test_dtensor_lowerings(world_size):
         assert cases["shard1"]["found"] == [("all_gather", "shard_dim", None), ("reduce_scatter", "input_shape", None)]
         assert cases["hsdp"]["found"] == [("all_reduce", "all_reduce", None)]
         assert all(c["grads_equal"] for c in cases.values()), cases
-        assert result["report"] == {
+        report = dict(result["report"])
+        glue = report.pop("glue_removed")  # W = 3: split, 2 getitems, empty, its pad, cat (torch 2.15: more)
+        assert glue >= 6 if world_size == 3 else glue == 0, result["report"]
+        assert report == {
             "all_gather": {"buckets": 1, "tide": 1, "stock:shard_dim": 1},
             "reduce_scatter": {"buckets": 1, "tide": 1, "stock:input_shape": 1},
-            "all_reduce": {"stock:all_reduce": 1}, "graphs": 6,
-            "glue_removed": {2: 0, 3: 6}[world_size]}  # W = 3: split, 2 getitems, empty, its pad, cat
+            "all_reduce": {"stock:all_reduce": 1}, "graphs": 6}
 
 
 def test_plans_are_agreed_per_group():

@@ -127,3 +127,22 @@ def test_stable_topological_sort_moves_only_what_must_move():
     rewriter.stable_topological_sort(graph)
     graph.lint()
     assert [n.name for n in graph.nodes] == ["x", "abs_1", "exp", "neg", "sin", "output"]
+
+
+def test_a_collective_waited_on_twice_is_served_once():
+    """Inductor 2.15 merges identical gathers (a tied weight read by two modules) into one collective that
+    keeps both waits: the rewrite serves it, and both readers get its output."""
+    def fn(p):
+        x = p.to(BF16)
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(x, 2, "0")
+        return torch.ops._c10d_functional.wait_tensor(gathered) * 2, torch.ops._c10d_functional.wait_tensor(gathered) + 1
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.zeros(4, 8))
+    (waits,) = [list(n.users) for n in gm.graph.nodes if n.target is patterns.ALL_GATHER]
+    assert len(waits) == 2  # traced as Inductor 2.15 leaves it
+    report = rewriter.rewrite(gm, agree=False)
+    assert report.counts == {"all_gather": {"buckets": 1, "tide": 1}}, report.counts
+    nodes = list(gm.graph.nodes)
+    assert not any(n.target is patterns.ALL_GATHER for n in nodes)
+    (wait,) = [n for n in nodes if n.target is patterns.WAIT]
+    assert {u.target for u in wait.users} == {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor}

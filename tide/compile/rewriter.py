@@ -130,9 +130,24 @@ def stable_topological_sort(graph: Graph) -> None:
         raise RuntimeError("tide.compile.rewrite: the rewritten graph has a cycle")
 
 
+def _merge_repeated_waits(graph: Graph) -> None:
+    """A collective waited on more than once (Inductor 2.15 merges a tied weight's two identical gathers into
+    one, each old wait kept): its later waits' users read the first wait, which precedes them, and the later
+    waits go. A wait of a completed collective is a no-op, so this changes nothing that runs."""
+    for node in list(graph.nodes):
+        waits = list(node.users)
+        if len(waits) > 1 and all(w.op == "call_function" and w.target is patterns.WAIT for w in waits):
+            position = {n: i for i, n in enumerate(graph.nodes)}
+            first, *later = sorted(waits, key=position.__getitem__)
+            for w in later:
+                w.replace_all_uses_with(first)
+                graph.erase_node(w)
+
+
 def rewrite_graph(graph: Graph, agree: bool = True) -> Report:
     """Rewrite ``graph`` in place (see the module doc); the plan is agreed first with the ranks of each group
     it names (``agree``). Returns what was rewritten and what was left to stock, and why."""
+    _merge_repeated_waits(graph)
     position = {n: i for i, n in enumerate(graph.nodes)}
     found = [f for f in map(patterns.classify, graph.nodes) if f is not None]
     matches = [f for f in found if isinstance(f, patterns.Match)]
