@@ -3,8 +3,8 @@ PyTorch's test files (``scripts/upstream_fsdp.sh``).
 
 In the pytest process it installs the harness's hooks (``tests.upstream.ranks``), clears ``tide.stats()``
 before each test, and after it sums the test's FSDP2 path counts: this process's own (the ranks of a
-multi-thread test are its threads) and those each rank process left in ``TIDE_UPSTREAM_RESULTS``. At the
-end it writes every test's outcome, a one-line message (the failing assertion or error, or the skip
+multi-thread test are its threads) and those each rank process left in ``TIDE_UPSTREAM_RESULTS``. After each
+test it writes every finished test's outcome, a one-line message (the failing assertion or error, or the skip
 reason), whether its ranks were processes or threads, and the path counts to ``TIDE_UPSTREAM_OUT`` (JSON).
 """
 from __future__ import annotations
@@ -42,10 +42,11 @@ def failure_line(text: str, limit: int = 300) -> str:
         match = _ERROR_LINE.match(lines[i])
         if match:
             message = [match.group(1)]
-            for line in lines[i + 1:i + 8]:
+            for line in (_PYTEST_MARK.sub("", line) for line in lines[i + 1:i + 8]):
                 if line.startswith(("Traceback", "File ", "To execute this test")):
                     break
-                message.append(_PYTEST_MARK.sub("", line))
+                if line != "E":  # pytest's marker on an empty line
+                    message.append(line)
             return " / ".join(message)[:limit]
     return lines[-1][:limit] if lines else ""
 
@@ -78,6 +79,7 @@ class Recorder:
         yield
         rank_files = sorted((self.results / key).glob("rank*.json"))
         record["paths"] = sum_paths([tide.stats()["fsdp"], *(json.loads(f.read_text()) for f in rank_files)])
+        self.write()  # after every test, so a run stopped early still leaves what it finished
 
     def pytest_runtest_logreport(self, report):
         record = self.tests.setdefault(report.nodeid, {"outcome": "not_run", "message": ""})
@@ -91,12 +93,14 @@ class Recorder:
             record["outcome"], record["message"] = "error", failure_line(report.longreprtext)
 
     def pytest_sessionfinish(self, session):
+        self.write()
+
+    def write(self):
         import torch
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps({"torch": torch.__version__.split("+")[0], "mode": self.mode,
                                         "tests": self.tests}, indent=1, sort_keys=True))
-
 
 def pytest_configure(config):
     mode = os.environ.get(ranks.MODE_ENV)

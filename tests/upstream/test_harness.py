@@ -76,6 +76,8 @@ def test_sum_paths_and_failure_line():
     text = "Traceback\n  File x\nE   RuntimeError: Process 1 exited with error code 10 and exception:\n" \
            "Traceback (most recent call last):\nAssertionError: Scalars are not equal!\n\nExpected 0 but got 1."
     assert failure_line(text) == "AssertionError: Scalars are not equal! / Expected 0 but got 1."
+    text = "E   AttributeError: no attribute 'x'\nE\nE   To execute this test, run the following"
+    assert failure_line(text) == "AttributeError: no attribute 'x'"
     assert failure_line("E   ValueError: " + "x" * 400) == "ValueError: " + "x" * 288
 
 
