@@ -7,13 +7,13 @@ shard unevenly; data is fresh per test run (the seed is in every assertion messa
 poisoned first.
 """
 import random
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import tide  # noqa: F401  (registers the ops)
+from tests import rank_parts
 from tide.launch import run_ranks
 from tests.opcheck import cases
 from tide.meta.layout import rows_and_row_numel, shard_rows
@@ -122,7 +122,7 @@ def _expected_utils(case: str) -> tuple:
 
 def test_opcheck_every_op(checked):
     seed = checked[0]
-    for rank, results in enumerate(_part(checked, "opcheck")):
+    for rank, results in enumerate(rank_parts.part(checked, "opcheck")):
         assert set(results) == {"all_gather_into_params_", "all_gather_into_params_:bytes", "reduce_scatter_params_",
                                 "all_gather", "reduce_scatter", "all_gather_start", "all_gather_start:bytes",
                                 "reduce_scatter_start:None", "reduce_scatter_start:torch.bfloat16",
@@ -202,7 +202,7 @@ def _check_semantics(rank, ws, seed):
 
 
 def test_results_match_float64_reference(checked):
-    assert _part(checked, "semantics") == [True] * len(checked[1])
+    assert rank_parts.part(checked, "semantics") == [True] * len(checked[1])
 
 
 def _check_compile(rank, ws, seed):
@@ -254,19 +254,12 @@ def _check_compile(rank, ws, seed):
 
 
 def test_torch_compile_fullgraph_matches_eager(checked):
-    assert _part(checked, "compile") == [True] * len(checked[1])
+    assert rank_parts.part(checked, "compile") == [True] * len(checked[1])
 
 
 def _every_check(rank, ws, seed):
-    """The three checks in turn on this rank: each one's result, or its traceback. A check that raised on one
-    rank leaves the others' next calls unmatched: those raise too (TIDE's call check), within the timeout."""
-    parts = {}
-    for part, check in (("semantics", _check_semantics), ("opcheck", _opcheck_all), ("compile", _check_compile)):
-        try:
-            parts[part] = ("ok", check(rank, ws, seed))
-        except Exception:  # noqa: BLE001 - judged by the part's test
-            parts[part] = ("error", traceback.format_exc())
-    return parts
+    checks = (("semantics", _check_semantics), ("opcheck", _opcheck_all), ("compile", _check_compile))
+    return rank_parts.run_each(checks, rank, ws, seed)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES)
@@ -277,9 +270,3 @@ def checked(request):
     return seed, run_ranks(_every_check, request.param, seed, timeout=600, env={"TIDE_TIMEOUT_S": "120"})
 
 
-def _part(checked, part):
-    """Every rank's result of ``part``; the tracebacks of the ranks where it raised fail the test."""
-    seed, per_rank = checked
-    raised = [f"rank {rank}:\n{parts[part][1]}" for rank, parts in enumerate(per_rank) if parts[part][0] != "ok"]
-    assert not raised, f"seed {seed} world size {len(per_rank)}: {part} raised on\n" + "\n".join(raised)
-    return [parts[part][1] for parts in per_rank]

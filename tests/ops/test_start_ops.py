@@ -7,12 +7,12 @@ One run per world size goes through the three checks, so each rank starts dynamo
 check's part. The seed is in every assertion message.
 """
 import random
-import traceback
 
 import pytest
 import torch
 
 from tests.opcheck import cases
+from tests import rank_parts
 from tide.launch import run_ranks
 from tide.meta.layout import rows_and_row_numel, shard_rows
 
@@ -144,13 +144,8 @@ def _check_traced(rank, ws, seed):
 
 
 def _every_check(rank, ws, seed):
-    parts = {}
-    for part, check in (("results", _check_results), ("completion", _check_completion), ("traced", _check_traced)):
-        try:
-            parts[part] = ("ok", check(rank, ws, seed))
-        except Exception:  # noqa: BLE001 - judged by the part's test
-            parts[part] = ("error", traceback.format_exc())
-    return parts
+    checks = (("results", _check_results), ("completion", _check_completion), ("traced", _check_traced))
+    return rank_parts.run_each(checks, rank, ws, seed)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES)
@@ -160,20 +155,13 @@ def checked(request):
     return seed, run_ranks(_every_check, request.param, seed, timeout=300, env={"TIDE_TIMEOUT_S": "60"})
 
 
-def _part(checked, part):
-    seed, per_rank = checked
-    raised = [f"rank {rank}:\n{parts[part][1]}" for rank, parts in enumerate(per_rank) if parts[part][0] != "ok"]
-    assert not raised, f"seed {seed} world size {len(per_rank)}: {part} raised on\n" + "\n".join(raised)
-    return [parts[part][1] for parts in per_rank]
-
-
 def test_results_match_the_float64_reference(checked):
-    assert _part(checked, "results") == [True] * len(checked[1])
+    assert rank_parts.part(checked, "results") == [True] * len(checked[1])
 
 
 def test_wait_tensor_completes_each_output(checked):
-    assert _part(checked, "completion") == [True] * len(checked[1])
+    assert rank_parts.part(checked, "completion") == [True] * len(checked[1])
 
 
 def test_traced_graphs_match_eager(checked):
-    assert _part(checked, "traced") == [True] * len(checked[1])
+    assert rank_parts.part(checked, "traced") == [True] * len(checked[1])
