@@ -52,7 +52,7 @@ def write_csv(path: Path, rows: dict[tuple, dict]) -> None:
 
 
 def summary(rows: dict[tuple, dict]) -> list[str]:
-    """Per release and mode: how many tests were collected and how each ended (passes split by ranks)."""
+    """Per release and mode: how many of the release's tests ran and how each ended (passes split by ranks)."""
     lines = []
     for release in sorted({r["torch"] for r in rows.values()}):
         mine = [r for r in rows.values() if r["torch"] == release]
@@ -61,7 +61,7 @@ def summary(rows: dict[tuple, dict]) -> list[str]:
             if not outcomes:
                 continue
             passed = Counter(r["ranks"] for r in mine if r[mode] == "passed")
-            lines.append(f"torch {release} {mode}: {len(mine)} tests, "
+            lines.append(f"torch {release} {mode}: {outcomes.total()} of {len(mine)} tests, "
                          + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
                          + " (passed: " + ", ".join(f"{n} {k}" for k, n in sorted(passed.items())) + ")")
     return lines

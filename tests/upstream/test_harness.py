@@ -67,7 +67,7 @@ def test_report_merges_modes_per_release(runs, tmp_path):
     assert (row["stock"], row["tide"], row["ranks"]) == ("passed", "passed", "processes")
     assert row["tide_paths"].startswith("all_gather: tide=")
     summary = report.summary(back)
-    assert any(line.startswith(f"torch {runs['tide']['torch']} stock: 3 tests") for line in summary), summary
+    assert any(line.startswith(f"torch {runs['tide']['torch']} stock: 3 of 3 tests") for line in summary), summary
 
 
 def test_sum_paths_and_failure_line():
