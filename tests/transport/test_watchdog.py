@@ -163,6 +163,7 @@ def test_an_arenas_oldest_eager_op_expires_only_past_its_timeout_and_not_once_fo
     assert dog._oldest_in_flight(now=100.0) == []
     b.entry = (9, "all_gather_into_params_", 6.0, False)
     assert [p.group for p in dog._oldest_in_flight(now=100.0)] == ["'b'"]
+    dog.forget("arena-b")  # else the dog's thread, at its next poll, finds b expired and ends this process
 
 
 def test_an_expiry_calls_its_hooks_before_the_report(monkeypatch):
