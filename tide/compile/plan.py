@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ import torch
 
 from tide import agreement, timeouts
 from tide.compile.patterns import Match, Stock
+from tide.ops import call_groups
 from tide.ops.calls import resolve_group
 
 aten = torch.ops.aten
@@ -120,7 +120,7 @@ def _agree_on(group, description: str) -> None:
     if group.size() < 2:
         return
     _agreements[group.group_name] += 1
-    prefix = (f"tide/compile/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{group.group_name}/"
+    prefix = (f"tide/compile/{call_groups.restart_count()}/{group.group_name}/"
               f"plan{_agreements[group.group_name]}")
     rank, what = group.rank(), f"tide.compile.rewrite: the bucket plan on group {group.group_name!r}"
     plans = agreement.exchange(dist.distributed_c10d._get_default_store(), prefix, rank, group.size(), description,

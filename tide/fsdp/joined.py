@@ -17,13 +17,13 @@ peers in the backend's collective for the group's timeout, and must still find t
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from tide import registry
+from tide.ops import call_groups
 from tide.timeouts import group_timeout, timeout_for
 
 
@@ -42,7 +42,7 @@ def _join(param_group, group: dist.ProcessGroup) -> str | None:
     fqn = getattr(param_group, "_module_fqn", None) or ""
     name = (group.group_name, fqn)
     registry.join_instances[name] += 1  # the same models in the same order on every rank: the same numbers
-    prefix = (f"tide/joined/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{group.group_name}/{fqn}/"
+    prefix = (f"tide/joined/{call_groups.restart_count()}/{group.group_name}/{fqn}/"
               f"{registry.join_instances[name]}")
     store.set(f"{prefix}/{group.rank()}", "tide")
     keys, decision_key = [f"{prefix}/{r}" for r in range(ranks)], f"{prefix}/decision"

@@ -97,7 +97,7 @@ class GroupState:
             self.timeout_s = timeout_for(group)
         except ValueError:  # an invalid TIDE_TIMEOUT_S: the call that found it is refused, bounded by the group's
             self.timeout_s = group_timeout(group)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        restart = restart_count()
         self.prefix = f"tide/calls/{restart}/{self.name}/{index}"
         self.index = index
         self._group = weakref.ref(group)  # its store is looked up when this rank first connects
@@ -235,12 +235,18 @@ def _world_store():
     return entry[1] if entry is not None else None
 
 
+def restart_count() -> str:
+    """torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``, "0" outside it): every store key TIDE writes
+    carries it, so a store that outlives a restart never shows the new processes the old ones' keys."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def _notice_key(global_rank: int) -> str:
-    return f"tide/notices/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{global_rank}"
+    return f"tide/notices/{restart_count()}/{global_rank}"
 
 
 def _process_key(global_rank: int) -> str:
-    return f"tide/processes/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{global_rank}"
+    return f"tide/processes/{restart_count()}/{global_rank}"
 
 
 def _world_timeout_s() -> float:
