@@ -36,7 +36,9 @@ def simple_fsdp(model: nn.Module, mesh, param_dtype=torch.bfloat16, reduce_dtype
         for name in names:
             p = module._parameters[name]
             if id(p) not in sharded:
-                sharded[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
+                # every rank built the same model: each keeps its own shard (no scatter, which gloo cannot do
+                # with CUDA tensors)
+                sharded[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None))
             module._parameters[name] = sharded[id(p)]
         if names:
             module.__class__ = _fsdp_class(type(module), names, param_dtype, reduce_dtype)
