@@ -27,13 +27,14 @@ class Storage:
 
 def test_acquire_round_robin_skips_held_slots_and_reports_none_when_all_are_held():
     leases = SlotLeases(2)
+    first, second = Storage(100), Storage(200)
     a = leases.acquire()
-    leases.bind(a, [Storage(100)])
+    leases.bind(a, [first])
     b = leases.acquire()
     assert (a, b) == (0, 1)
-    leases.bind(b, [Storage(200)])
+    leases.bind(b, [second])
     assert leases.held() == 2 and leases.acquire() is None
-    leases._bound[a][0][0].reshard()  # FSDP resharded the first group
+    first.reshard()  # FSDP resharded the first group
     assert not leases.is_held(a) and leases.acquire() == a
 
 
@@ -55,13 +56,25 @@ def test_a_storage_pointed_elsewhere_no_longer_holds_the_slot():
     assert not leases.is_held(0)
 
 
+def test_a_slot_is_free_once_its_bound_storages_are_gone():
+    """A compiled graph frees ``all_gather_start``'s outputs after their last reader: the slot frees with them,
+    and the leases never keep a storage alive."""
+    leases = SlotLeases(1)
+    storages = [Storage(1), Storage(2)]
+    leases.bind(leases.acquire(), storages)
+    del storages[0]
+    assert leases.is_held(0)
+    del storages[0]
+    assert not leases.is_held(0) and leases.acquire() == 0
+
+
 def test_prefer_and_last_slot():
     leases = SlotLeases(2)
-    owner = object()
-    leases.bind(leases.acquire(), [Storage(1)], owners=[owner])
+    owner, st = object(), Storage(1)
+    leases.bind(leases.acquire(), [st], owners=[owner])
     assert leases.last_slot(owner) == 0 and leases.last_slot(object()) is None
     assert leases.acquire(prefer=0) == 1  # 0 is held
-    leases._bound[0][0][0].reshard()
+    st.reshard()
     assert leases.acquire(prefer=0) == 0
 
 

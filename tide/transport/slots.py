@@ -1,8 +1,10 @@
 """Leases of an arena's K all-gather slots: the one place that decides which slot an all-gather takes
 and when a slot may be reused.
 
-A slot is *held* while storages bound into it still point at it (FSDP's reshard ``resize_(0)`` drops the
-pointer, whose deleter only lets go of the arena's leased region: tide/transport/lease.py), and *busy* until the event
+A slot is *held* while storages bound into it are alive and still point at it (FSDP's reshard
+``resize_(0)`` drops the pointer, whose deleter only lets go of the arena's leased region:
+tide/transport/lease.py; a compiled graph frees the outputs of ``all_gather_start`` when it has read them
+last: their storages die). The leases hold the storages weakly, so that they never keep one alive. *Busy* until the event
 of its last use on a stream other than the compute stream (the all-gather that filled it, a Slot-Reuse
 reduce-scatter that read gradients from it) has completed: the next user's stream waits for that
 event. Every decision depends only on host-side state that evolves identically on every rank (which
@@ -22,6 +24,7 @@ streams as their ``cuda_stream``), or a stand-in.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 
@@ -29,14 +32,15 @@ class SlotLeases:
     def __init__(self, num_slots: int, events=None) -> None:
         self.num_slots = num_slots
         self._events = events
-        self._bound: list = [None] * num_slots  # per slot: [(storage, address)] of the bound outputs
+        self._bound: list = [None] * num_slots  # per slot: [(weak storage, address)] of the bound outputs
         self._last_slot: dict[int, int] = {}  # id(owner key) -> slot its outputs were last bound in
         self._cursor = 0
 
     def is_held(self, slot: int) -> bool:
-        """Whether outputs bound in ``slot`` still point at it (their group is unsharded)."""
+        """Whether outputs bound in ``slot`` are alive and still point at it (their group is unsharded)."""
         bound = self._bound[slot]
-        return bound is not None and any(st.data_ptr() == addr and st.nbytes() > 0 for st, addr in bound)
+        return bound is not None and any((st := ref()) is not None and st.data_ptr() == addr and st.nbytes() > 0
+                                         for ref, addr in bound)
 
     def held(self) -> int:
         return sum(self.is_held(i) for i in range(self.num_slots))
@@ -62,7 +66,7 @@ class SlotLeases:
 
     def bind(self, slot: int, storages: Sequence, owners: Sequence = ()) -> None:
         """Record the storages just bound into ``slot`` (and, for each owner key, that it lives there)."""
-        self._bound[slot] = [(st, st.data_ptr()) for st in storages]
+        self._bound[slot] = [(weakref.ref(st), st.data_ptr()) for st in storages]
         for key in owners:
             self._last_slot[id(key)] = slot
 
