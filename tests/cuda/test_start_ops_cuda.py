@@ -1,7 +1,8 @@
 """The graph ops ``all_gather_start`` / ``reduce_scatter_start`` on CUDA (skipped without CUDA): two ranks
 share one GPU over gloo, without an arena (the reference backend) and with one (the reduce-scatter on the
-transport, the all-gather's allocator outputs on the reference), each result bit-exact against the CPU
-reference of the same data; the works complete through ``wait_tensor``; opcheck; and compiled graphs
+transport, the all-gather into a free arena slot by TIDE-AG; with every slot held, or outputs larger than a
+slot, into allocator outputs on the reference), each result bit-exact against the CPU reference of the same
+data, the arena's slots poisoned before each call; the works complete through ``wait_tensor``; opcheck; and compiled graphs
 (``aot_eager`` and Inductor) equal to eager. Data is fresh per run (the seed is in every message).
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ def _check_calls(rank, ws, seed, dev, what):
     wait = torch.ops._c10d_functional.wait_tensor
     shards_by_rank, grads_by_rank = _inputs(ws, seed)
     tide.reset_stats()
+    _poison_slots(g)
     before = _registry_size()
     outs = torch.ops.tide.all_gather_start([s.to(dev) for s in shards_by_rank[rank]], ws, g)
     assert _registry_size() == before + len(outs), (seed, what)
@@ -63,6 +65,40 @@ def _check_calls(rank, ws, seed, dev, what):
     assert _registry_size() == before, (seed, what)
     torch.cuda.synchronize()
     return tide.stats()["ops"]
+
+
+def _poison_slots(group_name: str) -> None:
+    from tide import transport
+
+    a = transport.get(group_name)
+    if a is not None:
+        ranks.poison(a.region()[a.slots_off:a.ring_off])
+
+
+def _check_slot_reuse(rank, ws, seed, dev) -> dict:
+    """Outputs alive hold their slot: with both slots held a third call gathers into allocator outputs; once
+    the first call's outputs die its slot serves again; a call larger than a slot never takes one."""
+    import tide
+    from tide import transport
+
+    g = dist.group.WORLD.group_name
+    tide.reset_stats()
+    want, held = [], []
+    for k in range(4):
+        if k == 3:
+            del held[0]  # the first call's outputs die: their slot is free again
+        _poison_slots(g)
+        shards = [torch.randn(5 + k, 3, generator=cases.rank_generator(seed + k, q)) for q in range(ws)]
+        (out,) = torch.ops.tide.all_gather_start([shards[rank].to(dev)], ws, g)
+        torch.ops._c10d_functional.wait_tensor(out)
+        ranks.assert_bits(f"seed {seed} slot reuse call {k}", out, torch.cat(shards))
+        held.append(out)
+        want.append(transport.get(g).slots.held())
+    big = torch.randn(transport.get(g).slot_bytes // 4 + 1, generator=cases.rank_generator(seed, rank))
+    (out,) = torch.ops.tide.all_gather_start([big.to(dev)], ws, g)
+    torch.ops._c10d_functional.wait_tensor(out)
+    torch.cuda.synchronize()
+    return {"held": want, "ops": tide.stats()["ops"]}
 
 
 def _fn(shards, grads, ws, g):
@@ -101,6 +137,7 @@ def start_ops_rank(rank: int, ws: int, seed: int) -> dict:
     torch.ops._c10d_functional.wait_tensor(gathered)
     out["side_stream"] = gathered.cpu().tolist()
     out["compiled"] = _check_compiled(rank, ws, seed + 3, dev)
+    out["slot_reuse"] = _check_slot_reuse(rank, ws, seed + 5, dev)
     shards_by_rank, grads_by_rank = _inputs(ws, seed + 4)
     out["opcheck"] = {
         "all_gather_start": torch.library.opcheck(torch.ops.tide.all_gather_start.default,
@@ -120,12 +157,19 @@ def test_graph_ops_on_cuda(ext):
     ws = 2
     for rank, r in enumerate(run_ranks(start_ops_rank, ws, seed, backend="gloo", device_type="cuda", env=ranks.ENV,
                                        timeout=500)):
-        assert r["no_arena"]["all_gather_start:allocator"] == 1 and r["no_arena"]["reduce_scatter_start:allocator"] == 2
+        assert r["no_arena"]["reduce_scatter_start:allocator"] == 2, (seed, r["no_arena"])
         assert r["no_arena"]["all_gather_into_params_:stock:no_arena"] == 1, (seed, r["no_arena"])
         assert r["no_arena"]["reduce_scatter_params_:stock:no_arena"] == 2, (seed, r["no_arena"])
+        assert r["no_arena"]["all_gather_start:allocator:no_arena"] == 1, (seed, r["no_arena"])
         for part in ("arena", "arena_again"):
-            assert r[part]["all_gather_into_params_:stock:outputs_not_in_slot"] == 1, (seed, part, r[part])
+            assert r[part]["all_gather_start:slot"] == 1, (seed, part, r[part])
+            assert r[part].get("all_gather_into_params_:tide") == 1, (seed, part, r[part])  # TIDE-AG, zero-copy
             assert r[part].get("reduce_scatter_params_:tide") == 2, (seed, part, r[part])  # on the transport
+        slots = r["slot_reuse"]
+        assert slots["held"] == [1, 2, 2, 2], (seed, slots)
+        assert slots["ops"]["all_gather_start:slot"] == 3, (seed, slots["ops"])
+        assert slots["ops"]["all_gather_start:allocator:no_free_slot"] == 1, (seed, slots["ops"])
+        assert slots["ops"]["all_gather_start:allocator:slot_too_small"] == 1, (seed, slots["ops"])
         assert r["side_stream"] == [[float(q)] * 2 for q in range(ws) for _ in range(3)], (seed, r["side_stream"])
         assert r["compiled"] is True
         for op, checks in r["opcheck"].items():

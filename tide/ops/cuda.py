@@ -34,9 +34,10 @@ class _Transport:
     """The CUDA transport's modules, imported at the first CUDA call (``import tide`` loads none of them)."""
 
     def __getattr__(self, name: str):
-        from tide.transport import all_gather, arena, reduce_scatter, watchdog
+        from tide.transport import all_gather, arena, graph_gather, reduce_scatter, watchdog
 
-        self.all_gather, self.arena, self.reduce_scatter, self.WATCHDOG = all_gather, arena, reduce_scatter, watchdog.WATCHDOG
+        self.all_gather, self.arena, self.graph_gather = all_gather, arena, graph_gather
+        self.reduce_scatter, self.WATCHDOG = reduce_scatter, watchdog.WATCHDOG
         return getattr(self, name)
 
 
@@ -99,13 +100,28 @@ for _name, _fn in _KERNELS.items():
     _python_kernels.impl(_name, _fn, "CUDA")
 
 
-# The graph ops stay Python kernels (their own library: the extension takes over only the four above). Their
-# outputs come from the caching allocator, never from an arena slot: a slot is leased to outputs until FSDP
-# reshards them (tide/transport/slots.py), and a graph's outputs end when Inductor frees them, which nothing
-# tells the arena yet. The mutating op they call counts the backend it took.
+# The graph ops stay Python kernels (their own library: the extension takes over only the four above).
 def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
-    outs = reference.gather_into_new("all_gather_start", shards, world_size, group_name)
-    counters.count_graph_op("all_gather_start", "allocator")
+    """Outputs in a free slot of the group's arena, written by the transport (``slot``); else outputs from the
+    caching allocator (``allocator:<why>``), which ``all_gather_into_params_`` gathers on its reference
+    backend and counts."""
+    op = "all_gather_start"
+    knobs.validate_once()
+    shards = reference.checked_shards(op, shards, world_size, group_name)
+    _transport.WATCHDOG.check()
+    a = _transport.arena.get(group_name)
+    if a is None:
+        got = "no_arena"
+    elif a.world_size != world_size or a.leases.held_elsewhere():
+        got = "world_size" if a.world_size != world_size else "lease_across_capture"
+    else:
+        got = _transport.graph_gather.gather_into_slot(a, shards, world_size, group_name)
+    if isinstance(got, str):
+        outs = reference.gather_into_new(op, shards, world_size, group_name)
+        counters.count_graph_op(op, f"allocator:{got}")
+    else:
+        outs = got
+        counters.count_graph_op(op, "slot")
     works.register(outs)
     return outs
 

@@ -148,12 +148,17 @@ def reduce_scatter(inputs, scale, out_dtype, world_size, group_name) -> list[tor
 
 # The graph ops' work, on any device: fresh outputs filled by the mutating op through the dispatcher (on CUDA
 # the transport's kernels, in C++ where they take the call). Their kernels register the call's work after it.
-def gather_into_new(op, shards, world_size, group_name) -> list[torch.Tensor]:
+def checked_shards(op, shards, world_size, group_name) -> list[torch.Tensor]:
+    """The graph all-gather's ``shards``, detached, once they pass its checks (else refused on every rank)."""
     try:
         checks.check_all_gather(op, shards, world_size, checks.GATHER_DTYPES)
     except (ValueError, TypeError) as e:
         calls.refuse(op, group_name, world_size, (shards,), e)
-    shards = [s.detach() for s in shards]
+    return [s.detach() for s in shards]
+
+
+def gather_into_new(op, shards, world_size, group_name) -> list[torch.Tensor]:
+    shards = checked_shards(op, shards, world_size, group_name)
     outs = [s.new_empty((world_size * s.shape[0], *s.shape[1:])) for s in shards]
     torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group_name)
     return outs
