@@ -1,0 +1,92 @@
+"""The CUDA arenas TIDE's graph ops run on in compiled training.
+
+``prepare(model)`` creates, on every rank and before the compiled model first runs (never under CUDA-graph
+capture), the arena of each data-parallel group that the model's DTensor ``Shard(0)`` parameters are
+sharded over. Its slots fit the largest module's all-gather (the plan buckets one module per call,
+tide/compile/plan.py), so ``all_gather_start`` gathers into a free slot with the copy engines; its staging
+ring fits one round of that module's reduce-scatter. A group that already has an arena keeps it.
+
+``release()`` gives every arena's leased data region back to the caching allocator (the regions of outputs
+still alive stay until those die). Call it on every rank at the same point, after each optimizer step and
+before capturing a step into a CUDA graph: a region held across a capture's boundary makes the captured
+all-gathers take the reference backend (``allocator:lease_across_capture``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from tide import topology
+from tide.meta import plans
+
+log = logging.getLogger("tide")
+
+_prepared: list = []  # the arenas prepare() returned, which release() releases
+
+
+def _unit(model: nn.Module, name: str) -> str:
+    """The module a parameter's gathers are bucketed with: the root's child it lives under (a ModuleList's or
+    ModuleDict's own child, since containers never run), ``""`` for the root's own parameters."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return ""
+    child = model.get_submodule(parts[0])
+    if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(parts) > 2:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _sharded_params(model: nn.Module):
+    """(group, unit, padded shard shape, world size) of every CUDA DTensor parameter sharded on dim 0."""
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor) or p.device.type != "cuda":
+            continue
+        for dim, placement in enumerate(p.placements):
+            if isinstance(placement, Shard) and placement.dim == 0:
+                group = p.device_mesh.get_group(dim)
+                W = group.size()
+                shape = (math.ceil(p.shape[0] / W), *p.shape[1:]) if p.dim() else (1,)
+                yield group, _unit(model, name), shape, W, p.dtype
+
+
+def prepare(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> list:
+    """Create the arenas of ``model``'s data-parallel groups (collective: every rank of each group); return
+    them. ``param_dtype``: the dtype parameters are gathered in (mixed precision), else their own. CPU
+    parameters, and groups that span nodes (the reference backend's multi-node schedule serves them),
+    get none."""
+    from tide import transport
+
+    units: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+    groups = {}
+    for group, unit, shape, W, dtype in _sharded_params(model):
+        if W < 2 or topology.is_multinode(topology.of_group(group)):
+            continue
+        groups[group.group_name] = group
+        units[group.group_name][unit].append((shape, param_dtype or dtype))
+    made = []
+    for name, group in groups.items():
+        W = group.size()
+        layouts = [plans.all_gather_layout([s for s, _ in u], [d for _, d in u], W) for u in units[name].values()]
+        pieces = [plans.rs_piece_bytes([math.prod(s) for s, _ in u], [d.itemsize for _, d in u])
+                  for u in units[name].values()]
+        arena = transport.get(name)
+        if arena is None:
+            arena = transport.enable(group, layouts=layouts, rs_piece_bytes=max(pieces))
+            log.info("tide.compile.prepare: created %r for %d modules", arena, len(layouts))
+        made.append(arena)
+        if arena not in _prepared:
+            _prepared.append(arena)
+    return made
+
+
+def release() -> None:
+    """Give the leased data region of every arena :func:`prepare` returned back to the caching allocator
+    (every rank at the same point); arenas closed since are forgotten."""
+    _prepared[:] = [a for a in _prepared if a.native is not None]
+    for arena in _prepared:
+        arena.release()
