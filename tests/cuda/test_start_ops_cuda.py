@@ -83,7 +83,7 @@ def _check_slot_reuse(rank, ws, seed, dev) -> dict:
 
     g = dist.group.WORLD.group_name
     tide.reset_stats()
-    want, held = [], []
+    want, held = [transport.get(g).slots.held()], []
     for k in range(4):
         if k == 3:
             del held[0]  # the first call's outputs die: their slot is free again
@@ -136,6 +136,7 @@ def start_ops_rank(rank: int, ws: int, seed: int) -> dict:
         (gathered,) = torch.ops.tide.all_gather_start([torch.full((3, 2), float(rank), device=dev)], ws, g)
     torch.ops._c10d_functional.wait_tensor(gathered)
     out["side_stream"] = gathered.cpu().tolist()
+    del gathered  # its slot is free again
     out["compiled"] = _check_compiled(rank, ws, seed + 3, dev)
     out["slot_reuse"] = _check_slot_reuse(rank, ws, seed + 5, dev)
     shards_by_rank, grads_by_rank = _inputs(ws, seed + 4)
@@ -166,7 +167,7 @@ def test_graph_ops_on_cuda(ext):
             assert r[part].get("all_gather_into_params_:tide") == 1, (seed, part, r[part])  # TIDE-AG, zero-copy
             assert r[part].get("reduce_scatter_params_:tide") == 2, (seed, part, r[part])  # on the transport
         slots = r["slot_reuse"]
-        assert slots["held"] == [1, 2, 2, 2], (seed, slots)
+        assert slots["held"] == [0, 1, 2, 2, 2], (seed, slots)
         assert slots["ops"]["all_gather_start:slot"] == 3, (seed, slots["ops"])
         assert slots["ops"]["all_gather_start:allocator:no_free_slot"] == 1, (seed, slots["ops"])
         assert slots["ops"]["all_gather_start:allocator:slot_too_small"] == 1, (seed, slots["ops"])
