@@ -119,3 +119,8 @@ def test_module_names_from_graph_trainer_and_dynamo_metadata():
     assert patterns.module_of(node) == "L['model'].layers.0"
     node.meta["custom"] = {"module_fqn": "layers.3"}
     assert patterns.module_of(node) == "layers.3"
+    # GraphTrainer names the leaf module: its parameters bucket with their block's.
+    node.meta["custom"] = {"module_fqn": "layers.3.attention.wo"}
+    assert patterns.module_of(node) == "layers.3"
+    node.meta["custom"] = {"module_fqn": "tok_embeddings"}
+    assert patterns.module_of(node) == "tok_embeddings"

@@ -101,12 +101,20 @@ def _dim0_pad_input(node):
     return node.args[0]
 
 
+def _outermost(fqn: str) -> str:
+    """The module below the root that ``fqn`` lies in: its first name, with the index after it when that names
+    a container's child (``layers.3.attention.wo``: ``layers.3``)."""
+    parts = fqn.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
+
+
 def module_of(node: Node) -> str:
-    """The module a collective serves, by name: GraphTrainer's ``custom["module_fqn"]``, else the outermost
-    module below the root in Dynamo's ``nn_module_stack`` (for a gradient: the forward's), else ``""``."""
+    """The module a collective serves, by name: the outermost module below the root in GraphTrainer's
+    ``custom["module_fqn"]`` (which names the leaf module), else in Dynamo's ``nn_module_stack`` (for a
+    gradient: the forward's), else ``""``."""
     custom = node.meta.get("custom") or {}
     if custom.get("module_fqn"):
-        return str(custom["module_fqn"])
+        return _outermost(str(custom["module_fqn"]))
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     entries = list(stack.values())
     if not entries:
