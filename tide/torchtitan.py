@@ -26,6 +26,10 @@ name such as ``llama3`` or ``graph_trainer.llama3``, or any importable module, w
 default, ``spmd_types``, FSDP2 keeps every parameter as a DTensor on the SPMD mesh, which TIDE serves
 while every axis of that mesh is data parallel (``partial_dtensor`` gives it plain DTensor FSDP2).
 
+0.3's graph trainer (``--config graph_trainer.llama3.graph_trainer_llama3_8b`` and the like: SimpleFSDP, no
+FSDP2): this module registers the graph trainer's pass pipeline ``tide`` (``tide.torchtitan_graph``), which
+its configs then select (``--compile.pass_pipeline tide``); their ``parallelize_fn`` stays upstream's.
+
 Options, environment variables read at ``parallelize_fn`` time (every rank must set them alike; a bad
 value raises ``ValueError`` naming the variable, already when this module is imported):
 
@@ -121,7 +125,11 @@ def _register_models() -> None:
 # ---------------------------------------------------------------- torchtitan 0.3.x: config functions
 
 def with_tide(config):
-    """A 0.3.x ``Trainer.Config`` whose ``model_spec.parallelize_fn`` is wrapped (modified in place)."""
+    """A 0.3.x ``Trainer.Config`` whose ``model_spec.parallelize_fn`` is wrapped (modified in place); a graph
+    trainer's config (SimpleFSDP, no FSDP2) gets the ``tide`` pass pipeline instead."""
+    if _graph is not None and _graph.is_graph_trainer_config(config):
+        config.compile.pass_pipeline = _graph.PIPELINE
+        return config
     spec = getattr(config, "model_spec", None)
     if spec is None:
         raise ValueError(f"tide.torchtitan: the config ({type(config).__name__}) has no model_spec to wrap")
@@ -207,5 +215,20 @@ def __dir__() -> list:
     return sorted(names)
 
 
+def _register_graph_pipeline():
+    """``tide.torchtitan_graph`` registered with torchtitan 0.3's graph trainer, where it imports; else None."""
+    try:
+        from torchtitan.experiments.graph_trainer.registry import (  # noqa: F401
+            register_pass_pipeline, register_post_init_hook)
+    except ImportError as e:
+        log.info("no 'tide' graph trainer pipeline (%s: %s)", type(e).__name__, e)
+        return None
+    from tide import torchtitan_graph
+
+    torchtitan_graph.register()
+    return torchtitan_graph
+
+
 options()  # a bad value fails at import, before torchtitan builds anything
 _register_models()
+_graph = _register_graph_pipeline()
