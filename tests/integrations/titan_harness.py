@@ -151,9 +151,10 @@ def _record_metrics() -> None:
     MetricsProcessor.log = recording_log
 
 
-def train(argv: list[str]) -> dict:
+def train(argv: list[str], inspect=None) -> dict:
     """One torchtitan training run in this rank, as ``python -m torchtitan.train argv`` trains (on the
-    process group ``run_ranks`` made, which torchtitan keeps): its metrics and TIDE's FSDP2 counts."""
+    process group ``run_ranks`` made, which torchtitan keeps): its metrics and TIDE's FSDP2 counts, and
+    ``inspect(trainer)`` after training, when given, under ``"inspect"``."""
     import tide
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
@@ -171,9 +172,10 @@ def train(argv: list[str]) -> dict:
         trainer = config.build()
     try:
         trainer.train()
+        inspected = inspect(trainer) if inspect is not None else None
     finally:
         trainer.close()
-    return {"metrics": list(_METRICS), "fsdp": tide.stats()["fsdp"]}
+    return {"metrics": list(_METRICS), "fsdp": tide.stats()["fsdp"], "inspect": inspected}
 
 
 def probe() -> dict:
