@@ -118,6 +118,15 @@ def cpu_shims() -> None:
         attention.FlexAttention._compiled_flex_attn = staticmethod(_cpu_flex_attention)
         attention._compiled_create_block_mask = create_block_mask
 
+        # The graph trainer's FSDP bucketing pass estimates runtimes by roofline; torch 2.14's estimator asks
+        # triton for a GPU's DRAM bandwidth, which fails with no GPU. Infinite bandwidth: no transfer time,
+        # what torch 2.15's estimator counts without an accelerator.
+        from torch._inductor import utils as inductor_utils
+        from torch.utils import _runtime_estimation
+
+        if not hasattr(inductor_utils, "get_device_dram_gbps") and not torch.cuda.is_available():
+            _runtime_estimation.get_gpu_dram_gbps = lambda: float("inf")
+
 
 def _cpu_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
                         kernel_options=None):
