@@ -1,48 +1,23 @@
-"""A SimpleFSDP toy for the compile tests: every parameter is a ``Shard(0)`` DTensor, and each read of it
-all-gathers it to a plain tensor in ``param_dtype`` whose gradient is reduce-scattered in ``reduce_dtype``
-(torchtitan's ``replicate_compute``), so a compiled step holds DTensor's functional c10d collectives.
+"""The SimpleFSDP toy of the compile tests, sharded by bench/simple_fsdp.py (every parameter a ``Shard(0)``
+DTensor, all-gathered to ``param_dtype`` at each read, its gradient reduce-scattered in ``reduce_dtype``), so a
+compiled step holds DTensor's functional c10d collectives.
 
 The model has an uneven Linear (7 rows on 2 and 3 ranks), tied embedding/head weights and an
 activation-checkpointed block."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from simple_fsdp import simple_fsdp  # noqa: E402,F401  (bench/simple_fsdp.py; the rank functions use it here)
+
 VOCAB, DIM, HIDDEN = 16, 8, 7
-
-
-def replicate_compute(param, param_dtype, reduce_dtype):
-    return param.redistribute(placements=[Replicate()], forward_dtype=param_dtype,
-                              backward_dtype=reduce_dtype).to_local(grad_placements=[Partial()])
-
-
-def _fsdp_class(cls, names, param_dtype, reduce_dtype):
-    """A subclass of ``cls`` whose parameters, read by name, are gathered (the sharded ones stay in
-    ``_parameters``)."""
-    props = {name: property(lambda self, n=name: replicate_compute(self._parameters[n], param_dtype, reduce_dtype))
-             for name in names}
-    return type(f"SimpleFSDP{cls.__name__}", (cls,), props)
-
-
-def simple_fsdp(model: nn.Module, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32) -> nn.Module:
-    """Shard every parameter on dim 0 over ``mesh`` and gather it at each read (tied parameters stay one)."""
-    sharded = {}
-    for module in model.modules():
-        names = [n for n, p in module._parameters.items() if p is not None]
-        for name in names:
-            p = module._parameters[name]
-            if id(p) not in sharded:
-                # every rank built the same model: each keeps its own shard (no scatter, which gloo cannot do
-                # with CUDA tensors)
-                sharded[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None))
-            module._parameters[name] = sharded[id(p)]
-        if names:
-            module.__class__ = _fsdp_class(type(module), names, param_dtype, reduce_dtype)
-    return model
 
 
 class Block(nn.Module):
