@@ -1,10 +1,9 @@
 """``tide.compile.enable()`` / ``disable()``: TIDE's pass joins Inductor's post-grad passes without replacing a
-user's, ``disable()`` restores exactly what was set, and the pass's uuid hashes its sources (FX graph cache)."""
-from pathlib import Path
+user's, ``disable()`` restores exactly what was set, and the pass has no uuid (Inductor bypasses its FX graph cache)."""
 
 import pytest
 from torch._inductor import config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import tide.compile
 
@@ -38,7 +37,7 @@ def test_disable_without_enable_raises():
         tide.compile.disable()
 
 
-def test_uuid_hashes_every_source_of_the_pass():
-    sources = tuple(sorted(str(p) for p in Path(tide.compile.__file__).parent.glob("*.py")))
-    assert {Path(s).name for s in sources} >= {"patterns.py", "plan.py", "rewriter.py", "inductor.py"}
-    assert tide.compile.TidePass().uuid() == get_hash_for_files(sources)
+def test_the_pass_has_no_cache_key():
+    """Inductor bypasses its FX graph cache for a pass without a uuid: every rank runs the pass, and so the
+    plan's exchange, on every compile."""
+    assert tide.compile.TidePass().uuid() is None

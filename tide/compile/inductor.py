@@ -5,14 +5,11 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from torch._inductor import config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tide.compile.rewriter import rewrite_graph
 
-_SOURCES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
 _previous: list = []  # the config value each enable() replaced, innermost last
 
 
@@ -22,9 +19,12 @@ class TidePass(CustomGraphPass):
     def __call__(self, graph) -> None:
         rewrite_graph(graph)
 
-    def uuid(self) -> bytes:
-        # The FX graph cache keys on this: a change to any of the pass's sources invalidates its entries.
-        return get_hash_for_files(_SOURCES)
+    def uuid(self) -> None:
+        # No key: Inductor then bypasses its FX graph cache for graphs compiled with the pass. A cache hit
+        # skips the pass, and with it the plan's exchange between the ranks: a rank served from the cache
+        # while a peer compiles leaves that peer waiting for it (the ranks' graphs differ with uneven
+        # shards, so their cache entries differ too).
+        return None
 
 
 def _as_tuple(value) -> tuple:
