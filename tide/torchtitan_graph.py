@@ -10,7 +10,9 @@ reordering pass (``joint_transformer_block_bucketing_reordering_pass``): SimpleF
 all-gathers and reduce-scatters become TIDE's graph ops, one per transformer block (or other module below
 the root) and direction (docs/compile.md). Every other pass stays. The hook runs when the trainer is built,
 before the first step traces: ``tide.compile.prepare`` on each model part creates TIDE's arenas for its
-data-parallel groups (none on CPU), gathering in ``--training.mixed_precision_param``.
+data-parallel groups (none on CPU), gathering in ``--training.mixed_precision_param``. A pre-train-step hook
+gives the arenas' leased regions back before each step (``tide.compile.release``), so that the activations'
+peak never holds them and a step captured into a CUDA graph leases its own.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import functools
 import tide.compile
 
 __all__ = ["PIPELINE", "BUCKETING_PASS", "is_graph_trainer_config", "rewrite_pass", "tide_passes", "prepare_models",
-           "register"]
+           "release_regions", "register"]
 
 PIPELINE = "tide"
 BUCKETING_PASS = "joint_transformer_block_bucketing_reordering_pass"
@@ -66,9 +68,16 @@ def prepare_models(trainer) -> None:
         tide.compile.prepare(model, param_dtype=param_dtype)
 
 
+def release_regions(trainer) -> None:
+    """The pre-train-step hook: every rank gives its arenas' regions back at the same point."""
+    tide.compile.release()
+
+
 def register() -> None:
-    """Register the ``tide`` pipeline and its post-init hook with the graph trainer."""
-    from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline, register_post_init_hook
+    """Register the ``tide`` pipeline and its hooks with the graph trainer."""
+    from torchtitan.experiments.graph_trainer.registry import (register_pass_pipeline, register_post_init_hook,
+                                                               register_pre_train_step_hook)
 
     register_pass_pipeline(PIPELINE)(tide_passes)
     register_post_init_hook(PIPELINE)(prepare_models)
+    register_pre_train_step_hook(PIPELINE)(release_regions)

@@ -2,8 +2,8 @@
 
 ``prepare(model)`` creates, on every rank and before the compiled model first runs (never under CUDA-graph
 capture), the arena of each data-parallel group that the model's DTensor ``Shard(0)`` parameters are
-sharded over. Its slots fit the largest module's all-gather (the plan buckets one module per call,
-tide/compile/plan.py), so ``all_gather_start`` gathers into a free slot with the copy engines; its staging
+sharded over. Its slots fit the largest module's all-gather (the plan buckets the collectives of one module
+below the root per call: ``layers.3``, tide/compile/plan.py), so ``all_gather_start`` gathers into a free slot with the copy engines; its staging
 ring fits one round of that module's reduce-scatter. A group that already has an arena keeps it.
 
 ``release()`` gives every arena's leased data region back to the caching allocator (the regions of outputs
@@ -22,23 +22,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from tide import topology
+from tide.compile.patterns import outermost_module
 from tide.meta import plans
 
 log = logging.getLogger("tide")
 
 _prepared: list = []  # the arenas prepare() returned, which release() releases
-
-
-def _unit(model: nn.Module, name: str) -> str:
-    """The module a parameter's gathers are bucketed with: the root's child it lives under (a ModuleList's or
-    ModuleDict's own child, since containers never run), ``""`` for the root's own parameters."""
-    parts = name.split(".")
-    if len(parts) == 1:
-        return ""
-    child = model.get_submodule(parts[0])
-    if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(parts) > 2:
-        return ".".join(parts[:2])
-    return parts[0]
 
 
 def _sharded_params(model: nn.Module):
@@ -51,7 +40,7 @@ def _sharded_params(model: nn.Module):
                 group = p.device_mesh.get_group(dim)
                 W = group.size()
                 shape = (math.ceil(p.shape[0] / W), *p.shape[1:]) if p.dim() else (1,)
-                yield group, _unit(model, name), shape, W, p.dtype
+                yield group, outermost_module(name), shape, W, p.dtype
 
 
 def prepare(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> list:

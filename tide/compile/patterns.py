@@ -101,7 +101,7 @@ def _dim0_pad_input(node):
     return node.args[0]
 
 
-def _outermost(fqn: str) -> str:
+def outermost_module(fqn: str) -> str:
     """The module below the root that ``fqn`` lies in: its first name, with the index after it when that names
     a container's child (``layers.3.attention.wo``: ``layers.3``)."""
     parts = fqn.split(".")
@@ -114,7 +114,7 @@ def module_of(node: Node) -> str:
     gradient: the forward's), else ``""``."""
     custom = node.meta.get("custom") or {}
     if custom.get("module_fqn"):
-        return _outermost(str(custom["module_fqn"]))
+        return outermost_module(str(custom["module_fqn"]))
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     entries = list(stack.values())
     if not entries:
