@@ -109,7 +109,7 @@ Comm::Comm(const std::string& id, int64_t world, int64_t rank, int64_t device)
   check(result, "ncclCommInitRank");
 }
 
-// The registry (tide/transport/rails.py) keeps a group's communicator for the process's life, so this runs
+// The registry (tide/multinode/rails.py) keeps a group's communicator for the process's life, so this runs
 // at interpreter exit. ncclCommAbort, not ncclCommDestroy: destroy waits for the communicator's pending
 // work, which a dead peer never lets finish.
 Comm::~Comm() {

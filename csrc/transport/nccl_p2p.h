@@ -1,4 +1,4 @@
-// Direct NCCL point-to-point for the rails of the multi-node schedule (tide/transport/nccl_rails.py).
+// Direct NCCL point-to-point for the rails of the multi-node schedule (tide/multinode/nccl_rails.py).
 //
 // One step's sends and receives are one NCCL group issued from one C++ call; through torch's
 // ProcessGroupNCCL every piece is a call of its own (on two H200s a 1 MiB all-gather of 8 pieces, 16

@@ -1,6 +1,6 @@
-// Plans of the CUDA transport, built and agreed in Python (tide/transport/plans.py, from
+// Plans of the CUDA transport, built and agreed in Python (tide/meta/plans.py, from
 // tide.meta.layout.GroupLayout) before the extension is entered, and handed to each op call. They cross
-// the binding as the named structs below (bindings.cpp), with the field names tide/transport/plans.py uses.
+// the binding as the named structs below (bindings.cpp), with the field names tide/meta/plans.py uses.
 #pragma once
 
 #include <torch/extension.h>

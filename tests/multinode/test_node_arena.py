@@ -103,4 +103,4 @@ def _refused(rank, world_size, local):
 def test_a_node_arena_needs_several_nodes_of_several_ranks(local):
     # One node (no local world size), or nodes of one rank: refused before anything is created.
     for msg in run_ranks(_refused, 2, local, timeout=120):
-        assert msg.startswith("tide.transport.nodes.enable: ranks [0, 1] are not several nodes of 2 or more"), msg
+        assert msg.startswith("tide.transport.node_leg.enable: ranks [0, 1] are not several nodes of 2 or more"), msg

@@ -38,10 +38,10 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Are
     ranks = _arena.group_ranks(group.group_name)
     topo = topology.of_group(group)
     if not topology.is_multinode(topo) or topo.local_size < 2:
-        raise ValueError(f"tide.transport.nodes.enable: ranks {list(ranks)} are not several nodes of 2 or more "
+        raise ValueError(f"tide.transport.node_leg.enable: ranks {list(ranks)} are not several nodes of 2 or more "
                          f"ranks (topology {topo}); a node arena serves the intra-node legs of such a group")
     if ranks in registry.node_arenas:
-        raise ValueError(f"tide.transport.nodes.enable: ranks {list(ranks)} already have a node arena; disable it first")
+        raise ValueError(f"tide.transport.node_leg.enable: ranks {list(ranks)} already have a node arena; disable it first")
     node = topo.node(group.rank())
     node_ranks = ranks[node * topo.local_size:(node + 1) * topo.local_size]
     node_group = registry.node_groups.get(node_ranks)
@@ -49,7 +49,7 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Are
         node_group = registry.node_groups[node_ranks] = dist.new_group(list(node_ranks), backend="gloo",
                                                                        use_local_synchronization=True)
     if node_group.rank() != topo.local(group.rank()):  # the plans index the node's ranks by local rank
-        raise RuntimeError(f"tide.transport.nodes.enable: rank {node_group.rank()} of the node group is not local "
+        raise RuntimeError(f"tide.transport.node_leg.enable: rank {node_group.rank()} of the node group is not local "
                            f"rank {topo.local(group.rank())}")
     arena = _arena.enable(node_group, slot_bytes=slot_bytes, **kwargs)
     registry.node_arenas[ranks] = arena
