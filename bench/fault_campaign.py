@@ -1,6 +1,6 @@
 """Fault campaign: many 2-rank runs, each with a random fault at a random point of a random op mix.
 
-Every run picks a scenario (``tide/faults.py``: a peer dies in an all-gather or a reduce-scatter of an op
+Every run picks a scenario (``fault_scenarios.py``: a peer dies in an all-gather or a reduce-scatter of an op
 mix or of FSDP2 training in either reduce-scatter mode, dies between steps, skips a collective, or issues
 another plan), a point (the op or step where rank 1 injects it) and a seed (the op mix). A run is a
 **hang** when any rank is still running at the deadline (killed there); otherwise it counts how long
@@ -10,7 +10,7 @@ watchdog takes as its own, as in a real job. ``--device cpu`` exercises the refe
 ``--device cuda`` the CUDA transport (ranks share one GPU or take one each). ``--kinds TEXT`` runs only
 the kinds whose name contains TEXT; ``faults_runs.csv`` says how each surviving rank ended.
 
-``--campaign`` (CPU) runs :func:`tide.fault_campaign.campaign` instead: ``--runs`` runs at 2, 3 and 4 ranks in
+``--campaign`` (CPU) runs :func:`fault_rounds.campaign` instead: ``--runs`` runs at 2, 3 and 4 ranks in
 turn, each of ``--rounds`` rounds of random faults on fresh groups (one rank's bad input, a stall, skipped
 calls and steps, two threads on a group) and a kill, ``TIDE_TIMEOUT_S`` = ``--timeout``; it writes
 ``faults_campaign.csv`` (one row per run: rounds, hangs, wrong results, late or non-TIDE errors, the
@@ -37,11 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
 
-from tide import fault_campaign, faults  # noqa: E402
+import fault_rounds  # noqa: E402
+import fault_scenarios  # noqa: E402
 from tide.launch import run_ranks_outcomes  # noqa: E402
 
-KINDS = [("ops", s, None) for s in faults.OP_SCENARIOS] + [
-    ("fsdp", s, m) for s in faults.STEP_SCENARIOS for m in ("in_place", "slot_reuse")]
+KINDS = [("ops", s, None) for s in fault_scenarios.OP_SCENARIOS] + [
+    ("fsdp", s, m) for s in fault_scenarios.STEP_SCENARIOS for m in ("in_place", "slot_reuse")]
 
 
 def draw(i: int, rng: random.Random, kinds=KINDS) -> tuple:
@@ -56,13 +57,13 @@ def one_run(kind: str, scenario: str, rs_mode: str | None, seed: int, fault_at: 
     with tempfile.TemporaryDirectory() as tmp:
         fault_file = str(Path(tmp) / "fault")
         if kind == "ops":
-            fn, args = faults.op_sequence, (device, scenario, seed, fault_at, fault_file)
+            fn, args = fault_scenarios.op_sequence, (device, scenario, seed, fault_at, fault_file)
         else:
             steps = fault_at + 2  # the fault falls inside the run: an all-gather/reduce-scatter or step before the end
-            fn, args = faults.fsdp_steps, (device, scenario, rs_mode, fault_at, steps, fault_file)
+            fn, args = fault_scenarios.fsdp_steps, (device, scenario, rs_mode, fault_at, steps, fault_file)
         # TIDE's timeout is the process group's (as in a real job): one bound for TIDE's ops and stock's.
         outcomes = run_ranks_outcomes(fn, 2, *args, device_type=device, timeout=deadline, pg_timeout=timeout)
-        verdict = faults.judge(outcomes, fault_file)
+        verdict = fault_scenarios.judge(outcomes, fault_file)
     name = f"{kind}:{scenario}" + (f":{rs_mode}" if rs_mode else "")
     faulty = verdict["faulty"]
     survivor = next(o for o in outcomes if o.rank != faulty.rank)
@@ -127,10 +128,10 @@ def campaign_runs(runs: int, rounds: int, timeout: float, seed: int, out: Path) 
         start = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
             fault_file = str(Path(tmp) / "fault")
-            outcomes = run_ranks_outcomes(fault_campaign.campaign, world_size, run_seed, rounds, fault_file,
+            outcomes = run_ranks_outcomes(fault_rounds.campaign, world_size, run_seed, rounds, fault_file,
                                           timeout=rounds * (timeout + 10) + 60, pg_timeout=max(30.0, 3 * timeout),
                                           env={"TIDE_TIMEOUT_S": str(timeout)})
-            v = fault_campaign.judge_campaign(outcomes, fault_file, timeout + 15)
+            v = fault_rounds.judge_campaign(outcomes, fault_file, timeout + 15)
         row = {"world_size": world_size, "seed": run_seed, "rounds": v["rounds"], "hangs": len(v["hung"]),
                "wrong": len(v["wrong"]), "late": len(v["late"]), "not_tide": len(v["not_tide"]),
                "failed_ranks": len(v["failed_ranks"]), "worst_s_to_error": round(v["worst_s"], 2),
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default="", help="only the kinds whose name (e.g. 'fsdp:dies_in_all_gather:slot_reuse') "
                    "contains this text")
     p.add_argument("--out", type=Path, default=default_out())
-    p.add_argument("--campaign", action="store_true", help="CPU: tide.fault_campaign.campaign runs at 2-4 ranks (see above)")
+    p.add_argument("--campaign", action="store_true", help="CPU: fault_rounds.campaign runs at 2-4 ranks (see above)")
     p.add_argument("--rounds", type=int, default=8, help="--campaign: soft-fault rounds per run (then a kill)")
     args = p.parse_args(argv)
     if args.campaign:

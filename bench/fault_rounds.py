@@ -3,7 +3,8 @@ round on a fresh group, the last one a kill: one rank's bad input (the ops' chec
 arguments, a meta tensor, a scale unlike its peers'), a stall, a skipped call, a skipped step, a skipped last
 call, two threads on a group; the kill before a call, before the rank's first call on the group, in the
 exchange or in the collective. :func:`campaign` is a rank function for
-:func:`tide.launch.run_ranks_outcomes`; :func:`judge_campaign` judges its outcomes
+:func:`tide.launch.run_ranks_outcomes` (a module of its own, so that ranks import it by name, also when
+``bench/fault_campaign.py`` is the main script); :func:`judge_campaign` judges its outcomes
 (``tests/faults/test_campaign.py``, ``bench/fault_campaign.py --campaign``).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tide.faults import DIED, fault_time
+from fault_scenarios import DIED, fault_time
 
 SOFT_FAULTS = ("bad_input", "stalls", "skips_a_call", "skips_a_step", "skips_the_last_call", "threads")
 BAD_INPUTS = ("shape", "non_contiguous", "requires_grad", "world_size", "overlapping_outputs",
@@ -257,8 +258,9 @@ def judge_campaign(outcomes, fault_file: str, bound_s: float) -> dict:
     """How a campaign run ended (``outcomes`` of :func:`tide.launch.run_ranks_outcomes` running
     :func:`campaign`): ``hung`` ranks, ``wrong`` (results that returned without an error but differ from
     the expected data), ``late`` (a survivor whose first error came more than ``bound_s`` after the fault,
-    or never; :data:`LOCAL_BOUND_S` after one rank's bad input), ``not_tide`` (errors whose message does not start with ``tide``), ``worst_s`` (the slowest
-    survivor's seconds from fault to error) and ``rounds`` (how many were judged)."""
+    or never; :data:`LOCAL_BOUND_S` after one rank's bad input), ``not_tide`` (errors whose message does
+    not start with ``tide``), ``worst_s`` (the slowest survivor's seconds from fault to error) and
+    ``rounds`` (how many were judged)."""
     verdict = {"hung": [o.rank for o in outcomes if o.status == "hung"], "wrong": [], "late": [], "not_tide": [],
                "worst_s": 0.0, "rounds": 0, "failed_ranks": []}
     by_rank = {}

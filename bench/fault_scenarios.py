@@ -1,7 +1,8 @@
 """Fault scenarios: a peer that dies, skips a collective or issues another plan, on any device.
 
 Rank functions for :func:`tide.launch.run_ranks_outcomes`, shared by the fault tests (``tests/faults/``
-on CPU, ``tests/cuda/test_faults.py``) and the campaign (``bench/fault_campaign.py``). Rank 1 is the
+on CPU, ``tests/cuda/test_faults.py``, which put ``bench/`` on ``sys.path``) and the campaign
+(``bench/fault_campaign.py``). Rank 1 is the
 faulty rank; it writes the wall-clock time of its fault to ``fault_file`` (when given) just before
 injecting it, so the time every other rank takes to end can be measured from the fault.
 
@@ -13,7 +14,7 @@ injecting it, so the time every other rank takes to end can be measured from the
   ``fault_at``-th all-gather or reduce-scatter (the seam's transport hooks, as above), or between steps;
   on CPU it may also skip a whole step (``skips_a_step``: the step ``tide.train`` declares is caught).
 
-The CPU fault campaign (random faults in one run) is ``tide/fault_campaign.py``.
+The CPU fault campaign (rounds of random faults in one run) is ``bench/fault_rounds.py``.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def op_sequence(rank: int, world_size: int, device_type: str, scenario: str, see
     from tide.meta import plans
 
     if scenario not in OP_SCENARIOS:
-        raise ValueError(f"tide.faults.op_sequence: scenario must be one of {OP_SCENARIOS}, got {scenario!r}")
+        raise ValueError(f"fault_scenarios.op_sequence: scenario must be one of {OP_SCENARIOS}, got {scenario!r}")
     dev, W, name = _device(device_type), world_size, dist.group.WORLD.group_name
     rng = random.Random(seed)  # the same sequence on every rank
     kinds = [rng.choice(("ag", "rs")) for _ in range(fault_at + 3)]
@@ -121,7 +122,7 @@ def fsdp_steps(rank: int, world_size: int, device_type: str, scenario: str, rs_m
     from tide.train import fsdp_model, train_step
 
     if scenario not in STEP_SCENARIOS + CPU_STEP_SCENARIOS:
-        raise ValueError(f"tide.faults.fsdp_steps: scenario must be one of {STEP_SCENARIOS + CPU_STEP_SCENARIOS}, "
+        raise ValueError(f"fault_scenarios.fsdp_steps: scenario must be one of {STEP_SCENARIOS + CPU_STEP_SCENARIOS}, "
                          f"got {scenario!r}")
     dev = _device(device_type)
     cfg = PRESETS["tiny"]
@@ -168,8 +169,8 @@ def fault_time(fault_file: str) -> float | None:
 def judge(outcomes, fault_file: str) -> dict:
     """How one fault run ended (``outcomes`` from :func:`tide.launch.run_ranks_outcomes`): ``hung`` (ranks
     killed at the deadline), ``errors`` (every rank but the faulty one ended in an error: an exception, or
-    TIDE's watchdog exit, its backstop's included), ``s_to_error`` (seconds from the fault to the last of those ends), ``faulty``
-    (how the faulty rank ended)."""
+    TIDE's watchdog exit, its backstop's included), ``s_to_error`` (seconds from the fault to the last of
+    those ends), ``faulty`` (how the faulty rank ended)."""
     from tide.transport.watchdog import BACKSTOP_EXIT_CODE, EXIT_CODE
 
     # Ends that say why: an exception, or TIDE's watchdog exit (its report on stderr; the backstop's stacks).

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tests.cuda.ranks import ag_case, assert_bits, poison, cuda_all_gather, cuda_reduce_scatter, ref_all_gather, \
     ref_reduce_scatter, rs_case
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import fault_scenarios  # noqa: E402
 
 # name: (rs_mode, explicit prefetch)
 CONFIGS = {
@@ -140,16 +145,14 @@ def captured_ops(rank: int, world_size: int, seed: int, replays: int) -> dict:
 def replay_fault(rank: int, world_size: int, scenario: str, fault_file: str) -> str:
     """The captured sequence replayed; rank 1 dies right after launching its third replay
     (``dies_in_replay``) or stops before its first (``never_replays``, alive past the peers' bound)."""
-    from tide import faults
-
     _, seq, graph = _captured_sequence(7, rank, world_size)
     for r in range(5):
-        if rank == faults.FAULTY_RANK and scenario == "never_replays":
-            faults.stall(fault_file)
+        if rank == fault_scenarios.FAULTY_RANK and scenario == "never_replays":
+            fault_scenarios.stall(fault_file)
         seq.refill(r)
         graph.replay()
-        if rank == faults.FAULTY_RANK and scenario == "dies_in_replay" and r == 2:
-            faults.die(fault_file)
+        if rank == fault_scenarios.FAULTY_RANK and scenario == "dies_in_replay" and r == 2:
+            fault_scenarios.die(fault_file)
         torch.cuda.synchronize()
     return "finished"
 

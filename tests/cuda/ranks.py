@@ -9,9 +9,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import fault_scenarios  # noqa: E402
 
 # Multicast stays off everywhere; several ranks may share one GPU through symmetric memory over gloo.
 ENV = {
@@ -652,7 +657,7 @@ def stalled_peer(rank: int, world_size: int, fault_file: str) -> str:
     """One all-gather on both ranks (its plan agreed); then rank 1 stops issuing, past rank 0's timeout
     + 15 s, while rank 0 all-gathers again with the same plan and waits for the GPU."""
     import tide  # noqa: F401
-    from tide import faults, transport
+    from tide import transport
 
     group = dist.group.WORLD
     arena = transport.enable(group, slot_bytes=1 << 20)
@@ -660,8 +665,8 @@ def stalled_peer(rank: int, world_size: int, fault_file: str) -> str:
     shards = [torch.randn(4, 3, device=dev).bfloat16(), torch.randn(5, device=dev).bfloat16()]
     layout = plans_layout([s.shape for s in shards], [torch.bfloat16] * 2, world_size)
     for call in range(2):
-        if rank == faults.FAULTY_RANK and call == 1:
-            faults.stall(fault_file)
+        if rank == fault_scenarios.FAULTY_RANK and call == 1:
+            fault_scenarios.stall(fault_file)
         outs = arena.slot_views(layout, [torch.bfloat16] * 2, arena.slots.acquire())
         torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group.group_name)
         torch.cuda.synchronize()

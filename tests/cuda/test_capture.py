@@ -7,12 +7,17 @@ but TIDE ops communicates inside the captured region (gloo cannot be captured: s
 eagerly there); with a GPU per rank the same tests run over NCCL, and the training test also compares stock
 FSDP2 captured the same way, bit for bit.
 """
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.cuda import capture_ranks, ranks
-from tide import faults
 from tide.launch import run_ranks, run_ranks_outcomes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import fault_scenarios  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -84,7 +89,7 @@ def test_a_peer_that_dies_in_a_replay_or_never_replays(ext, scenario, tmp_path, 
     outcomes = run_ranks_outcomes(capture_ranks.replay_fault, 2, scenario, fault_file, device_type="cuda",
                                   env={**ranks.ENV, "TIDE_TIMEOUT_S": str(TIMEOUT_S)}, timeout=BOUND + 60,
                                   pg_timeout=120)
-    verdict = faults.judge(outcomes, fault_file)
+    verdict = fault_scenarios.judge(outcomes, fault_file)
     assert verdict["hung"] == [] and verdict["errors"], verdict
     assert verdict["s_to_error"] is not None and verdict["s_to_error"] < BOUND, verdict
     err = capfd.readouterr().err

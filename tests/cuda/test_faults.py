@@ -1,17 +1,21 @@
-"""The fault scenarios of tide/faults.py on the CUDA transport (skipped without CUDA): ranks share one
-GPU, or take one each when there are enough. The process group's timeout is 5 s, and TIDE's is the
+"""The fault scenarios of bench/fault_scenarios.py on the CUDA transport (skipped without CUDA): ranks
+share one GPU, or take one each when there are enough. The process group's timeout is 5 s, and TIDE's is the
 group's (as in a real job); every rank but the faulty one ends within 5 + 15 s of the fault (the
 watchdog's report and exit, its error raised at the next op, or the group's own timeout), and none
 hangs. The stalled-peer test sets ``TIDE_TIMEOUT_S=5`` under a 120 s group timeout instead: only TIDE's
 watchdog can end that survivor in time."""
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.cuda import ranks
-from tide import faults
 from tide.launch import run_ranks_outcomes
 from tide.transport.watchdog import EXIT_CODE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import fault_scenarios  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -24,7 +28,7 @@ def _run(fn, *args, tmp_path, tide_timeout: bool = False):
     env, pg_timeout = ({**ranks.ENV, "TIDE_TIMEOUT_S": str(TIMEOUT_S)}, 120) if tide_timeout else (ranks.ENV, TIMEOUT_S)
     outcomes = run_ranks_outcomes(fn, 2, *args, fault_file, device_type="cuda", env=env, timeout=BOUND + 60,
                                   pg_timeout=pg_timeout)
-    return outcomes, faults.judge(outcomes, fault_file)
+    return outcomes, fault_scenarios.judge(outcomes, fault_file)
 
 
 def _assert_ends_in_errors(verdict):
@@ -57,22 +61,22 @@ def _assert_error_or_report(outcomes, err: str, *, peer_died: bool) -> None:
 
 @pytest.mark.parametrize("scenario", ["dies_in_all_gather", "dies_in_reduce_scatter", "stalls"])
 def test_a_peer_killed_or_stalled_during_a_collective(ext, scenario, tmp_path, capfd):
-    outcomes, verdict = _run(faults.op_sequence, "cuda", scenario, 7, 2, tmp_path=tmp_path)
+    outcomes, verdict = _run(fault_scenarios.op_sequence, "cuda", scenario, 7, 2, tmp_path=tmp_path)
     _assert_ends_in_errors(verdict)
     _assert_error_or_report(outcomes, capfd.readouterr().err, peer_died=scenario != "stalls")
 
 
-@pytest.mark.parametrize("scenario", faults.STEP_SCENARIOS)
+@pytest.mark.parametrize("scenario", fault_scenarios.STEP_SCENARIOS)
 @pytest.mark.parametrize("rs_mode", ["in_place", "slot_reuse"])
 def test_a_peer_killed_in_fsdp_training(ext, scenario, rs_mode, tmp_path, capfd):
-    outcomes, verdict = _run(faults.fsdp_steps, "cuda", scenario, rs_mode, 2, 3, tmp_path=tmp_path)
+    outcomes, verdict = _run(fault_scenarios.fsdp_steps, "cuda", scenario, rs_mode, 2, 3, tmp_path=tmp_path)
     _assert_ends_in_errors(verdict)
     _assert_error_or_report(outcomes, capfd.readouterr().err, peer_died=True)
 
 
 @pytest.mark.parametrize("scenario", ["skips_a_collective", "other_plan"])
 def test_a_peer_that_diverges_ends_in_an_error(ext, scenario, tmp_path):
-    outcomes, verdict = _run(faults.op_sequence, "cuda", scenario, 11, 2, tmp_path=tmp_path)
+    outcomes, verdict = _run(fault_scenarios.op_sequence, "cuda", scenario, 11, 2, tmp_path=tmp_path)
     _assert_ends_in_errors(verdict)
 
 

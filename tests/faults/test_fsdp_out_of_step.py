@@ -4,21 +4,26 @@ and count the FSDP2 seam declares), instead of pairing one module's or step's co
 """
 from __future__ import annotations
 
-from tide import faults
+import sys
+from pathlib import Path
+
 from tide.launch import run_ranks_outcomes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import fault_scenarios  # noqa: E402
 
 PG_TIMEOUT_S = 30.0
 ENV = {"TIDE_TIMEOUT_S": "5"}
 
 
 def test_a_rank_that_skips_a_step_raises_on_every_rank(tmp_path):
-    outcomes = run_ranks_outcomes(faults.fsdp_steps, 2, "cpu", "skips_a_step", "in_place", 1, 3,
+    outcomes = run_ranks_outcomes(fault_scenarios.fsdp_steps, 2, "cpu", "skips_a_step", "in_place", 1, 3,
                                   str(tmp_path / "fault"), timeout=120, pg_timeout=PG_TIMEOUT_S, env=ENV)
     for o in outcomes:
         assert o.status == "error", o
         assert "issued different calls" in o.detail, o.detail
         assert "step 1" in o.detail and "step 2" in o.detail, o.detail  # both sides' steps, in words
-    assert max(o.ended_at for o in outcomes) - faults.fault_time(str(tmp_path / "fault")) < 15
+    assert max(o.ended_at for o in outcomes) - fault_scenarios.fault_time(str(tmp_path / "fault")) < 15
 
 
 def _skips_a_module(rank, world_size, fault_file):
@@ -39,7 +44,7 @@ def _skips_a_module(rank, world_size, fault_file):
                 return model.head(model.norm(model.layers[0](x, cos, sin)))
 
             model.forward = forward
-            faults._fault(fault_file)
+            fault_scenarios._fault(fault_file)
         elif "forward" in vars(model):
             del model.forward
         train_step(model, optim, cfg, step, rank)
@@ -54,4 +59,4 @@ def test_a_rank_that_skips_a_modules_call_names_both_modules(tmp_path):
         assert "issued different calls" in o.detail, o.detail
         assert "[layers.1 forward #2, step 1]" in o.detail, o.detail  # rank 0's call
         assert "[layers.0 backward #2, step 1]" in o.detail, o.detail  # rank 1's: the module before, re-gathered
-    assert max(o.ended_at for o in outcomes) - faults.fault_time(fault_file) < 15
+    assert max(o.ended_at for o in outcomes) - fault_scenarios.fault_time(fault_file) < 15
