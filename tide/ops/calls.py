@@ -47,6 +47,10 @@ State is per group object (``tide/ops/call_groups.py``): a re-created group of t
 afresh. The exchange and its reports are ``tide/ops/call_exchange.py``, the watcher
 ``tide/ops/call_watcher.py``. Cost of an agreed call: three store round trips (compare-and-set, a wait and
 a read) on a connection per thread and store server, plus one deferred delete on the watcher's.
+
+The CUDA transport has the other fault system: each new plan agreed once (``tide/transport/issue.py``),
+then no host exchange; an op that never completes is ended by the watchdog (``tide/transport/watchdog.py``,
+with the issued board ``board.py`` and ``flag_report.py``), which reports who is behind and ends the process.
 """
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ a stream memop on the caller's stream that writes its sequence number into a pin
 daemon thread per process (started with the first arena) polls those words: plain memory reads, no CUDA
 call. An arena's eager ops are listed in C++ from before each issues anything (its in-flight list,
 csrc/transport/completions.h), whether Python or the ops' C++ kernels issued them; other work (the
-direct NCCL rails) is tracked one :class:`Completion` at a time. (``cudaEventQuery`` blocked on the GPU machine: the training thread's launches had filled the stalled
-streams' queue and spun in the driver under a lock the query needed.) When an op has not
-completed ``timeout_s`` after it was issued (``TIDE_TIMEOUT_S``, else the process group's timeout), the
-thread
+direct NCCL rails) is tracked one :class:`Completion` at a time. (``cudaEventQuery`` blocked on the GPU
+machine: the training thread's launches had filled the stalled streams' queue and spun in the driver under
+a lock the query needed.) When an op has not completed ``timeout_s`` after it was issued
+(``TIDE_TIMEOUT_S``, else the process group's timeout), the thread
 
 1. writes a report to stderr: the op, the group, how long, and which peers' flag words are behind this
    rank's issued work and by how much (``tide/transport/flag_report.py``), plus every thread's stack;
@@ -30,6 +30,11 @@ in the driver) would stall every Python thread, this one too; so before anything
 backstop that needs no GIL (``faulthandler``'s own thread): one second after the grace it prints every
 thread's stack and ends the process with :data:`BACKSTOP_EXIT_CODE`. The cost on the healthy path is one
 stream memop and one list append per op.
+
+CPU tensors (the reference backend) have the other fault system: every call agreed by its ranks through
+the group's store before anything is issued, each wait bounded by a watcher thread, errors raised and the
+group left usable where nothing was issued (``tide/ops/calls.py``, with ``call_exchange.py``,
+``call_groups.py`` and ``call_watcher.py``).
 """
 from __future__ import annotations
 
