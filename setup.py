@@ -1,6 +1,6 @@
 """Packaging beyond pyproject.toml: ``csrc/`` ships as package data (``tide/csrc``), so the JIT build
 works from an installed wheel; with ``TIDE_BUILD_CUDA=1`` the CUDA extension is compiled here, at
-install time, from the same sources and flags as the JIT build (``tide/transport/build.py``). That needs
+install time, from the same sources and flags as the JIT build (``tide/extension.py``). That needs
 torch (with CUDA) and nvcc in the build environment: ``pip install --no-build-isolation``. Without it
 the install is pure Python and needs neither."""
 import importlib.util
@@ -21,7 +21,7 @@ def _module(name: str, relative: str):
 
 
 knobs = _module("tide_knobs", "tide/knobs.py")
-build = _module("tide_build", "tide/transport/build.py")
+extension = _module("tide_extension", "tide/extension.py")
 
 
 def cuda_build() -> dict:
@@ -40,18 +40,18 @@ def cuda_build() -> dict:
         def run(self):
             super().run()
             for ext in self.extensions:
-                digest = Path(self.get_ext_fullpath(ext.name)).with_name(build.DIGEST_NAME)
-                digest.write_text(build.sources_digest(ROOT / "csrc") + "\n")
+                digest = Path(self.get_ext_fullpath(ext.name)).with_name(extension.DIGEST_NAME)
+                digest.write_text(extension.sources_digest(ROOT / "csrc") + "\n")
 
-    extension = CUDAExtension(
-        name=f"tide.{build.EXTENSION_NAME}",
-        sources=[f"csrc/{s}" for s in build.SOURCES],
+    cuda_extension = CUDAExtension(
+        name=f"tide.{extension.EXTENSION_NAME}",
+        sources=[f"csrc/{s}" for s in extension.SOURCES],
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": build.CXX_FLAGS,
-                            "nvcc": build.nvcc_flags(os.environ.get("TORCH_CUDA_ARCH_LIST"))},
-        extra_link_args=build.LD_FLAGS,
+        extra_compile_args={"cxx": extension.CXX_FLAGS,
+                            "nvcc": extension.nvcc_flags(os.environ.get("TORCH_CUDA_ARCH_LIST"))},
+        extra_link_args=extension.LD_FLAGS,
     )
-    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildWithDigest}}
+    return {"ext_modules": [cuda_extension], "cmdclass": {"build_ext": BuildWithDigest}}
 
 
 if __name__ == "__main__":  # as setuptools runs it; tests import cuda_build alone

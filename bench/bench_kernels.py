@@ -77,9 +77,9 @@ def main(argv=None):
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
     require_cuda("bench_kernels.py")
-    from tide.transport import build
+    from tide import extension
 
-    ext = build.load()
+    ext = extension.load()
     rows = [r for k in args.k.split(",") for r in sum_rows(ext, int(k), args.n, [int(c) for c in args.ctas.split(",")],
                                                            args.reps)]
     rows += cast_rows(ext, args.cast_mib, args.reps)

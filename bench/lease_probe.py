@@ -67,9 +67,9 @@ def _value(rank: int, phase: int) -> int:
 
 
 def _rank(rank: int, world: int, slot_mib: int, push_mib: int, phases: int, reps: int) -> list[dict]:
-    from tide.transport import build
+    from tide import extension
 
-    ext = build.load()
+    ext = extension.load()
     dev = torch.device("cuda", torch.cuda.current_device())
     copier = _Copier()
     store = dist.distributed_c10d._get_default_store()

@@ -57,9 +57,9 @@ def main(argv=None):
         return
     require_cuda("overlap.py")
 
-    from tide.transport import build
+    from tide import extension
 
-    ext = build.load()
+    ext = extension.load()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     grids = [sms if g == "all" else int(g) for g in args.grids.split(",")]

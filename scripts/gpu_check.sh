@@ -78,7 +78,7 @@ PY
 overlap_args=(--reps 10)
 [ "$gpus" -ge 2 ] && overlap_args+=(--xgpu)
 # Stages in priority order, each capped; what the time limit cannot fit is skipped and reported.
-stage build 240 $PY -c "from tide.transport import build; build.load(verbose=True); print('built')"
+stage build 240 $PY -c "from tide import extension; extension.load(verbose=True); print('built')"
 stage tests_transport 260 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
   --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py \
   --ignore=tests/cuda/test_multinode_cuda.py --ignore=tests/cuda/test_capture.py

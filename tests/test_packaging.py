@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import tide
-from tide.transport import build
+from tide import extension
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def test_the_wheel_is_pure_python_and_ships_every_source(wheel):
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
     headers = {f"tide/csrc/{p.relative_to(ROOT / 'csrc').as_posix()}" for p in (ROOT / "csrc").rglob("*.h")}
-    assert {f"tide/csrc/{s}" for s in build.SOURCES} | headers <= names, sorted(names)
+    assert {f"tide/csrc/{s}" for s in extension.SOURCES} | headers <= names, sorted(names)
     assert not [n for n in names if n.endswith(".so")], names
 
 
@@ -45,20 +45,20 @@ def test_the_installed_package_finds_its_sources(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, timeout=300)
-    code = ("import tide; from tide.transport import build; csrc = build.csrc_dir(); "
-            "print(tide.__file__); print(csrc); print(all((csrc / s).is_file() for s in build.SOURCES)); "
-            "print(build.sources_digest(csrc))")
+    code = ("import tide; from tide import extension; csrc = extension.csrc_dir(); "
+            "print(tide.__file__); print(csrc); print(all((csrc / s).is_file() for s in extension.SOURCES)); "
+            "print(extension.sources_digest(csrc))")
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     where, csrc, complete, digest = out.stdout.split()
     assert Path(where).is_relative_to(target) and Path(csrc) == target / "tide" / "csrc", out.stdout
-    assert complete == "True" and digest == build.sources_digest(ROOT / "csrc"), out.stdout
+    assert complete == "True" and digest == extension.sources_digest(ROOT / "csrc"), out.stdout
 
 
 def test_a_checkout_finds_its_sources():
-    assert build.csrc_dir() == ROOT / "csrc"
+    assert extension.csrc_dir() == ROOT / "csrc"
 
 
 def _setup_module():
@@ -73,7 +73,7 @@ def test_the_default_install_builds_no_extension(monkeypatch):
     assert _setup_module().cuda_build() == {}
 
 
-@pytest.mark.parametrize("arch_list, arch_flags", [(None, build.DEFAULT_ARCH_FLAGS), ("9.0a;10.0", [])])
+@pytest.mark.parametrize("arch_list, arch_flags", [(None, extension.DEFAULT_ARCH_FLAGS), ("9.0a;10.0", [])])
 def test_tide_build_cuda_builds_the_jit_builds_sources_and_flags(monkeypatch, arch_list, arch_flags):
     from torch.utils import cpp_extension
 
@@ -85,10 +85,10 @@ def test_tide_build_cuda_builds_the_jit_builds_sources_and_flags(monkeypatch, ar
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")  # a CPU torch has none: config only
     built = _setup_module().cuda_build()
     [ext] = built["ext_modules"]
-    assert ext.name == f"tide.{build.EXTENSION_NAME}"
-    assert ext.sources == [f"csrc/{s}" for s in build.SOURCES]
-    assert ext.extra_compile_args == {"cxx": build.CXX_FLAGS, "nvcc": build.CUDA_FLAGS + arch_flags}
-    assert ext.extra_link_args == build.LD_FLAGS
+    assert ext.name == f"tide.{extension.EXTENSION_NAME}"
+    assert ext.sources == [f"csrc/{s}" for s in extension.SOURCES]
+    assert ext.extra_compile_args == {"cxx": extension.CXX_FLAGS, "nvcc": extension.CUDA_FLAGS + arch_flags}
+    assert ext.extra_link_args == extension.LD_FLAGS
     assert issubclass(built["cmdclass"]["build_ext"], cpp_extension.BuildExtension)
 
 
@@ -110,31 +110,31 @@ def test_a_bad_tide_build_cuda_names_the_variable(monkeypatch):
 @pytest.fixture
 def prebuilt(tmp_path, monkeypatch):
     """A stand-in prebuilt module in a folder of the ``tide`` package; yields the digest file beside it."""
-    (tmp_path / f"{build.EXTENSION_NAME}.py").write_text("PREBUILT = True\n")
+    (tmp_path / f"{extension.EXTENSION_NAME}.py").write_text("PREBUILT = True\n")
     monkeypatch.setattr(tide, "__path__", [*tide.__path__, str(tmp_path)])
-    yield tmp_path / build.DIGEST_NAME
-    sys.modules.pop(f"tide.{build.EXTENSION_NAME}", None)
+    yield tmp_path / extension.DIGEST_NAME
+    sys.modules.pop(f"tide.{extension.EXTENSION_NAME}", None)
 
 
 def test_the_prebuilt_module_is_used_for_the_sources_it_was_built_from(prebuilt):
-    csrc = build.csrc_dir()
-    assert build._prebuilt(csrc) is None  # no digest: not known to match
+    csrc = extension.csrc_dir()
+    assert extension._prebuilt(csrc) is None  # no digest: not known to match
     prebuilt.write_text("0" * 64 + "\n")
-    assert build._prebuilt(csrc) is None  # other sources: JIT-built instead
-    prebuilt.write_text(build.sources_digest(csrc) + "\n")
-    assert build._prebuilt(csrc).PREBUILT
+    assert extension._prebuilt(csrc) is None  # other sources: JIT-built instead
+    prebuilt.write_text(extension.sources_digest(csrc) + "\n")
+    assert extension._prebuilt(csrc).PREBUILT
 
 
 def test_a_jit_build_prints_one_line_with_what_and_how_long(monkeypatch, capsys):
     from torch.utils import cpp_extension
 
     seen = {}
-    monkeypatch.setattr(build, "_cached", lambda *_: False)
+    monkeypatch.setattr(extension, "_cached", lambda *_: False)
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw) or "module")
-    assert build._jit(build.csrc_dir(), verbose=False) == "module"
+    assert extension._jit(extension.csrc_dir(), verbose=False) == "module"
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"tide.transport: JIT-building the CUDA extension "
-                                                   f"{build.EXTENSION_NAME} ({len(build.SOURCES)} sources under "), lines
+    what = f"{extension.EXTENSION_NAME} ({len(extension.SOURCES)} sources under "
+    assert len(lines) == 1 and lines[0].startswith(f"tide.transport: JIT-building the CUDA extension {what}"), lines
     assert " built in " in lines[0] and lines[0].endswith(" s"), lines
-    assert seen["extra_cuda_cflags"] == build.CUDA_FLAGS + build.DEFAULT_ARCH_FLAGS
-    assert seen["sources"] == [str(build.csrc_dir() / s) for s in build.SOURCES]
+    assert seen["extra_cuda_cflags"] == extension.CUDA_FLAGS + extension.DEFAULT_ARCH_FLAGS
+    assert seen["sources"] == [str(extension.csrc_dir() / s) for s in extension.SOURCES]

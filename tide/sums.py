@@ -69,11 +69,11 @@ def summing_ctas(device: torch.device | int) -> int:
 def _kernel():
     """The extension's ``sum_rows`` on :func:`summing_ctas` CTAs (read once, as the arena reads it), or None
     when the CUDA extension cannot be built here (logged once)."""
-    from tide.transport import build
+    from tide import extension
 
     knobs.get("TIDE_RS_CTAS")  # a bad value raises, here too, before anything is built
     try:
-        return functools.partial(build.load().sum_rows, ctas=summing_ctas(torch.cuda.current_device()))
+        return functools.partial(extension.load().sum_rows, ctas=summing_ctas(torch.cuda.current_device()))
     except Exception as e:  # no nvcc, a failed build: the reference computes the same bits, slower
         log.warning("tide: the summing kernel is unavailable (%s: %s); multi-node sums run as torch ops",
                     type(e).__name__, e)

@@ -21,6 +21,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ext():
-    from tide.transport import build
+    from tide import extension
 
-    return build.load()
+    return extension.load()

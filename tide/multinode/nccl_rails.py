@@ -39,9 +39,9 @@ def unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        from tide.transport import build
+        from tide import extension
 
-        reason = build.load().nccl_unavailable()
+        reason = extension.load().nccl_unavailable()
     except Exception as e:  # noqa: BLE001 - any failure to build or load means: not here
         return f"the CUDA extension is unavailable: {str(e).splitlines()[0]}"
     return reason or None
@@ -51,9 +51,10 @@ class DirectRails:
     """The direct NCCL rails of ``group`` (every rank constructs them together, one GPU per rank)."""
 
     def __init__(self, group: dist.ProcessGroup, prefix: str) -> None:
-        from tide.transport import build, watchdog  # the CUDA transport, only where these rails run
+        from tide import extension
+        from tide.transport import watchdog  # the CUDA transport, only where these rails run
 
-        self.ext = build.load()
+        self.ext = extension.load()
         self.rank, self.world = group.rank(), group.size()
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = timeouts.timeout_for(group)

@@ -1,7 +1,7 @@
 """CUDA kernels of the ``tide`` ops: the TIDE transport when the group has an arena.
 
 Two layers. Until the CUDA extension loads (no arena yet: nothing is built) the Python kernels below
-serve CUDA calls. When it loads (:func:`hand_over`, from ``tide.transport.build.load``), its C++
+serve CUDA calls. When it loads (:func:`hand_over`, from ``tide.extension.load``), its C++
 kernels take the CUDA dispatch key (csrc/transport/dispatch.cpp): a call on a layout seen before runs
 in C++ without entering Python, and every other call enters these Python kernels, which take the
 decisions that need Python (the lease, a new plan, capture, a fallback, the argument errors) and

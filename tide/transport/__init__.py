@@ -4,7 +4,7 @@ copies + stream-memop flags, one kernel for the own shard) and TIDE-RS (copy-eng
 staging ring, a bounded-grid fp32 summing kernel). See docs/design.md ("CUDA transport").
 
 Importing this package builds nothing and needs no GPU: the extension is compiled on first use
-(:func:`tide.transport.build.load`, or ahead of time with ``python -m tide.transport.build``).
+(:func:`tide.extension.load`, or ahead of time with ``python -m tide.extension``).
 
     enable(group, slot_bytes=... | layouts=[...]) -> Arena    (collective, once per set of ranks)
     get(group_name) -> Arena | None                            (what the tide ops consult)

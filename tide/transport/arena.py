@@ -81,9 +81,9 @@ class Arena:
             raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
 
-        from tide.transport import build
+        from tide import extension
 
-        self.ext = build.load()
+        self.ext = extension.load()
         self.group = group
         self.group_name = group.group_name
         self.world_size = W = group.size()

@@ -7,7 +7,7 @@ matches the sources. ``csrc/`` is found inside the installed package (``tide/csr
 package data) or in the source checkout (``<repo>/csrc``, an editable install). The JIT build is cached
 by torch in ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and rebuilt only when a
 source changes; a build prints one line saying what it built and how long it took (about 30 s).
-``python -m tide.transport.build`` builds ahead of time. Code for ``sm_90a`` (Hopper) is embedded, plus
+``python -m tide.extension`` builds ahead of time. Code for ``sm_90a`` (Hopper) is embedded, plus
 ``compute_90`` PTX for the driver to compile elsewhere; the install-time build takes
 ``TORCH_CUDA_ARCH_LIST`` instead when it is set.
 
@@ -29,7 +29,7 @@ log = logging.getLogger("tide.transport")
 
 EXTENSION_NAME = "tide_cuda_ext"
 DIGEST_NAME = f"{EXTENSION_NAME}.sources.sha256"  # beside the prebuilt module: the sources it was built from
-PACKAGE = Path(__file__).resolve().parents[1]  # tide/
+PACKAGE = Path(__file__).resolve().parent  # tide/
 SOURCES = (
     "ops/sum_contributions.cu",
     "ops/cast_segments.cu",
