@@ -75,7 +75,6 @@ def _call(kind, rank, W, name, bad="", value=None):
 
 
 def _out_of_step(rank, W, marker):
-    import torch
     import torch.distributed as dist
 
     import tide

@@ -124,9 +124,10 @@ def test_one_ranks_mistake_raises_on_every_rank_at_once(case):
 
 def every_rank_unknown_group(rank: int, W: int, how: str) -> dict:
     """Every rank names a group it does not know (destroyed, or never created); then a good call."""
+    import torch
     import torch.distributed as dist
 
-    import tide
+    import tide  # noqa: F401 (registers the ops)
 
     group = dist.new_group(backend="gloo")
     name = group.group_name
@@ -135,8 +136,6 @@ def every_rank_unknown_group(rank: int, W: int, how: str) -> dict:
     else:
         name = "no-such-group"
     shards, outs = _two_params(W)
-    import torch
-
     bad = _attempt(lambda: torch.ops.tide.all_gather_into_params_(shards, outs, W, name))
     return {"bad": bad, "after": _good_call(rank, W, dist.new_group(backend="gloo"))}
 

@@ -158,7 +158,6 @@ def test_import_tide_exposes_fsdp_and_ops():
 
 
 def test_the_seam_has_a_wrapper_for_this_torch():
-    from tide import registry
     from tide.fsdp import seam
 
     wrappers, differed = compat.choose_wrappers(seam.SHAPES)
@@ -171,7 +170,6 @@ def test_the_seam_has_a_wrapper_for_this_torch():
 def test_an_unknown_fsdp2_signature_is_named(monkeypatch):
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    from tide import registry
     from tide.fsdp import seam
 
     def foreach_all_gather_copy_out(fsdp_params, all_gather_result, group, *, layout=None):  # reordered upstream

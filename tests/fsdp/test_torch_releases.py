@@ -3,7 +3,6 @@ every minor release from 2.11 to 2.15): mixed gradient dtypes in one group and p
 gradient dtypes (2.15), the Slot-Reuse hook's decision on every release, keep_unsharded_storage (2.15)."""
 import numpy as np
 import pytest
-import torch
 
 from tests.fsdp import workers
 from tests.fsdp.test_parity import assert_all_tide, assert_parity

@@ -104,7 +104,7 @@ def test_the_oldest_mapping_closes_after_the_pushes_drain():
 
 
 def test_a_peer_that_never_leases_is_named_after_the_timeout_and_the_arena_leases_no_more():
-    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
+    store, ipc, bases = dist.HashStore(), RecordingIpc(), []
     leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 0.5, "grp",
                     set_region=lambda region, b, context: bases.append(b), sync_pushes=lambda: None)
     store.set("tide/test/lease1/0", f"{handle_of(0, 0).hex()}:0")  # rank 2 never gets there

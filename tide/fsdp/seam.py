@@ -36,7 +36,6 @@ from tide.fsdp import comm_debug, comms, compat, extensions, hooks, reduce_outpu
 from tide.fsdp.comms import TideAllGatherResult
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason
 from tide.meta.call_site import call_identity
-from tide.transport import node_leg
 from tide.transport.watchdog import WATCHDOG
 
 

@@ -155,7 +155,7 @@ def _reduce_scatter_step(step, flat, out, scale: float, accumulate: bool, group:
     ``partials``: this rank's node partials of the step, already summed on its node arena (stages 1 and
     2 by copy engine and TIDE-RS's summing kernel: :func:`_node_partials`)."""
     topology, rank = plan.topology, group.rank()
-    N, L, W = topology.num_nodes, topology.local_size, topology.world_size
+    L, W = topology.local_size, topology.world_size
     me_node, me_local = topology.node(rank), topology.local(rank)
     mine = [d for d in range(W) if plan.partial_rank(me_node, d) == rank]  # the partials this rank sums
     device = flat[0].device
