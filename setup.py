@@ -1,6 +1,6 @@
 """Packaging beyond pyproject.toml: ``csrc/`` ships as package data (``tide/csrc``), so the JIT build
 works from an installed wheel; with ``TIDE_BUILD_CUDA=1`` the CUDA extension is compiled here, at
-install time, from the same sources and flags as the JIT build (``tide/extension.py``). That needs
+install time, from the same sources and flags as the JIT build (``tide/extension/``). That needs
 torch (with CUDA) and nvcc in the build environment: ``pip install --no-build-isolation``. Without it
 the install is pure Python and needs neither."""
 import importlib.util
@@ -21,7 +21,7 @@ def _module(name: str, relative: str):
 
 
 knobs = _module("tide_knobs", "tide/knobs.py")
-extension = _module("tide_extension", "tide/extension.py")
+extension = _module("tide_extension", "tide/extension/__init__.py")
 
 
 def cuda_build() -> dict:

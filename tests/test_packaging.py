@@ -1,7 +1,8 @@
 """Packaging: a wheel ships ``csrc/`` so the JIT build finds its sources from an installed package; the
 default install is pure Python; ``TIDE_BUILD_CUDA=1`` builds the CUDA extension at install time from the
 JIT build's own sources and flags; the loader takes a prebuilt module only for the sources it was built
-from; a JIT build prints one line. No compiler runs here (tests/cuda builds for real)."""
+from; a JIT build prints one line; the loader's load hooks (the ops' hand-over) run once it loads. No
+compiler runs here (tests/cuda builds for real)."""
 import importlib.util
 import os
 import shutil
@@ -138,3 +139,28 @@ def test_a_jit_build_prints_one_line_with_what_and_how_long(monkeypatch, capsys)
     assert " built in " in lines[0] and lines[0].endswith(" s"), lines
     assert seen["extra_cuda_cflags"] == extension.CUDA_FLAGS + extension.DEFAULT_ARCH_FLAGS
     assert seen["sources"] == [str(extension.csrc_dir() / s) for s in extension.SOURCES]
+
+
+def test_the_ops_take_the_cuda_kernels_over_through_the_extensions_load_hook():
+    from tide import registry
+    from tide.ops import cuda
+
+    assert registry.extension_load_hooks == [cuda.hand_over]  # registered by import tide
+
+
+def test_a_load_hook_runs_once_when_the_extension_loads_or_at_once_after(monkeypatch):
+    import torch
+
+    from tide import registry
+
+    loaded, seen = object(), []
+    monkeypatch.setattr(registry, "extension_load_hooks", [])  # not the ops' hand_over: nothing is built here
+    monkeypatch.setattr(extension, "_ext", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(extension, "_prebuilt", lambda csrc: loaded)  # as if setup.py had built it
+    extension.on_load(lambda ext: seen.append(("before", ext)))
+    assert not seen
+    assert extension.load() is loaded and extension.load() is loaded
+    assert seen == [("before", loaded)]
+    extension.on_load(lambda ext: seen.append(("after", ext)))
+    assert seen == [("before", loaded), ("after", loaded)] and len(registry.extension_load_hooks) == 1

@@ -19,6 +19,9 @@ multinode_calls: Counter = Counter()
 logged_reasons: set = set()
 op_call_sources: list = []  # (calls, reset) of op calls counted outside Python (tide/ops/cuda.py: the C++ kernels)
 
+# ---- tide.extension
+extension_load_hooks: list = []  # called with the CUDA extension when it loads (tide.ops.cuda.hand_over)
+
 # ---- tide.topology
 topologies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> {local world size: Topology | None}
 

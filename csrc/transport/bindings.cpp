@@ -1,4 +1,4 @@
-// Python bindings of the TIDE CUDA extension (tide/extension.py builds it; tide/transport/arena.py
+// Python bindings of the TIDE CUDA extension (tide/extension/ builds it; tide/transport/arena.py
 // and the collectives' drivers use it). Arguments and plan fields are named, results are strings and
 // dicts: nothing is matched by position.
 #include <torch/extension.h>

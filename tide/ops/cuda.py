@@ -1,7 +1,7 @@
 """CUDA kernels of the ``tide`` ops: the TIDE transport when the group has an arena.
 
 Two layers. Until the CUDA extension loads (no arena yet: nothing is built) the Python kernels below
-serve CUDA calls. When it loads (:func:`hand_over`, from ``tide.extension.load``), its C++
+serve CUDA calls. When it loads (:func:`hand_over`, a hook of ``tide.extension.load``), its C++
 kernels take the CUDA dispatch key (csrc/transport/dispatch.cpp): a call on a layout seen before runs
 in C++ without entering Python, and every other call enters these Python kernels, which take the
 decisions that need Python (the lease, a new plan, capture, a fallback, the argument errors) and
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tide import counters, knobs, registry, topology, trace
+from tide import counters, extension, knobs, registry, topology, trace
 from tide.meta import checks
 from tide.ops import reference, works
 
@@ -155,3 +155,7 @@ def hand_over(ext) -> None:
     _transport.WATCHDOG.on_expiry(lambda: ext.steady_enable(on=False))
     registry.op_call_sources.append((lambda: {f"{op}:tide": n for op, n in ext.steady_calls().items() if n},
                                      ext.steady_reset_calls))
+
+
+# Whoever loads the extension first (an arena, the summing kernel, the NCCL rails), the ops take it then.
+extension.on_load(hand_over)

@@ -11,7 +11,11 @@ source changes; a build prints one line saying what it built and how long it too
 ``compute_90`` PTX for the driver to compile elsewhere; the install-time build takes
 ``TORCH_CUDA_ARCH_LIST`` instead when it is set.
 
-This module imports only the standard library at import time: ``setup.py`` loads it on its own.
+It sits below every layer that uses the extension (``tide.ops``, ``tide.sums``, ``tide.multinode``,
+``tide.transport``) and calls none of them: a layer that takes something over when the extension loads
+registers a hook with :func:`on_load` (``tide.ops.cuda`` hands the ops' CUDA dispatch key to its C++
+kernels). This module imports only the standard library at import time: ``setup.py`` loads it on its
+own. ``__main__.py`` is the ahead-of-time build.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ log = logging.getLogger("tide.transport")
 
 EXTENSION_NAME = "tide_cuda_ext"
 DIGEST_NAME = f"{EXTENSION_NAME}.sources.sha256"  # beside the prebuilt module: the sources it was built from
-PACKAGE = Path(__file__).resolve().parent  # tide/
+PACKAGE = Path(__file__).resolve().parents[1]  # tide/
 SOURCES = (
     "ops/sum_contributions.cu",
     "ops/cast_segments.cu",
@@ -137,10 +141,22 @@ def _jit(csrc: Path, verbose: bool):
             print(f" {outcome} {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
+def on_load(hook) -> None:
+    """Call ``hook(ext)`` with the extension module when it loads, or now when it has loaded already."""
+    from tide import registry
+
+    with _lock:
+        if _ext is None:
+            registry.extension_load_hooks.append(hook)
+            return
+    hook(_ext)
+
+
 def load(verbose: bool | None = None):
     """The compiled extension module: the prebuilt one when it matches the sources, else JIT-built on
-    first use; its C++ kernels then serve the ``tide`` ops on CUDA (:func:`tide.ops.cuda.hand_over`). Raises ``RuntimeError`` with the reason when it cannot be had: no CUDA device, no
-    ``csrc/`` sources, or no CUDA toolchain."""
+    first use; the :func:`on_load` hooks run before it is returned (its C++ kernels then serve the
+    ``tide`` ops on CUDA: :func:`tide.ops.cuda.hand_over`). Raises ``RuntimeError`` with the reason when
+    it cannot be had: no CUDA device, no ``csrc/`` sources, or no CUDA toolchain."""
     global _ext
     if _ext is not None:
         return _ext
@@ -149,7 +165,7 @@ def load(verbose: bool | None = None):
             return _ext
         import torch
 
-        from tide import knobs
+        from tide import knobs, registry
 
         if not torch.cuda.is_available():
             raise RuntimeError("tide.transport: the CUDA extension needs a CUDA device; none is available")
@@ -166,17 +182,7 @@ def load(verbose: bool | None = None):
                     "tide.transport: cannot build the CUDA extension: no CUDA toolchain (nvcc) found; install the "
                     "CUDA toolkit matching torch.version.cuda and set CUDA_HOME, or put nvcc on PATH")
             ext = _jit(csrc, knobs.get("TIDE_BUILD_VERBOSE") if verbose is None else verbose)
-        from tide.ops import cuda
-
-        cuda.hand_over(ext)  # the ops' CUDA kernels are the extension's from now on
+        for hook in registry.extension_load_hooks:
+            hook(ext)
         _ext = ext
         return _ext
-
-
-if __name__ == "__main__":
-    try:
-        load(verbose=True)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
-        sys.exit(2)
-    print("tide.transport: the CUDA extension is built", file=sys.stderr)
