@@ -1,8 +1,9 @@
-"""Import hygiene: what importing a part of TIDE loads, and no import circle between its packages.
+"""Import hygiene: what importing a part of TIDE loads, and that its units import downwards only.
 
 Units are the subpackages (``tide.meta``, ``tide.ops``, ``tide.transport``, ``tide.multinode``,
-``tide.fsdp``) and the top-level modules (``tide.counters``, ``tide.registry``, ...); an arrow is a
-module-level import (imports inside functions load on first use and are left out)."""
+``tide.fsdp``, ``tide.extension``, ...) and the top-level modules (``tide.counters``, ``tide.registry``,
+...); an arrow is an import anywhere in a module, inside functions too: one that loads on first use still
+makes the importer depend on what it imports."""
 import ast
 import subprocess
 import sys
@@ -40,34 +41,42 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _module_level_imports(path: Path) -> set[str]:
-    """The tide modules ``path`` imports at module level (``from tide import x`` names ``tide.x``)."""
-    out = set()
-    body = list(ast.parse(path.read_text()).body)
-    while body:
-        node = body.pop()
-        if isinstance(node, (ast.If, ast.Try)):
-            body += node.body + node.orelse + getattr(node, "finalbody", []) + \
-                [s for h in getattr(node, "handlers", []) for s in h.body]
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("tide.")}
+def _imports(path: Path) -> dict[str, bool]:
+    """The tide modules ``path`` imports anywhere (``from tide import x`` names ``tide.x``), each with whether
+    an import of it runs when the module is imported (one outside every function)."""
+    tree = ast.parse(path.read_text())
+    functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    in_functions = {id(node) for f in functions for node in ast.walk(f) if node is not f}
+    out: dict[str, bool] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("tide.")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "tide":
-                out |= {f"tide.{a.name}" for a in node.names}
-            elif node.module.startswith("tide."):
-                out.add(node.module)
+            names = ([f"tide.{a.name}" for a in node.names] if node.module == "tide" else
+                     [node.module] if node.module.startswith("tide.") else [])
+        else:
+            continue
+        for name in names:
+            out[name] = out.get(name, False) or id(node) not in in_functions
     return out
 
 
-def _unit_graph() -> dict[str, set[str]]:
+def _unit_graph(at_import_only: bool = False) -> dict[str, set[str]]:
+    """unit -> the other units it imports: anywhere, or with ``at_import_only`` outside functions only."""
     graph: dict[str, set[str]] = {}
     for path in sorted(TIDE.rglob("*.py")):
         name = _module_name(path)
         if name == "tide":  # the package's own __init__ only re-exports
             continue
         unit = _unit(name)
-        graph.setdefault(unit, set()).update(u for u in map(_unit, _module_level_imports(path)) if u != unit)
+        deps = {_unit(m) for m, at_import in _imports(path).items() if at_import or not at_import_only}
+        graph.setdefault(unit, set()).update(deps - {unit})
     return graph
+
+
+def test_the_graph_sees_imports_inside_functions():
+    assert "tide.extension" in _unit_graph()["tide.sums"]  # only inside sums._kernel
+    assert "tide.extension" not in _unit_graph(at_import_only=True)["tide.sums"]
 
 
 def test_no_import_circle_between_packages():
@@ -91,7 +100,35 @@ def test_no_import_circle_between_packages():
             visit(unit)
 
 
+# The layers, bottom first (docs/design.md, "Module map"). A unit imports units of its own layer or below,
+# never above; units named nowhere here (the CLI, the models, the integrations) sit on top of them all.
+LAYERS = (
+    {"tide.registry", "tide.knobs", "tide.meta"},
+    {"tide.extension"},
+    {"tide.procfs", "tide.trace", "tide.timeouts", "tide.agreement", "tide.topology", "tide.counters", "tide.sums"},
+    {"tide.transport"},
+    {"tide.multinode"},
+    {"tide.ops"},
+    {"tide.fsdp", "tide.compile"},
+)
+
+
+def _layer(unit: str) -> int:
+    return next((i for i, layer in enumerate(LAYERS) if unit in layer), len(LAYERS))
+
+
 def test_the_layers_import_downwards_only():
     graph = _unit_graph()
-    assert "tide.transport" not in graph["tide.ops"] and "tide.transport" not in graph["tide.multinode"], graph
-    assert not graph["tide.registry"] and not graph["tide.meta"] - {"tide.registry"}, graph
+    upward = [f"{unit} -> {dep}" for unit, deps in sorted(graph.items()) for dep in sorted(deps)
+              if _layer(dep) > _layer(unit)]
+    assert not upward, upward
+    assert not graph["tide.registry"] and graph["tide.meta"] <= {"tide.registry"}, graph
+    # The extension's loader: below every layer that uses the extension, using nothing above the bottom.
+    assert graph["tide.extension"] <= {"tide.registry", "tide.knobs"}, graph
+    assert all("tide.extension" in graph[u] for u in ("tide.ops", "tide.sums", "tide.multinode", "tide.transport"))
+
+
+def test_the_cpu_side_imports_the_cuda_transport_only_inside_functions():
+    at_import = _unit_graph(at_import_only=True)
+    assert "tide.transport" not in at_import["tide.ops"] and "tide.transport" not in at_import["tide.multinode"]
+    assert not at_import["tide.extension"], at_import  # setup.py loads it alone: the standard library only
