@@ -6,6 +6,8 @@ from torch._inductor import config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import tide.compile
+from tests.compile import workers
+from tide.launch import run_ranks
 
 
 class UserPass(CustomGraphPass):
@@ -41,3 +43,10 @@ def test_the_pass_has_no_cache_key():
     """Inductor bypasses its FX graph cache for a pass without a uuid: every rank runs the pass, and so the
     plan's exchange, on every compile."""
     assert tide.compile.TidePass().uuid() is None
+
+
+def test_inductor_never_reuses_a_gathered_output():
+    """Inductor would take over the dead output for a later buffer of its size (``buf3 = buf1; del buf1  # reuse``):
+    on CUDA that output lies in an arena slot, which would stay held as long as the later buffer lives."""
+    for reuses in run_ranks(workers.gathered_buffer_reuse, 2, timeout=300):
+        assert reuses == [], reuses

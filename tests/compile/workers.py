@@ -227,3 +227,28 @@ def joint(rank: int, world_size: int) -> dict:
     outputs = [[t.detach().numpy() for t in gm(shards, tokens, targets)] for gm in (stock, rewritten)]
     return {"stock": outputs[0], "tide": outputs[1], "graph": graph_checks.summarize(rewritten.graph),
             "report": report.as_dict()}
+
+
+def gathered_buffer_reuse(rank: int, world_size: int) -> list[str]:
+    """The lines of Inductor's code for a graph that could take over ``all_gather_start``'s output buffer for a
+    later buffer of its size and dtype (the output dead by then) that reuse that buffer."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    import tide.compile  # noqa: F401  (the op's lowering)
+
+    group = torch.distributed.group.WORLD.group_name
+
+    def fn(x, m, w):
+        (out,) = torch.ops.tide.all_gather_start([x + 1], world_size, group)  # an input of its own: aligned
+        total = torch.ops._c10d_functional.wait_tensor(out).sum()  # the output's last reader
+        return torch.mm(m * total, w).relu().sum(0)  # mm: (W*4, 4), made once the output is dead
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(fn, fullgraph=True), torch.randn(4, 4), torch.randn(4 * world_size, 5),
+                                  torch.randn(5, 4))
+    code = "\n".join(codes)
+    gathered = {m.group(1) for m in re.finditer(r"(buf\d+) = buf\d+\[0\]", code)}
+    return [line.strip() for line in code.splitlines() if "# reuse" in line
+            and any(re.search(rf"\b{name}\b", line) for name in gathered)]

@@ -2,8 +2,8 @@
 share one GPU over gloo, without an arena (the reference backend) and with one (the reduce-scatter on the
 transport, the all-gather into a free arena slot by TIDE-AG; with every slot held, or outputs larger than a
 slot, into allocator outputs on the reference), each result bit-exact against the CPU reference of the same
-data, the arena's slots poisoned before each call; the works complete through ``wait_tensor``; opcheck; and compiled graphs
-(``aot_eager`` and Inductor) equal to eager. Data is fresh per run (the seed is in every message).
+data, the arena's slots poisoned before each call; the works complete through ``wait_tensor``; opcheck; and
+compiled graphs (``aot_eager`` and Inductor) equal to eager. Data is fresh per run (the seed is in every message).
 """
 from __future__ import annotations
 

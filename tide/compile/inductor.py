@@ -2,15 +2,33 @@
 ``torch.compile`` after ``enable()`` gets TIDE's collectives. The pass runs in
 ``torch._inductor.config.post_grad_custom_post_pass``, before Inductor's own bucketing and overlap passes
 (they then find no FSDP collective to bucket). A pass already set there is kept: both run, the user's first.
+
+Importing this module also gives ``tide::all_gather_start`` an Inductor lowering of its own: the op's fallback
+kernel, whose outputs Inductor never reuses for a later buffer of the same size. On CUDA those outputs lie in
+an arena slot, held until they die (tide/transport/graph_gather.py); reused, an output would live on as an
+activation (even one saved for the backward) and hold its slot long after its last reader.
 """
 from __future__ import annotations
 
+import torch
 from torch._inductor import config
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.lowering import fallback_handler, register_lowering
+from torch._inductor.virtualized import V
 
 from tide.compile.rewriter import rewrite_graph
 
 _previous: list = []  # the config value each enable() replaced, innermost last
+
+_gather_fallback = fallback_handler(torch.ops.tide.all_gather_start.default, add_to_fallback_set=False)
+
+
+@register_lowering(torch.ops.tide.all_gather_start.default, type_promotion_kind=None)
+def _all_gather_start_unshared(shards, world_size, group_name):
+    outs = _gather_fallback(shards, world_size, group_name)
+    for out in outs:
+        V.graph.never_reuse_buffers.add(out.get_name())
+    return outs
 
 
 class TidePass(CustomGraphPass):
