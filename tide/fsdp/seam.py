@@ -22,6 +22,8 @@ may rebind them, as ``bench/fsdp_host_overhead.py`` does to time them): :func:`b
 """
 from __future__ import annotations
 
+import functools
+
 import warnings
 
 import torch
@@ -284,6 +286,14 @@ def foreach_all_gather_copy_out_with_output_fn(all_gather_result, fsdp_params, g
                                                 all_gather_output_fn=all_gather_output_fn)
 
 
+def _stock_with(name: str, arguments: dict, keyword_only: tuple[str, ...] = ()):
+    """The stock ``name`` bound to a wrapper's own ``arguments`` (its ``locals()`` at entry: the parameters,
+    in order), positionally as FSDP2 calls it, but for the ``keyword_only`` ones."""
+    positional = [value for key, value in arguments.items() if key not in keyword_only]
+    return functools.partial(registry.stock_functions[name], *positional,
+                             **{key: arguments[key] for key in keyword_only})
+
+
 def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, device, divide_factor,
             across: replicate.Across, grad_dtypes, custom_input_fn: bool):
     """Both ``foreach_reduce`` shapes: TIDE's reduce, or ``stock()`` for the reason it records."""
@@ -313,11 +323,7 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                    all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
                    force_sum_reduction_for_comms=False):
     """torch 2.11-2.14: the group's reduced gradients are cast to one ``orig_dtype``."""
-    def stock():
-        return registry.stock_functions["foreach_reduce"](
-            fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
-            orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
-            all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms)
+    stock = _stock_with("foreach_reduce", locals())
     across = replicate.Across(all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
                               all_reduce_hook, force_sum_reduction_for_comms)
     return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
@@ -333,12 +339,7 @@ def foreach_reduce_per_param_dtype(fsdp_params, unsharded_grads, reduce_scatter_
                                    prepare_reduce_scatter_inputs=_DEFAULT_RS_INPUT_FN):
     """torch 2.15+: each reduced gradient is cast to its param's ``sharded_grad_dtype``; a group with a
     custom ``prepare_reduce_scatter_inputs`` takes stock."""
-    def stock():
-        return registry.stock_functions["foreach_reduce"](
-            fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
-            reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream, all_reduce_grads,
-            partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms,
-            prepare_reduce_scatter_inputs=prepare_reduce_scatter_inputs)
+    stock = _stock_with("foreach_reduce", locals(), keyword_only=("prepare_reduce_scatter_inputs",))
     across = replicate.Across(all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
                               all_reduce_hook, force_sum_reduction_for_comms)
     return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
