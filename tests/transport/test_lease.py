@@ -137,7 +137,8 @@ def test_the_time_spent_leasing_includes_waiting_for_the_peers():
     late.start()
     leases.acquire()
     late.join()
-    assert 0.3 <= leases.seconds < 5.0, leases.seconds
+    # most of the 0.3 s (the timer runs from before the lease's own clock starts); without the wait, ~0
+    assert 0.2 <= leases.seconds < 5.0, leases.seconds
     held = leases.seconds
     leases.acquire()  # held: no lease, no time
     assert leases.seconds == held
