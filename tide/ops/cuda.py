@@ -117,7 +117,7 @@ def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
     else:
         got = _transport.graph_gather.gather_into_slot(a, shards, world_size, group_name)
     if isinstance(got, str):
-        outs = reference.gather_into_new(op, shards, world_size, group_name)
+        outs = reference.gather_into_new(shards, world_size, group_name)
         counters.count_graph_op(op, f"allocator:{got}")
     else:
         outs = got

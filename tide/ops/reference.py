@@ -157,8 +157,8 @@ def checked_shards(op, shards, world_size, group_name) -> list[torch.Tensor]:
     return [s.detach() for s in shards]
 
 
-def gather_into_new(op, shards, world_size, group_name) -> list[torch.Tensor]:
-    shards = checked_shards(op, shards, world_size, group_name)
+def gather_into_new(shards, world_size, group_name) -> list[torch.Tensor]:
+    """New outputs gathered from ``shards`` (already :func:`checked_shards`)."""
     outs = [s.new_empty((world_size * s.shape[0], *s.shape[1:])) for s in shards]
     torch.ops.tide.all_gather_into_params_(shards, outs, world_size, group_name)
     return outs
@@ -176,8 +176,9 @@ def reduce_scatter_into_new(op, grads, scale, out_dtype, world_size, group_name)
 
 
 def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
-    outs = gather_into_new("all_gather_start", shards, world_size, group_name)
-    counters.count_graph_op("all_gather_start", "reference")
+    op = "all_gather_start"
+    outs = gather_into_new(checked_shards(op, shards, world_size, group_name), world_size, group_name)
+    counters.count_graph_op(op, "reference")
     works.register(outs)
     return outs
 
