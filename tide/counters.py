@@ -69,17 +69,21 @@ def count_op(op: str, reason: str | None = None, multinode: bool = False, refere
 def count_graph_op(op: str, path: str) -> None:
     """One call of the graph op ``op``, counted as ``"<op>:<path>"`` by where its outputs came from (the mutating
     op it calls counts which backend moved the data): ``"reference"`` (CPU: a synchronous call, its work
-    complete), ``"slot"`` (CUDA: ``all_gather_start``'s outputs in a free arena slot, written by TIDE-AG) or
-    ``"allocator"`` / ``"allocator:<why>"`` (CUDA: outputs from the caching allocator; for the all-gather,
-    gathered by the reference backend: ``no_arena``, ``no_free_slot``, ``slot_too_small``,
-    ``lease_across_capture``, ``world_size``; each logged once)."""
+    complete), ``"slot"`` (CUDA: ``all_gather_start``'s outputs in a free arena slot, written by TIDE-AG),
+    ``"allocator"`` / ``"allocator:<why no slot>"`` (CUDA: outputs from the caching allocator, written by the
+    transport; the all-gather's on its direct lane: ``no_free_slot``, ``slot_too_small``,
+    ``lease_across_capture``), ``"empty"`` (nothing to gather) or ``"reference:<why>"`` (CUDA: gathered by
+    the reference backend: ``no_arena``, ``world_size``, ``no_ipc``). Each reason is logged once."""
     registry.op_calls[f"{op}:{path}"] += 1
     if trace.ENABLED:
         trace.event(f"op {op}:{path}")
-    if path.startswith("allocator:") and ("op", op, path) not in registry.logged_reasons:
+    kind, _, why = path.partition(":")
+    if why and ("op", op, path) not in registry.logged_reasons:
         registry.logged_reasons.add(("op", op, path))
-        log.info("tide.transport: %s outputs come from the caching allocator (%s), not an arena slot: "
-                 "all_gather_into_params_ gathers them on its reference backend", op, path.partition(":")[2])
+        if kind == "reference":
+            log.info("tide.transport: %s runs on the reference backend (%s)", op, why)
+        else:
+            log.info("tide.transport: %s outputs come from the caching allocator (%s), not an arena slot", op, why)
 
 
 def count_multinode(key: str) -> None:

@@ -1,10 +1,11 @@
-// TIDE-AG: every rank's shard of every param written straight into the outputs bound in one arena slot.
+// TIDE-AG: every rank's shard of every param written straight into the outputs of one lane (flags.h):
+// bound in one arena slot, or in the call's direct lease (caching-allocator memory every rank maps).
 //
-// Slot layout (tide.meta.layout.GroupLayout, param-major): param j's output starts at out_offset[j] and
+// Lane layout (tide.meta.layout.GroupLayout, param-major): param j's output starts at out_offset[j] and
 // rank r's shard of it at own_offset[j] = out_offset[j] + r * shard_bytes[j]; every rank has the same
-// layout, so rank r's pieces go to the same offsets in every peer's slot.
+// layout, so rank r's pieces go to the same offsets in every peer's lane. Below, "slot i" is lane i.
 //
-// Rank r, outputs bound in slot i, use v (slot i's use count, identical on all ranks):
+// Rank r, outputs in lane i, use v (lane i's use count, identical on all ranks):
 //   S (caller's stream): record "start"; per pipeline chunk c: one kernel writes the chunk's ranges of my
 //                        shards into my slot i (cast to the output dtype, or copied), record "chunk c";
 //   P (AG push stream):  after "start": write ag_free[i][r] = v into every peer (stream memop) and wait
@@ -57,13 +58,14 @@ bool args_ok(const Arena& a, const AgPlan& plan, at::TensorList shards,
 const char* ran_name(Ran r) { return r == Ran::kTide ? "tide" : "bad_args"; }
 
 Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
-               at::TensorList outs, int64_t slot, int64_t mark) {
+               at::TensorList outs, int64_t lane, int64_t mark) {
   const char* op = "all_gather_into_params_";
   if (!args_ok(a, plan, shards, outs)) return Ran::kBadArgs;
-  TORCH_CHECK_VALUE(slot >= 0 && slot < a.layout().flags.K && plan.slot_bytes <= a.layout().slot_bytes, "tide.", op,
-                    ": slot ", num(slot), " is no slot of the arena that holds the plan's ", num(plan.slot_bytes),
-                    " bytes");
-  a.check_leased(op);
+  const int64_t K = a.layout().flags.K;
+  TORCH_CHECK_VALUE(lane >= 0 && lane <= K && plan.slot_bytes <= a.lane_bytes(lane), "tide.", op, ": lane ", num(lane),
+                    " is no lane of the arena that holds the plan's ", num(plan.slot_bytes), " bytes (slots 0..",
+                    num(K - 1), ", direct lane ", num(K), " while its lease is held)");
+  if (lane < K) a.check_leased(op);
   HostTimer total(a.host_ns(kTotal));
   a.count_call(true);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a.device()));
@@ -75,9 +77,9 @@ Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
     HostTimer t(a.host_ns(kEvent));
     TIDE_CUDA(cudaEventRecord(a.ev_start(), S));
   }
-  const uint32_t v = a.open_slot(slot, a.ev_start(), is);
+  const uint32_t v = a.open_lane(lane, a.ev_start(), is);
   const int64_t rank = a.rank(), world = a.world();
-  const uint64_t mine = a.slot_base(rank, slot);
+  const uint64_t mine = a.lane_base(rank, lane);
   CopyList& data = a.data_copies();
   // Pipeline chunk c: one kernel writes its ranges of my shards into my slot i on S (cast to the output
   // dtype, or copied); the pushes read cast ranges from my slot once "chunk c" is recorded, same-dtype
@@ -96,14 +98,14 @@ Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
       casts = casts || sd != od;
       const uint64_t src = sd != od ? mine + off : reinterpret_cast<uint64_t>(shard);
       const size_t bytes = static_cast<size_t>(r.numel * dtype_size(od));
-      for (int64_t k = 1; k < world; ++k) data.add(a.slot_base((rank + k) % world, slot) + off, src, bytes);
+      for (int64_t k = 1; k < world; ++k) data.add(a.lane_base((rank + k) % world, lane) + off, src, bytes);
     }
     if (!casts && c + 1 < plan.chunks.size()) continue;
     a.launch_cast(cast, S);
     if (casts) a.join(a.ag_push(), S, a.chunk_event(c));
     a.issue_copies(data, a.ag_push(), false);
   }
-  a.close_slot(slot, v, is);
+  a.close_lane(lane, v, is);
   return Ran::kTide;
 }
 

@@ -31,7 +31,8 @@ Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64
   TORCH_CHECK(driver::available(), "tide.Arena: the CUDA driver lacks stream memory operations (cuStreamBatchMemOp)");
   for (auto b : flag_bases) flag_bases_.push_back(static_cast<uint64_t>(b));
   data_bases_.assign(world, 0);
-  ag_uses_.assign(num_slots, 0);
+  direct_bases_.assign(world, 0);
+  ag_uses_.assign(layout_.flags.L(), 0);
   rs_rounds_.assign(world, 0);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   int lo = 0, hi = 0;
@@ -83,6 +84,12 @@ void Arena::set_region(const at::Tensor& region, const std::vector<int64_t>& bas
     std::lock_guard<std::mutex> lock(progress_mu_);
     fresh_lease_ = true;
   }
+}
+
+void Arena::set_direct(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t /*context*/) {
+  TORCH_CHECK(static_cast<int64_t>(bases.size()) == world_, "tide.Arena.set_direct: need one base per rank");
+  for (int64_t p = 0; p < world_; ++p) direct_bases_[p] = static_cast<uint64_t>(bases[p]);
+  direct_bytes_ = region.defined() ? region.numel() : 0;
 }
 
 void Arena::sync_pushes() {
@@ -162,47 +169,47 @@ Issue issue_on_current_stream(int64_t device, const char* op, int64_t mark) {
   return Issue{s, mark};
 }
 
-uint32_t Arena::open_slot(int64_t slot, cudaEvent_t start, const Issue& is) {
+uint32_t Arena::open_lane(int64_t lane, cudaEvent_t start, const Issue& is) {
   const FlagLayout& f = layout_.flags;
   uint32_t v = 1;
   if (!is.captured()) {
     std::lock_guard<std::mutex> lock(progress_mu_);
-    v = ++ag_uses_[slot];
+    v = ++ag_uses_[lane];
     publish_locked();
   }
   {
     HostTimer t(host_ns_[kEvent]);
     TIDE_CUDA(cudaStreamWaitEvent(ag_push_, start, 0));
   }
-  if (world_ > 1) {  // my slot may be written: post "free" into every peer, then wait for every peer's
+  if (world_ > 1) {  // my lane's outputs may be written: post "free" into every peer, then wait for every peer's
     std::vector<driver::MemOp> writes, waits, resets;
     for (int64_t k = 1; k < world_; ++k) {
       const int64_t p = (rank_ + k) % world_;
       if (is.captured()) {
-        writes.push_back(driver::MemOp{peer_flag(p, f.g_ag_free(slot, rank_)), 1});
-        waits.push_back(driver::MemOp{local_flag(f.g_ag_free(slot, p)), 1});
-        resets.push_back(driver::MemOp{local_flag(f.g_ag_free(slot, p)), 0});
+        writes.push_back(driver::MemOp{peer_flag(p, f.g_ag_free(lane, rank_)), 1});
+        waits.push_back(driver::MemOp{local_flag(f.g_ag_free(lane, p)), 1});
+        resets.push_back(driver::MemOp{local_flag(f.g_ag_free(lane, p)), 0});
       } else {
-        writes.push_back(driver::MemOp{peer_flag(p, f.ag_free(slot, rank_)), v});
-        waits.push_back(driver::MemOp{local_flag(f.ag_free(slot, p)), v});
+        writes.push_back(driver::MemOp{peer_flag(p, f.ag_free(lane, rank_)), v});
+        waits.push_back(driver::MemOp{local_flag(f.ag_free(lane, p)), v});
       }
     }
-    if (!is.captured()) writes.push_back(driver::MemOp{local_flag(f.ag_src(slot)), v});  // read by the "ready" copies
+    if (!is.captured()) writes.push_back(driver::MemOp{local_flag(f.ag_src(lane)), v});  // read by the "ready" copies
     memops(ag_push_, writes, waits);
     memops(ag_push_, resets, {});
   }
   return v;
 }
 
-void Arena::close_slot(int64_t slot, uint32_t v, const Issue& is) {
+void Arena::close_lane(int64_t lane, uint32_t v, const Issue& is) {
   const FlagLayout& f = layout_.flags;
-  if (world_ > 1) {  // my pieces are in every peer's slot: post "ready", then wait for every peer's
+  if (world_ > 1) {  // my pieces are in every peer's lane: post "ready", then wait for every peer's
     std::vector<driver::MemOp> waits, resets;
-    const int64_t src = is.captured() ? f.one() : f.ag_src(slot);
+    const int64_t src = is.captured() ? f.one() : f.ag_src(lane);
     for (int64_t k = 1; k < world_; ++k) {
       const int64_t p = (rank_ + k) % world_;
-      const int64_t ready_in_peer = is.captured() ? f.g_ag_ready(slot, rank_) : f.ag_ready(slot, rank_);
-      const int64_t ready_here = is.captured() ? f.g_ag_ready(slot, p) : f.ag_ready(slot, p);
+      const int64_t ready_in_peer = is.captured() ? f.g_ag_ready(lane, rank_) : f.ag_ready(lane, rank_);
+      const int64_t ready_here = is.captured() ? f.g_ag_ready(lane, p) : f.ag_ready(lane, p);
       flags_.add(peer_flag(p, ready_in_peer), local_flag(src), 4);
       waits.push_back(driver::MemOp{local_flag(ready_here), v});
       if (is.captured()) resets.push_back(driver::MemOp{local_flag(ready_here), 0});

@@ -94,6 +94,12 @@ class Arena {
   uint64_t slot_base(int64_t p, int64_t slot) const {
     return data_bases_[p] + layout_.slots_off() + slot * layout_.slot_bytes;
   }
+  // Rank p's outputs of an all-gather on lane `lane` (flags.h): its slot, or its direct lease.
+  uint64_t lane_base(int64_t p, int64_t lane) const {
+    return lane == layout_.flags.K ? direct_bases_[p] : slot_base(p, lane);
+  }
+  // The bytes an all-gather may write at lane_base(p, lane).
+  int64_t lane_bytes(int64_t lane) const { return lane == layout_.flags.K ? direct_bytes_ : layout_.slot_bytes; }
   // Contributor q's staging entry of ring slot s at destination d.
   uint64_t entry(int64_t d, int64_t s, int64_t q) const {
     return data_bases_[d] + layout_.ring_off() + (s * world_ + q) * layout_.entry_bytes;
@@ -103,6 +109,8 @@ class Arena {
   // point (tide/transport/lease.py); all 0 while none is leased.
   void set_region(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t context);
   void check_leased(const char* op) const;
+  // The direct lane's lease (tide/transport/lease.py, one per all-gather call on it), like set_region.
+  void set_direct(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t context);
   // Waits for this arena's push streams: nothing of this rank's still writes into a peer's old lease
   // before its mapping is closed.
   void sync_pushes();
@@ -127,11 +135,11 @@ class Arena {
   // or the replay mark's close).
   void start(const Issue& is);
   void finish(const Issue& is);
-  // One use of slot i by an all-gather: counts it (v; eager), makes P wait for `start`, then the "free"
+  // One use of lane i by an all-gather: counts it (v; eager), makes P wait for `start`, then the "free"
   // handshake.
-  uint32_t open_slot(int64_t slot, cudaEvent_t start, const Issue& is);
+  uint32_t open_lane(int64_t lane, cudaEvent_t start, const Issue& is);
   // After P's copies: "ready" into every peer; S waits for every peer's and for P; the op's finish.
-  void close_slot(int64_t slot, uint32_t v, const Issue& is);
+  void close_lane(int64_t lane, uint32_t v, const Issue& is);
   // A reduce-scatter's start: its rounds counted per destination (R skipped after a new lease, `fresh`),
   // returning the rounds per destination before it, which its flag values build on.
   std::vector<int64_t> count_rounds(const std::vector<int64_t>& rounds, bool& fresh);
@@ -146,7 +154,7 @@ class Arena {
   std::vector<int64_t> ag_uses() const;
   std::vector<int64_t> rs_rounds() const;
   std::vector<std::pair<std::string, int64_t>> counters() const;
-  // Mirrors ag_uses() then rs_rounds() as K + W uint32 words at `address`, host memory that the other
+  // Mirrors ag_uses() then rs_rounds() as K + 1 + W uint32 words at `address`, host memory that the other
   // processes of the host map (tide/transport/board.py): a peer's watchdog reads them with no CUDA call,
   // even while a launch wedged in the driver keeps the flag words unreadable. 0 stops the mirror.
   void publish_progress_to(uint64_t address);
@@ -162,7 +170,9 @@ class Arena {
   int64_t rank_, world_, device_, sum_ctas_, cast_ctas_;
   ArenaLayout layout_;
   std::vector<uint64_t> flag_bases_, data_bases_;  // data_bases_ all 0 until the first lease
-  std::vector<uint32_t> ag_uses_;   // per slot: all-gathers so far (the flag value of the next is + 1)
+  std::vector<uint64_t> direct_bases_;  // the direct lane's lease, all 0 outside its call
+  int64_t direct_bytes_ = 0;
+  std::vector<uint32_t> ag_uses_;   // per lane: all-gathers so far (the flag value of the next is + 1)
   std::vector<int64_t> rs_rounds_;  // per destination: reduce-scatter rounds issued (counted as an op starts)
   bool fresh_lease_ = false;        // the next reduce-scatter skips R rounds and posts its first permits
   volatile uint32_t* published_ = nullptr;  // the two above's mirror (publish_progress_to)

@@ -47,14 +47,14 @@ py::dict arena_layout(int64_t num_slots, int64_t ring_depth, int64_t world, int6
   // Every flag word's index by name (the watchdog reads a host copy of the words; the formula stays here).
   const FlagLayout& f = l.flags;
   py::dict index;
-  index["ag_free"] = table(f.K, f.W, [&](int64_t i, int64_t p) { return f.ag_free(i, p); });
-  index["ag_ready"] = table(f.K, f.W, [&](int64_t i, int64_t p) { return f.ag_ready(i, p); });
-  index["ag_src"] = row(f.K, [&](int64_t i) { return f.ag_src(i); });
+  index["ag_free"] = table(f.L(), f.W, [&](int64_t i, int64_t p) { return f.ag_free(i, p); });
+  index["ag_ready"] = table(f.L(), f.W, [&](int64_t i, int64_t p) { return f.ag_ready(i, p); });
+  index["ag_src"] = row(f.L(), [&](int64_t i) { return f.ag_src(i); });
   index["rs_ready"] = table(f.R, f.W, [&](int64_t s, int64_t q) { return f.rs_ready(s, q); });
   index["rs_free"] = table(f.W, f.R, [&](int64_t dst, int64_t s) { return f.rs_free(dst, s); });
   index["rs_push_src"] = table(f.W, f.R, [&](int64_t dst, int64_t s) { return f.rs_push_src(dst, s); });
-  index["g_ag_free"] = table(f.K, f.W, [&](int64_t i, int64_t p) { return f.g_ag_free(i, p); });
-  index["g_ag_ready"] = table(f.K, f.W, [&](int64_t i, int64_t p) { return f.g_ag_ready(i, p); });
+  index["g_ag_free"] = table(f.L(), f.W, [&](int64_t i, int64_t p) { return f.g_ag_free(i, p); });
+  index["g_ag_ready"] = table(f.L(), f.W, [&](int64_t i, int64_t p) { return f.g_ag_ready(i, p); });
   index["g_rs_ready"] = table(f.R, f.W, [&](int64_t s, int64_t q) { return f.g_rs_ready(s, q); });
   index["g_rs_free"] = table(f.W, f.R, [&](int64_t dst, int64_t s) { return f.g_rs_free(dst, s); });
   index["one"] = f.one();
@@ -259,12 +259,12 @@ void bind_arena(pybind11::module_& m) {
            py::arg("rank"), py::arg("world"), py::arg("flag_bases"), py::arg("device"), py::arg("num_slots"),
            py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"), py::arg("cast_ctas"))
       // The collectives (collectives.h) return (what ran, the op's id for tide.transport's watchdog:
-      // completions.h); each is handed its plan, the all-gather its slot.
+      // completions.h); each is handed its plan, the all-gather its lane (a slot, or the direct lane: flags.h).
       .def("all_gather", [](Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
-                            const std::vector<at::Tensor>& outs, int64_t slot, int64_t mark) {
-             const Ran ran = all_gather(a, plan, shards, outs, slot, mark);
+                            const std::vector<at::Tensor>& outs, int64_t lane, int64_t mark) {
+             const Ran ran = all_gather(a, plan, shards, outs, lane, mark);
              return std::make_pair(std::string(ran_name(ran)), a.last_op());
-           }, py::arg("plan"), py::arg("shards"), py::arg("outs"), py::arg("slot"), py::arg("mark") = -1,
+           }, py::arg("plan"), py::arg("shards"), py::arg("outs"), py::arg("lane"), py::arg("mark") = -1,
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", [](Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
                                 const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t mark) {
@@ -288,6 +288,9 @@ void bind_arena(pybind11::module_& m) {
       .def("publish_progress_to", &Arena::publish_progress_to, py::arg("address"))
       .def("set_region", [](Arena& a, std::optional<at::Tensor> region, const std::vector<int64_t>& bases,
                             uint64_t context) { a.set_region(region.value_or(at::Tensor()), bases, context); },
+           py::arg("region"), py::arg("bases"), py::arg("context"))
+      .def("set_direct", [](Arena& a, std::optional<at::Tensor> region, const std::vector<int64_t>& bases,
+                            uint64_t context) { a.set_direct(region.value_or(at::Tensor()), bases, context); },
            py::arg("region"), py::arg("bases"), py::arg("context"))
       .def("use_region_on_current_stream", [](Arena& a) {
              a.steady().use_region_on(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())));

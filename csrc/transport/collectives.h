@@ -19,10 +19,11 @@ namespace tide {
 enum class Ran { kTide, kBadArgs };
 const char* ran_name(Ran r);
 
-// TIDE-AG of `shards` into `outs`, which Python found bound in slot `slot` at the plan's places; `mark`
-// is the call's replay mark when the current stream captures a CUDA graph, else -1 (arena.h: Issue).
+// TIDE-AG of `shards` into `outs`, which lie at the plan's places of lane `lane` (flags.h: slot `lane`,
+// or the direct lane's lease when lane is K); `mark` is the call's replay mark when the current stream
+// captures a CUDA graph, else -1 (arena.h: Issue).
 Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
-               at::TensorList outs, int64_t slot, int64_t mark);
+               at::TensorList outs, int64_t lane, int64_t mark);
 
 // TIDE-RS of `grads` into this rank's fp32 `shard_grads` (`mark` as for all_gather).
 Ran reduce_scatter(Arena& a, const RsPlan& plan, at::TensorList grads,

@@ -15,8 +15,11 @@
 // use it announces. "ready" flags follow data: peers write them with 4-B copies from a local source
 // word that a stream memop has just set (NCCL's CE protocol). "free" flags follow reads: peers write them
 // with stream memops straight into the word.
-//   ag_free[i][p]   peer p's slot i may receive my pieces for its use v           (written by p)
-//   ag_ready[i][p]  peer p's pieces of use v have landed in my slot i             (written by p)
+// All-gather words come per lane i <= K: lane i < K is slot i; lane K, the direct lane, carries the
+// all-gathers whose outputs lie outside the slots, in caching-allocator memory every rank leases and maps
+// per call (tide/transport/all_gather.py); its addresses are the call's, not the data region's.
+//   ag_free[i][p]   peer p's lane i may receive my pieces for its use v            (written by p)
+//   ag_ready[i][p]  peer p's pieces of use v have landed in my lane i              (written by p)
 //   rs_ready[s][q]  contributor q's entry for my ring slot s holds its round g    (written by q)
 //   rs_free[d][s]   destination d lets me push its round g into its ring slot s      (written by d)
 //                   d posts it once it has summed round g - R; after a new lease of its data region,
@@ -24,7 +27,7 @@
 //                   counters skip R at a lease, so no permit into the old region reaches a round of
 //                   the new one: no peer writes into a ring before its destination leased it and
 //                   issued an op after the lease (tide/transport/lease.py).
-//   ag_src[i], rs_push_src[d][s]: the local source words of the "ready" copies. One word per slot /
+//   ag_src[i], rs_push_src[d][s]: the local source words of the "ready" copies. One word per lane /
 //   (destination, ring slot), so no copy can read a value meant for another.
 //
 // The captured protocol (an op issued into a CUDA graph) has words of its own, because a value baked
@@ -43,18 +46,20 @@ namespace tide {
 
 struct FlagLayout {
   int64_t K, R, W;
-  int64_t ag_free(int64_t slot, int64_t p) const { return slot * W + p; }
-  int64_t ag_ready(int64_t slot, int64_t p) const { return (K + slot) * W + p; }
-  int64_t rs_ready(int64_t s, int64_t q) const { return 2 * K * W + s * W + q; }
-  int64_t rs_free(int64_t d, int64_t s) const { return 2 * K * W + R * W + d * R + s; }
-  int64_t ag_src(int64_t slot) const { return 2 * K * W + 2 * R * W + slot; }
-  int64_t rs_push_src(int64_t d, int64_t s) const { return 2 * K * W + 2 * R * W + K + d * R + s; }
-  int64_t graph_base() const { return 2 * K * W + 3 * R * W + K; }
-  int64_t g_ag_free(int64_t slot, int64_t p) const { return graph_base() + slot * W + p; }
-  int64_t g_ag_ready(int64_t slot, int64_t p) const { return graph_base() + (K + slot) * W + p; }
-  int64_t g_rs_ready(int64_t s, int64_t q) const { return graph_base() + 2 * K * W + s * W + q; }
-  int64_t g_rs_free(int64_t d, int64_t s) const { return graph_base() + 2 * K * W + R * W + d * R + s; }
-  int64_t one() const { return graph_base() + 2 * K * W + 2 * R * W; }
+  // All-gather lanes: one per slot, and lane K, the direct lane (outputs outside the slots).
+  int64_t L() const { return K + 1; }
+  int64_t ag_free(int64_t lane, int64_t p) const { return lane * W + p; }
+  int64_t ag_ready(int64_t lane, int64_t p) const { return (L() + lane) * W + p; }
+  int64_t rs_ready(int64_t s, int64_t q) const { return 2 * L() * W + s * W + q; }
+  int64_t rs_free(int64_t d, int64_t s) const { return 2 * L() * W + R * W + d * R + s; }
+  int64_t ag_src(int64_t lane) const { return 2 * L() * W + 2 * R * W + lane; }
+  int64_t rs_push_src(int64_t d, int64_t s) const { return 2 * L() * W + 2 * R * W + L() + d * R + s; }
+  int64_t graph_base() const { return 2 * L() * W + 3 * R * W + L(); }
+  int64_t g_ag_free(int64_t lane, int64_t p) const { return graph_base() + lane * W + p; }
+  int64_t g_ag_ready(int64_t lane, int64_t p) const { return graph_base() + (L() + lane) * W + p; }
+  int64_t g_rs_ready(int64_t s, int64_t q) const { return graph_base() + 2 * L() * W + s * W + q; }
+  int64_t g_rs_free(int64_t d, int64_t s) const { return graph_base() + 2 * L() * W + R * W + d * R + s; }
+  int64_t one() const { return graph_base() + 2 * L() * W + 2 * R * W; }
   int64_t words() const { return one() + 1; }
 };
 

@@ -93,7 +93,7 @@ void push_spans(Arena& a, int64_t slot, uint64_t start, const std::vector<uint64
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a.device()));
   const Issue is = issue_on_current_stream(a.device(), "all_gather_into_params_", -1);  // eager only
   const WatchedOp watched(a, "all_gather_into_params_ (node leg)", is);
-  const uint32_t v = a.open_slot(slot, reinterpret_cast<cudaEvent_t>(start), is);
+  const uint32_t v = a.open_lane(slot, reinterpret_cast<cudaEvent_t>(start), is);
   const int64_t rank = a.rank(), world = a.world();
   const uint64_t mine = a.slot_base(rank, slot);
   CopyList& data = a.data_copies();
@@ -108,7 +108,7 @@ void push_spans(Arena& a, int64_t slot, uint64_t start, const std::vector<uint64
                  static_cast<size_t>(spans[b][i + 1]));
     a.issue_copies(data, a.ag_push(), false);
   }
-  a.close_slot(slot, v, is);
+  a.close_lane(slot, v, is);
 }
 
 }  // namespace tide

@@ -1,9 +1,11 @@
 """The graph ops ``all_gather_start`` / ``reduce_scatter_start`` on CUDA (skipped without CUDA): two ranks
 share one GPU over gloo, without an arena (the reference backend) and with one (the reduce-scatter on the
-transport, the all-gather into a free arena slot by TIDE-AG; with every slot held, or outputs larger than a
-slot, into allocator outputs on the reference), each result bit-exact against the CPU reference of the same
-data, the arena's slots poisoned before each call; the works complete through ``wait_tensor``; opcheck; and
-compiled graphs (``aot_eager`` and Inductor) equal to eager. Data is fresh per run (the seed is in every message).
+transport, the all-gather into a free arena slot by TIDE-AG; with every slot held, outputs larger than a
+slot, or inside a CUDA-graph capture while the eager lease is held, into allocator outputs on the direct
+lane), each result bit-exact against the CPU reference of the same data, the arena's slots and the
+allocator's free memory poisoned before each call; the works complete through ``wait_tensor``; opcheck;
+and compiled graphs (``aot_eager`` and Inductor) equal to eager. Data is fresh per run (the seed is in
+every message).
 """
 from __future__ import annotations
 
@@ -68,16 +70,21 @@ def _check_calls(rank, ws, seed, dev, what):
 
 
 def _poison_slots(group_name: str) -> None:
+    """The arena's slots, and free blocks of the caching allocator (where direct-lane outputs come from)."""
     from tide import transport
 
     a = transport.get(group_name)
     if a is not None:
         ranks.poison(a.region()[a.slots_off:a.ring_off])
+    for nbytes in (4 << 10, 256 << 10, 4 << 20):  # small- and large-pool blocks, freed poisoned
+        ranks.poison(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
 
 
 def _check_slot_reuse(rank, ws, seed, dev) -> dict:
-    """Outputs alive hold their slot: with both slots held a third call gathers into allocator outputs; once
-    the first call's outputs die its slot serves again; a call larger than a slot never takes one."""
+    """Outputs alive hold their slot: with both slots held a third call gathers into allocator outputs on the
+    direct lane; once the first call's outputs die its slot serves again; a call larger than a slot takes the
+    direct lane; so does a call captured into a CUDA graph while the eager lease is held, replayed on fresh
+    data."""
     import tide
     from tide import transport
 
@@ -94,11 +101,36 @@ def _check_slot_reuse(rank, ws, seed, dev) -> dict:
         ranks.assert_bits(f"seed {seed} slot reuse call {k}", out, torch.cat(shards))
         held.append(out)
         want.append(transport.get(g).slots.held())
-    big = torch.randn(transport.get(g).slot_bytes // 4 + 1, generator=cases.rank_generator(seed, rank))
-    (out,) = torch.ops.tide.all_gather_start([big.to(dev)], ws, g)
+    _poison_slots(g)
+    n = transport.get(g).slot_bytes // 4 + 1
+    big = [torch.randn(n, generator=cases.rank_generator(seed + 9, q)) for q in range(ws)]
+    (out,) = torch.ops.tide.all_gather_start([big[rank].to(dev)], ws, g)
     torch.ops._c10d_functional.wait_tensor(out)
-    torch.cuda.synchronize()
-    return {"held": want, "ops": tide.stats()["ops"]}
+    ranks.assert_bits(f"seed {seed} call larger than a slot", out, torch.cat(big))
+    direct_uses = transport.get(g).native.progress()["ag_uses"][-1]
+    return {"held": want, "ops": tide.stats()["ops"], "direct_uses": direct_uses,
+            "captured": _check_captured_direct(rank, ws, seed + 11, dev)}
+
+
+def _check_captured_direct(rank, ws, seed, dev) -> int:
+    """One all-gather captured while the eager lease is held (the direct lane, leased in the graph's pool),
+    replayed twice on fresh shards; the replays that matched bit for bit."""
+    g = dist.group.WORLD.group_name
+    static = torch.empty(7, 5, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (out,) = torch.ops.tide.all_gather_start([static], ws, g)
+        torch.ops._c10d_functional.wait_tensor(out)
+    matched = 0
+    for k in range(2):
+        shards = [torch.randn(7, 5, generator=cases.rank_generator(seed + k, q)) for q in range(ws)]
+        static.copy_(shards[rank])
+        ranks.poison(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        ranks.assert_bits(f"seed {seed} captured direct lane replay {k}", out, torch.cat(shards))
+        matched += 1
+    return matched
 
 
 def _fn(shards, grads, ws, g):
@@ -161,7 +193,7 @@ def test_graph_ops_on_cuda(ext):
         assert r["no_arena"]["reduce_scatter_start:allocator"] == 2, (seed, r["no_arena"])
         assert r["no_arena"]["all_gather_into_params_:stock:no_arena"] == 1, (seed, r["no_arena"])
         assert r["no_arena"]["reduce_scatter_params_:stock:no_arena"] == 2, (seed, r["no_arena"])
-        assert r["no_arena"]["all_gather_start:allocator:no_arena"] == 1, (seed, r["no_arena"])
+        assert r["no_arena"]["all_gather_start:reference:no_arena"] == 1, (seed, r["no_arena"])
         for part in ("arena", "arena_again"):
             assert r[part]["all_gather_start:slot"] == 1, (seed, part, r[part])
             assert r[part].get("all_gather_into_params_:tide") == 1, (seed, part, r[part])  # TIDE-AG, zero-copy
@@ -171,6 +203,9 @@ def test_graph_ops_on_cuda(ext):
         assert slots["ops"]["all_gather_start:slot"] == 3, (seed, slots["ops"])
         assert slots["ops"]["all_gather_start:allocator:no_free_slot"] == 1, (seed, slots["ops"])
         assert slots["ops"]["all_gather_start:allocator:slot_too_small"] == 1, (seed, slots["ops"])
+        assert slots["ops"]["all_gather_start:allocator:lease_across_capture"] == 1, (seed, slots["ops"])
+        assert not any(":reference" in k for k in slots["ops"]), (seed, slots["ops"])
+        assert slots["direct_uses"] == 2 and slots["captured"] == 2, (seed, slots)
         assert r["side_stream"] == [[float(q)] * 2 for q in range(ws) for _ in range(3)], (seed, r["side_stream"])
         assert r["compiled"] is True
         for op, checks in r["opcheck"].items():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tide.launch import run_ranks_outcomes
 from tide.transport import board
 
-K = 2  # all-gather slots
+K = 2  # all-gather lanes (an arena with one slot: slot 0 and the direct lane)
 
 
 class _DictStore(dict):
@@ -156,6 +156,24 @@ def test_a_peer_that_never_publishes_its_lease_is_named_after_the_timeout():
     with pytest.raises(RuntimeError, match=r"lease #2: rank\(s\) \[1, 2\] did not reach this call within 0.3 s"):
         maps[0].exchange_lease(2, "x:0", 0.3, "lease #2")
     assert time.monotonic() - start < 2
+
+
+def test_the_two_lease_channels_number_their_leases_apart():
+    import threading
+
+    maps = _boards(2)
+    got = {}
+
+    def rank(r):  # lease 2 on each channel, then lease 3 on channel 1 only
+        got[r] = [maps[r].exchange_lease(n, f"{r}:{c}:{n}", 5.0, "lease", channel=c) for n, c in ((2, 0), (2, 1), (3, 1))]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    want = [[f"{p}:{c}:{n}" for p in range(2)] for n, c in ((2, 0), (2, 1), (3, 1))]
+    assert got == {0: want, 1: want}, got
 
 
 def test_a_long_value_is_cut_to_the_slot():

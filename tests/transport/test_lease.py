@@ -150,8 +150,8 @@ class RecordingBoard:
     def __init__(self) -> None:
         self.leases = []
 
-    def exchange_lease(self, n, value, timeout_s, what):
-        self.leases.append(n)
+    def exchange_lease(self, n, value, timeout_s, what, channel=0):
+        self.leases.append((n, channel))
         return [value if p == RANK else f"{handle_of(p, 0).hex()}:{64 * n}" for p in range(WORLD)]
 
 
@@ -171,5 +171,41 @@ def test_leases_after_the_first_go_by_the_board_when_every_rank_mapped_it(peers_
     if not peers_mapped_it:  # a peer without the board: every lease stays on the store
         publish_peers(store, 2, generation=0, offset=128)
     leases.acquire()
-    assert b.leases == ([2] if peers_mapped_it else [])
+    assert b.leases == ([(2, 0)] if peers_mapped_it else [])
     assert all(b % (1 << 30) == 128 for p, b in enumerate(bases[-1]) if p != RANK)
+
+
+def _direct(store, ipc, bases, b=None):
+    """Leases as the arena's direct lane makes them (tide/transport/arena.py)."""
+    return Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), 0, 5.0, "test",
+                  set_region=lambda region, bs, context: bases.append(bs), sync_pushes=lambda: None, board=b,
+                  channel=1, symmetric_fallback=False, mappings_per_peer=4)
+
+
+def test_direct_lane_leases_take_each_calls_size_and_its_own_board_channel():
+    store, ipc, bases, b = dist.HashStore(), RecordingIpc(), [], RecordingBoard()
+    leases = _direct(store, ipc, bases, b)
+    for p in range(WORLD):
+        if p != RANK:
+            store.set(f"tide/test/lease1/{p}", f"{handle_of(p, 0).hex()}:64;board=1")
+    sizes = []
+    for nbytes in (4096, 12288, 512):
+        sizes.append(leases.acquire(nbytes).nbytes)
+        leases.release()
+        assert bases[-1] == [0] * WORLD
+    assert sizes == [4096, 12288, 512]
+    assert b.leases == [(2, 1), (3, 1)]  # after the first (by the store), on channel 1
+    assert len(ipc.opened) == WORLD - 1  # the peers' segment recurs: mapped once
+
+
+def test_direct_lane_without_ipc_gives_none_on_every_call_and_says_why():
+    store, ipc, bases = dist.HashStore(), RecordingIpc(), []
+    ipc.export_error = "cudaIpcGetMemHandle failed: invalid argument (expandable segments)"
+    leases = _direct(store, ipc, bases)
+    for p in range(WORLD):
+        if p != RANK:
+            store.set(f"tide/test/lease1/{p}", f"{handle_of(p, 0).hex()}:64")
+    assert leases.acquire(4096) is None
+    assert leases.mode.startswith(f"none (rank {RANK} cannot export allocator memory by CUDA IPC")
+    assert bases == [] and leases.count == 1
+    assert leases.acquire(4096) is None and leases.count == 1  # no further exchange: the ranks agreed at the first

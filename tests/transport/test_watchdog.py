@@ -58,7 +58,7 @@ _EXPIRY = textwrap.dedent("""
             return time.monotonic() > self.t
 
     def describe():
-        yield "  this rank issued all-gather uses [4] per slot"  # known without the driver
+        yield "  this rank issued all-gather uses [4] per lane"  # known without the driver
         if sys.argv[1] == "unreadable":
             raise RuntimeError("copy failed")
         if sys.argv[1] == "blocks":  # as when the driver is wedged: the exit must not wait for the report
@@ -105,7 +105,7 @@ def test_an_op_that_never_completes_is_reported_raised_and_ends_the_process(flag
         assert "flag words unreadable: RuntimeError: copy failed" in err, err
     else:
         assert f"flag words unreadable: the report did not finish in {watchdog.REPORT_S:g} s" in err, err
-    assert "this rank issued all-gather uses [4] per slot" in err, err  # the lines before a blocking call too
+    assert "this rank issued all-gather uses [4] per lane" in err, err  # the lines before a blocking call too
     assert f"exits with code {watchdog.EXIT_CODE}" in err
     assert "Thread" in err  # every thread's stack follows the report
 

@@ -4,12 +4,13 @@
 capture), the arena of each data-parallel group that the model's DTensor ``Shard(0)`` parameters are
 sharded over. Its slots fit the largest module's all-gather (the plan buckets the collectives of one module
 below the root per call: ``layers.3``, tide/compile/plan.py), so ``all_gather_start`` gathers into a free
-slot with the copy engines; its staging ring fits one round of that module's reduce-scatter. A group that already has an arena keeps it.
+slot with the copy engines (else into caching-allocator outputs on the arena's direct lane); its staging
+ring fits one round of that module's reduce-scatter. A group that already has an arena keeps it.
 
 ``release()`` gives every arena's leased data region back to the caching allocator (the regions of outputs
 still alive stay until those die). Call it on every rank at the same point, after each optimizer step and
-before capturing a step into a CUDA graph: a region held across a capture's boundary makes the captured
-all-gathers take the reference backend (``allocator:lease_across_capture``).
+before capturing a step into a CUDA graph: a region held across a capture's boundary keeps the captured
+all-gathers out of the slots (``allocator:lease_across_capture``: the direct lane serves them).
 """
 from __future__ import annotations
 

@@ -102,26 +102,27 @@ for _name, _fn in _KERNELS.items():
 
 # The graph ops stay Python kernels (their own library: the extension takes over only the four above).
 def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
-    """Outputs in a free slot of the group's arena, written by the transport (``slot``); else outputs from the
-    caching allocator (``allocator:<why>``), which ``all_gather_into_params_`` gathers on its reference
-    backend and counts."""
+    """Outputs gathered by the transport in a free slot of the group's arena (``slot``) or in memory of the
+    caching allocator (``allocator:<why no slot>``): tide/transport/graph_gather.py. Without an arena, or
+    where the ranks cannot export allocator memory, the reference backend gathers into allocator outputs
+    (``reference:<why>``)."""
     op = "all_gather_start"
     knobs.validate_once()
     shards = reference.checked_shards(op, shards, world_size, group_name)
     _transport.WATCHDOG.check()
     a = _transport.arena.get(group_name)
+    got = None
     if a is None:
-        got = "no_arena"
-    elif a.world_size != world_size or a.leases.held_elsewhere():
-        got = "world_size" if a.world_size != world_size else "lease_across_capture"
+        why = "no_arena"
+    elif a.world_size != world_size:
+        why = "world_size"
     else:
-        got = _transport.graph_gather.gather_into_slot(a, shards, world_size, group_name)
-    if isinstance(got, str):
-        outs = reference.gather_into_new(shards, world_size, group_name)
-        counters.count_graph_op(op, f"allocator:{got}")
+        got, why = _transport.graph_gather.gather(a, shards, world_size, group_name), "no_ipc"
+    if got is None:
+        outs, where = reference.gather_into_new(shards, world_size, group_name), f"reference:{why}"
     else:
-        outs = got
-        counters.count_graph_op(op, "slot")
+        outs, where = got
+    counters.count_graph_op(op, where)
     works.register(outs)
     return outs
 

@@ -8,6 +8,11 @@ call shape: :func:`tide.meta.plans.ag_plan_info`, agreed by every rank first, th
 extension, whose C++ kernel takes later calls of that shape without Python: tide/ops/cuda.py) and
 enter the extension, handing it the plan and the slot. Outputs in no slot (a group FSDP does not bind: the root)
 enter neither: the op's reference backend gathers them in place.
+
+The graph op ``all_gather_start`` makes its own outputs (tide/transport/graph_gather.py): in a free slot,
+else on the arena's direct lane (:func:`all_gather_direct`): a region of the caching allocator leased for
+this one call on every rank and mapped by the peers (tide/transport/lease.py), which the same protocol
+fills on flag lane K (csrc/transport/flags.h).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 
 from tide import agreement
 from tide.meta import checks, plans
+from tide.meta.layout import GroupLayout
 from tide.transport import issue
 
 OP = "all_gather_into_params_"
@@ -73,7 +79,28 @@ def all_gather_into_params(arena, shards: Sequence[torch.Tensor], outs: Sequence
             o.numel() == 0 or o.data_ptr() == base + off for o, off in zip(outs, plan.out_offset)):
         return False
     if issue.watched(arena, OP, arena.native.all_gather, plan=plan, shards=shards, outs=outs,
-                     slot=slot) != "tide":
+                     lane=slot) != "tide":
         issue.refuse(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
                      *_lists(shards, outs))
     return True
+
+
+def all_gather_direct(arena, shards: Sequence[torch.Tensor], layout: GroupLayout) -> list[torch.Tensor] | None:
+    """The flat all-gather outputs of ``shards`` (checked, contiguous; ``layout`` their
+    :func:`tide.meta.plans.all_gather_layout`) in a region of the caching allocator leased for this call
+    (collective: every rank at the same call), gathered by the transport on the direct lane; None when the
+    ranks cannot export allocator memory (``arena.direct.mode`` says why; nothing issued). The outputs share
+    the region's storage, which lives while any of them does."""
+    region = arena.direct.acquire(layout.slot_bytes)
+    if region is None:
+        return None
+    try:
+        outs = [region[p.slot_offset:p.slot_offset + p.out_bytes].view(s.dtype) for p, s in zip(layout.params, shards)]
+        plan = arena.native.ag_plan(shards=shards, outs=outs) or _new_plan(arena, shards, outs)
+        if issue.watched(arena, OP, arena.native.all_gather, plan=plan, shards=shards, outs=outs,
+                         lane=arena.num_slots) != "tide":
+            issue.refuse(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
+                         *_lists(shards, outs))
+    finally:
+        arena.direct.release()  # the peers' pushes were issued; the lane's addresses go with the lease
+    return outs

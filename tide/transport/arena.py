@@ -36,6 +36,7 @@ has read them.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Sequence
@@ -53,6 +54,7 @@ from tide.transport.slots import SlotLeases
 DEFAULT_RS_RING_BYTES = 64 << 20
 DEFAULT_RING_DEPTH = 2
 CAST_CTAS_PER_SM = 4
+DIRECT_MAPPINGS_PER_PEER = 8  # the direct lane's outputs come from several allocator segments a step
 
 
 class Arena:
@@ -122,7 +124,7 @@ class Arena:
                         "rank (TIDE_RS_RING_BYTES, TIDE_RS_RING_DEPTH and the slot size)")
 
         self.board = board.IssuedBoard.rendezvous(self.store, f"{self.store_prefix}/board", self.rank, W,
-                                                  self.num_slots)
+                                                  self.num_slots + 1)  # the slots' lanes and the direct lane
         try:
             self.flags = symm_mem.empty(self.flags_bytes, dtype=torch.uint8, device=self.device)
             self.handle = symm_mem.rendezvous(self.flags, group)
@@ -145,11 +147,16 @@ class Arena:
             self.native.publish_progress_to(self.board.progress_address())
         c = self.native
         self.slots = SlotLeases(self.num_slots, events=c)
+        lease_board = self.board if self.board is not None and board.ORDERED_STORES else None
+        capture = functools.partial(self.ext.capture_id, self.device.index)
         self.leases = Leases(self.ext, group, self.store, self.store_prefix, self.rank, W, self.device,
                              self.data_bytes, self.timeout_s, self.label,
-                             set_region=c.set_region, sync_pushes=c.sync_pushes,
-                             context=lambda: self.ext.capture_id(self.device.index),
-                             board=self.board if self.board is not None and board.ORDERED_STORES else None)
+                             set_region=c.set_region, sync_pushes=c.sync_pushes, context=capture, board=lease_board)
+        # The direct lane's outputs: one lease per all-gather that finds no slot (tide/transport/all_gather.py).
+        self.direct = Leases(self.ext, group, self.store, f"{self.store_prefix}/direct", self.rank, W, self.device,
+                             0, self.timeout_s, self.label, set_region=c.set_direct, sync_pushes=c.sync_pushes,
+                             context=capture, board=lease_board, channel=1, symmetric_fallback=False,
+                             mappings_per_peer=DIRECT_MAPPINGS_PER_PEER)
         self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
         self._watch()
 
@@ -202,6 +209,7 @@ class Arena:
         watchdog.WATCHDOG.forget(self.store_prefix)  # its graphs cannot replay once it is closed
         self.ext.steady_forget(arena=self.native)
         self.leases.close()
+        self.direct.close()
         self.slots = None  # its events are the extension arena's
         self.native = None  # destroys the streams and events
         self.plans.clear()

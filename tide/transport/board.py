@@ -6,16 +6,18 @@ stream queue full behind a dead peer holds the driver lock that copy needs.
 One file in /dev/shm per arena: rank 0 creates it and names it through the store, every rank maps it,
 and the last rank to have tried unlinks it (a count in the store), so a rank that dies afterwards leaves
 nothing behind; the arena's rank 0 also unlinks it should its rendezvous fail. Rank r's
-record is ``2 + K + W`` uint32 words at word ``r * (2 + K + W)``:
+record starts with ``2 + L + W`` uint32 words (L all-gather lanes: the K slots and the direct lane,
+csrc/transport/flags.h):
 
     + 0          the rank's process id
     + 1          1 once the rank has mapped the board
-    + 2 + i      all-gather uses of slot i < K   (the arena's ``ag_uses``, mirrored by the extension
-    + 2 + K + d  reduce-scatter rounds toward destination d < W    under its progress lock: ``rs_rounds``)
+    + 2 + i      all-gather uses of lane i < L   (the arena's ``ag_uses``, mirrored by the extension
+    + 2 + L + d  reduce-scatter rounds toward destination d < W    under its progress lock: ``rs_rounds``)
 
-After them, two lease slots of 64 words each: ``(number, length, value bytes)``, where the ranks
+After them, per lease channel (:data:`LEASE_CHANNELS`: the data region's leases, the direct lane's), two
+lease slots of 64 words each: ``(number, length, value bytes)``, where the ranks
 exchange each lease's handle and offset (:meth:`IssuedBoard.exchange_lease`) with plain memory reads
-instead of a store round trip: lease n goes in slot n % 2, its number written last. A peer publishes
+instead of a store round trip: lease n goes in slot n % 2 of its channel, its number written last. A peer publishes
 lease n + 2 only after it has read every rank's lease n + 1, which this rank publishes only after it has
 read lease n: no slot is overwritten before every rank has read it. Plain stores become visible in
 program order only on x86-64 (:data:`ORDERED_STORES`); elsewhere the leases go through the store.
@@ -40,6 +42,7 @@ _DIR = "/dev/shm"
 _HEADER = 2  # pid, mapped
 _LEASE_SLOT_WORDS = 64  # number, length, then the value's bytes
 _LEASE_VALUE_BYTES = 4 * (_LEASE_SLOT_WORDS - 2)
+LEASE_CHANNELS = 2  # the arena's data region (0) and its direct lane (1), each numbering its own leases
 ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")
 
 
@@ -48,17 +51,17 @@ class Record:
     """One rank's words as read from the board."""
     pid: int
     mapped: bool
-    ag_uses: list[int]
+    ag_uses: list[int]  # per all-gather lane: the slots, then the direct lane
     rs_rounds: list[int]
 
 
 class IssuedBoard:
     """This process's mapping of an arena's board (see the module docstring)."""
 
-    def __init__(self, path: str, rank: int, world: int, num_slots: int, create: bool) -> None:
-        self.path, self.rank, self.world, self.num_slots = path, rank, world, num_slots
-        self.progress_words = _HEADER + num_slots + world
-        self.record_words = self.progress_words + 2 * _LEASE_SLOT_WORDS
+    def __init__(self, path: str, rank: int, world: int, ag_lanes: int, create: bool) -> None:
+        self.path, self.rank, self.world, self.ag_lanes = path, rank, world, ag_lanes
+        self.progress_words = _HEADER + ag_lanes + world
+        self.record_words = self.progress_words + LEASE_CHANNELS * 2 * _LEASE_SLOT_WORDS
         size = 4 * self.record_words * world
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
@@ -74,21 +77,21 @@ class IssuedBoard:
         struct.pack_into("<2I", self._map, 4 * self.record_words * rank, os.getpid(), 1)
 
     @classmethod
-    def rendezvous(cls, store, key: str, rank: int, world: int, num_slots: int) -> "IssuedBoard | None":
+    def rendezvous(cls, store, key: str, rank: int, world: int, ag_lanes: int) -> "IssuedBoard | None":
         """Every rank of the arena calls this together; rank 0 names the file through ``store``. None where
         the file cannot be created or opened (no /dev/shm, a full one, or a rank on another host)."""
         board = None
         if rank == 0:
             path = os.path.join(_DIR, f"tide-board-{os.getpid()}-{uuid.uuid4().hex[:12]}")
             try:
-                board = cls(path, rank, world, num_slots, create=True)
+                board = cls(path, rank, world, ag_lanes, create=True)
             except OSError:
                 path = ""
             store.set(key, path)
         else:
             path = store.get(key).decode()
             try:
-                board = cls(path, rank, world, num_slots, create=False) if path else None
+                board = cls(path, rank, world, ag_lanes, create=False) if path else None
             except OSError:
                 board = None
         if path and store.add(f"{key}/tried", 1) == world:
@@ -106,22 +109,22 @@ class IssuedBoard:
         del view  # the mapping stays; only the export that would keep it from closing goes
         return address
 
-    def _lease_slot(self, rank: int, n: int) -> int:
-        return 4 * (self.record_words * rank + self.progress_words + (n % 2) * _LEASE_SLOT_WORDS)
+    def _lease_slot(self, rank: int, n: int, channel: int) -> int:
+        return 4 * (self.record_words * rank + self.progress_words + (2 * channel + n % 2) * _LEASE_SLOT_WORDS)
 
-    def exchange_lease(self, n: int, value: str, timeout_s: float, what: str) -> list[str]:
-        """Publish this rank's ``value`` (at most 248 bytes are kept) for lease ``n`` and return every rank's,
+    def exchange_lease(self, n: int, value: str, timeout_s: float, what: str, channel: int = 0) -> list[str]:
+        """Publish this rank's ``value`` (at most 248 bytes are kept) for lease ``n`` of ``channel`` and return every rank's,
         in rank order; raises ``RuntimeError`` (starting with ``what``) when a peer has not published it
         within ``timeout_s``."""
         data = value.encode()[:_LEASE_VALUE_BYTES]
-        mine = self._lease_slot(self.rank, n)
+        mine = self._lease_slot(self.rank, n, channel)
         self._map[mine + 8:mine + 8 + len(data)] = data
         struct.pack_into("<I", self._map, mine + 4, len(data))
         struct.pack_into("<I", self._map, mine, n)  # last: the record is complete
         deadline, spins = time.monotonic() + timeout_s, 0
         waiting = [p for p in range(self.world) if p != self.rank]
         while waiting:
-            waiting = [p for p in waiting if struct.unpack_from("<I", self._map, self._lease_slot(p, n))[0] != n]
+            waiting = [p for p in waiting if struct.unpack_from("<I", self._map, self._lease_slot(p, n, channel))[0] != n]
             if waiting:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{what}: rank(s) {waiting} did not reach this call within {timeout_s:g} s "
@@ -130,7 +133,7 @@ class IssuedBoard:
                 time.sleep(0 if spins < 1000 else 5e-5)
         out = []
         for p in range(self.world):
-            at = self._lease_slot(p, n)
+            at = self._lease_slot(p, n, channel)
             length = struct.unpack_from("<I", self._map, at + 4)[0]
             out.append(bytes(self._map[at + 8:at + 8 + length]).decode(errors="replace"))
         return out
@@ -140,8 +143,8 @@ class IssuedBoard:
         out = []
         for r in range(self.world):
             w = words[r * self.record_words:r * self.record_words + self.progress_words]
-            out.append(Record(pid=w[0], mapped=w[1] == 1, ag_uses=list(w[_HEADER:_HEADER + self.num_slots]),
-                              rs_rounds=list(w[_HEADER + self.num_slots:])))
+            out.append(Record(pid=w[0], mapped=w[1] == 1, ag_uses=list(w[_HEADER:_HEADER + self.ag_lanes]),
+                              rs_rounds=list(w[_HEADER + self.ag_lanes:])))
         return out
 
     def close(self) -> None:
@@ -157,7 +160,7 @@ def _unlink(path: str) -> None:
 
 
 def _compare(peer: list[int], mine: list[int], what: str) -> str | None:
-    """How a peer's per-slot (or per-destination) counts stand against this rank's: None when equal."""
+    """How a peer's per-lane (or per-destination) counts stand against this rank's: None when equal."""
     diff = [p - m for p, m in zip(peer, mine)]
     if not any(diff):
         return None
@@ -170,7 +173,7 @@ def _compare(peer: list[int], mine: list[int], what: str) -> str | None:
 
 def report(records: list[Record], rank: int, ranks, state=procfs.state) -> list[str]:
     """One line per peer for the watchdog's report: its process and its state (``state(pid)``, from
-    /proc), and how its issued work stands against this rank's, slot by slot and destination by
+    /proc), and how its issued work stands against this rank's, lane by lane and destination by
     destination."""
     mine = records[rank]
     lines = []
@@ -184,6 +187,6 @@ def report(records: list[Record], rank: int, ranks, state=procfs.state) -> list[
         lags = [c for c in (_compare(rec.ag_uses, mine.ag_uses, "all-gather use(s)"),
                             _compare(rec.rs_rounds, mine.rs_rounds, "reduce-scatter round(s)")) if c]
         lines.append(f"{who}, process {rec.pid} ({state(rec.pid)}): "
-                     + (f"issued all-gather uses {rec.ag_uses} per slot and reduce-scatter rounds {rec.rs_rounds}, "
+                     + (f"issued all-gather uses {rec.ag_uses} per lane and reduce-scatter rounds {rec.rs_rounds}, "
                         + ", ".join(lags) if lags else "issued as far as this rank"))
     return lines

@@ -5,8 +5,9 @@ op has not completed in time. Peers write those words (csrc/transport/flags.h), 
 each peer has come; the arena's ``progress()`` says what this rank has issued, i.e. the values its
 waits expect:
 
-- all-gather slot i, this rank's use u (``ag_uses[i]``): peer p is behind when ``ag_free[i][p]`` (p's
-  slot may receive my pieces) or ``ag_ready[i][p]`` (p's pieces landed in my slot) is below u;
+- all-gather lane i (slot i, or the last: the direct lane), this rank's use u (``ag_uses[i]``): peer p is
+  behind when ``ag_free[i][p]`` (p's lane may receive my pieces) or ``ag_ready[i][p]`` (p's pieces
+  landed in my lane) is below u;
   ``ag_src[i]`` below u means this rank's own pieces of use u are not posted yet (they wait for the
   peers' "free");
 - reduce-scatter: peer q is behind by ``rs_rounds[me] - max_s rs_ready[s][q]`` rounds of its
@@ -22,6 +23,11 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 
+def lane_name(lane: int, lanes: int) -> str:
+    """``slot i``, or ``direct lane`` for the last lane (csrc/transport/flags.h)."""
+    return "direct lane" if lane == lanes - 1 else f"slot {lane}"
+
+
 def behind(words: Sequence[int], index: Mapping[str, list], progress: Mapping[str, list], rank: int) -> dict[int, list[str]]:
     """For every peer whose words are below what this rank's issued work waits for: what lags, by how much."""
     value = [w & 0xFFFFFFFF for w in words]
@@ -35,7 +41,7 @@ def behind(words: Sequence[int], index: Mapping[str, list], progress: Mapping[st
         for i, uses in enumerate(ag_uses):
             free, ready = value[index["ag_free"][i][p]], value[index["ag_ready"][i][p]]
             if min(free, ready) < uses:
-                lags.append(f"all-gather slot {i}: free at use {free}, pieces at use {ready}, this rank at use {uses} "
+                lags.append(f"all-gather {lane_name(i, len(ag_uses))}: free at use {free}, pieces at use {ready}, this rank at use {uses} "
                             f"({uses - min(free, ready)} behind)")
         delivered = max(value[index["rs_ready"][s][p]] for s in range(len(index["rs_ready"])))
         if delivered < rs_rounds[rank]:
@@ -61,22 +67,23 @@ def describe(words: Sequence[int], index: Mapping[str, list], progress: Mapping[
         lines.append(f"  peer {p} (global rank {ranks[p]}) is behind: " + "; ".join(lags))
     if not late:
         lines.append("  no peer's flags are behind this rank's issued work (the stall is on this GPU's own queue)")
-    unposted = [i for i, uses in enumerate(progress["ag_uses"]) if value[index["ag_src"][i]] < uses]
+    lanes = len(progress["ag_uses"])
+    unposted = [lane_name(i, lanes) for i, uses in enumerate(progress["ag_uses"]) if value[index["ag_src"][i]] < uses]
     if unposted:
-        lines.append(f"  this rank's pieces for slot(s) {unposted} are not posted yet (waiting for peers' free flags)")
+        lines.append(f"  this rank's pieces for {', '.join(unposted)} are not posted yet (waiting for peers' free flags)")
     return "\n".join(lines)
 
 
 def captured(words: Sequence[int], index: Mapping[str, list], rank: int) -> str:
     """The captured protocol's words that are set on this rank (posted by a peer, not yet consumed)."""
     value = [w & 0xFFFFFFFF for w in words]
-    posted = []
+    posted, lanes = [], len(index["g_ag_free"])
     for i, row in enumerate(index["g_ag_free"]):
         if peers := [p for p, w in enumerate(row) if p != rank and value[w]]:
-            posted.append(f"all-gather slot {i} free at peer(s) {peers}")
+            posted.append(f"all-gather {lane_name(i, lanes)} free at peer(s) {peers}")
     for i, row in enumerate(index["g_ag_ready"]):
         if peers := [p for p, w in enumerate(row) if p != rank and value[w]]:
-            posted.append(f"all-gather slot {i} pieces from peer(s) {peers}")
+            posted.append(f"all-gather {lane_name(i, lanes)} pieces from peer(s) {peers}")
     for s, row in enumerate(index["g_rs_ready"]):
         if peers := [q for q, w in enumerate(row) if q != rank and value[w]]:
             posted.append(f"reduce-scatter ring slot {s} contributions from peer(s) {peers}")
@@ -89,5 +96,5 @@ def captured(words: Sequence[int], index: Mapping[str, list], rank: int) -> str:
 
 def issued(progress: Mapping[str, list]) -> str:
     """What this rank has issued, i.e. the flag values its waits expect (known without reading any flag)."""
-    return (f"this rank issued all-gather uses {list(progress['ag_uses'])} per slot and reduce-scatter rounds "
+    return (f"this rank issued all-gather uses {list(progress['ag_uses'])} per lane and reduce-scatter rounds "
             f"{list(progress['rs_rounds'])} per destination")

@@ -34,6 +34,10 @@ tide/fsdp/wiring.py); the freed block then serves the activations.
 - **Fallback.** Legacy IPC cannot export expandable segments or cudaMallocAsync pools. When any rank's
   export fails at the first lease, every rank puts the region in symmetric memory for the arena's life
   instead (its peak then includes the region, as before leasing), and :attr:`Leases.mode` says why.
+- **The direct lane.** An arena's second :class:`Leases` (``Arena.direct``) leases the outputs of one
+  all-gather whose outputs lie in no slot: a region of that call's size, leased and released around the
+  call (the outputs keep it alive), on the board's second channel. It has no symmetric fallback: where
+  export fails, :meth:`Leases.acquire` returns None and the call gathers another way.
 """
 from __future__ import annotations
 
@@ -61,18 +65,25 @@ class Leases:
         context: the id of the CUDA-graph capture in progress, 0 when none.
         board: the arena's issued board (its ``exchange_lease``), which carries every lease after the first;
             None: the store carries them all.
+        channel: the board's lease channel (``tide.transport.board.LEASE_CHANNELS``) these leases use.
+        symmetric_fallback: whether a region that cannot be exported goes to symmetric memory (else
+            :meth:`acquire` returns None).
+        mappings_per_peer: peer segments kept mapped per peer (the oldest closes beyond it).
     """
 
     def __init__(self, ext, group, store, prefix: str, rank: int, world: int, device: torch.device, nbytes: int,
                  timeout_s: float, label: str, set_region: Callable[[torch.Tensor | None, list[int], int], None],
-                 sync_pushes: Callable[[], None], context: Callable[[], int] = lambda: 0, board=None) -> None:
+                 sync_pushes: Callable[[], None], context: Callable[[], int] = lambda: 0, board=None,
+                 channel: int = 0, symmetric_fallback: bool = True,
+                 mappings_per_peer: int = MAPPINGS_PER_PEER) -> None:
         self._ext, self._group, self._store, self._prefix = ext, group, store, prefix
         self.rank, self.world, self.device, self.nbytes = rank, world, device, nbytes
         self._timeout_s, self._label = timeout_s, label
         self._set_region, self._sync_pushes, self._context, self._board = set_region, sync_pushes, context, board
+        self._channel, self._symmetric_fallback, self._mappings_per_peer = channel, symmetric_fallback, mappings_per_peer
         self._leased_in = 0  # the context the held region was leased in
         self._kept: set[bytes] = set()  # handles a captured graph writes through: never closed
-        self.mode = "allocator"  # or "symmetric (<why>)" once any rank's export failed
+        self.mode = "allocator"  # or "symmetric (<why>)" / "none (<why>)" once any rank's export failed
         self.count = 0  # leases taken, all ranks alike
         self.maps_opened = 0  # peer segments mapped so far (the allocator moved a lease when this grows)
         self.seconds = 0.0  # wall time spent leasing so far (the exchange with the peers included)
@@ -86,9 +97,11 @@ class Leases:
         """The region while leased, else None."""
         return self._region
 
-    def acquire(self) -> torch.Tensor:
-        """The leased region; a new lease (collective: every rank at the same point) when none is held.
-        After a failed lease every later one raises that error: the ranks' lease numbers may differ."""
+    def acquire(self, nbytes: int | None = None) -> torch.Tensor | None:
+        """The leased region; a new lease (collective: every rank at the same point) when none is held, of
+        ``nbytes`` when given (the same on every rank). None when the region cannot be exported and there is
+        no symmetric fallback. After a failed lease every later one raises that error: the ranks' lease
+        numbers may differ."""
         if self.held_elsewhere():
             raise RuntimeError(f"tide.transport: the data region of the arena of {self._label} was leased "
                                f"{'inside a CUDA-graph capture' if self._leased_in else 'outside the CUDA-graph capture'} "
@@ -97,6 +110,9 @@ class Leases:
         if self._region is None:
             if self._failed is not None:
                 raise RuntimeError(self._failed)
+            if self.mode.startswith("none"):
+                return None
+            self.nbytes = self.nbytes if nbytes is None else int(nbytes)
             start = time.perf_counter()
             try:
                 self._leased_in = self._context()
@@ -143,7 +159,7 @@ class Leases:
             handle, offset, error = self._ext.ipc_export(tensor=region)
             mine = f"error:{error.splitlines()[0]}" if error else f"{handle.hex()}:{offset}"
             if self._board is not None and self.count > 1:
-                theirs = self._board.exchange_lease(self.count, mine, self._timeout_s, what)
+                theirs = self._board.exchange_lease(self.count, mine, self._timeout_s, what, self._channel)
             else:
                 theirs = self._exchange_by_store(mine, what)
             errors = [(p, v[len("error:"):]) for p, v in enumerate(theirs) if v.startswith("error:")]
@@ -154,7 +170,11 @@ class Leases:
                 return
             if self.count > 1:  # the mode was agreed at the first lease; a later failure is not expected
                 raise RuntimeError(f"{what}: rank(s) {[p for p, _ in errors]} cannot export the region: {errors[0][1]}")
-            self.mode = f"symmetric (rank {errors[0][0]} cannot export allocator memory by CUDA IPC: {errors[0][1]})"
+            why = f"rank {errors[0][0]} cannot export allocator memory by CUDA IPC: {errors[0][1]}"
+            if not self._symmetric_fallback:
+                self.mode = f"none ({why})"
+                return
+            self.mode = f"symmetric ({why})"
             del region
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -188,7 +208,7 @@ class Leases:
             base = self._ext.ipc_open(handle=handle, device=self.device.index)
             self.maps_opened += 1
             closable = [h for h in maps if h not in self._kept]
-            if len(closable) >= MAPPINGS_PER_PEER and not capturing:  # the oldest goes, once no push can target it
+            if len(closable) >= self._mappings_per_peer and not capturing:  # the oldest goes, once no push can target it
                 self._sync_pushes()
                 self._ext.ipc_close(base=maps.pop(closable[0]), device=self.device.index)
         maps[handle] = base  # the most recent last
