@@ -14,60 +14,46 @@
 namespace tide::completions {
 namespace {
 
-constexpr int kMaxDevices = 64;
+DeviceWords rings(kWords, "tide.completions");
+std::atomic<uint32_t> last_claimed[kMaxDevices];  // per device: the last op id claimed
 
-struct Ring {
-  std::once_flag allocated;
-  uint32_t* host = nullptr;  // kWords words
-  uint64_t dev = 0;          // their device address
-  std::atomic<uint32_t> issued{0};
-};
-
-Ring& ring(int64_t device) {
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "tide.completions: device ", num(device), " out of range");
-  static Ring rings[kMaxDevices];
-  Ring& r = rings[device];
-  std::call_once(r.allocated, [&] {
-    const MappedWords w = mapped_words(device, kWords, "tide.completions");
-    r.host = w.host;
-    r.dev = w.dev;
-  });
-  return r;
-}
-
-bool word_reached(const Ring& r, uint32_t op) {
-  const uint32_t word = reinterpret_cast<const volatile uint32_t*>(r.host)[op % kWords];
+bool word_reached(const MappedWords& w, uint32_t op) {
+  const uint32_t word = reinterpret_cast<const volatile uint32_t*>(w.host)[op % kWords];
   return static_cast<int32_t>(word - op) >= 0;
 }
 
 }  // namespace
 
-MappedWords mapped_words(int64_t device, size_t n, const char* what) {
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  // A host allocation during someone's CUDA-graph capture needs the relaxed mode.
-  c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-  void* host = nullptr;
-  void* dev = nullptr;
-  TORCH_CHECK(cudaHostAlloc(&host, n * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess,
-              what, ": cudaHostAlloc failed");
-  std::memset(host, 0, n * sizeof(uint32_t));
-  TORCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess, what, ": cudaHostGetDevicePointer failed");
-  return MappedWords{static_cast<uint32_t*>(host), reinterpret_cast<uint64_t>(dev)};
+const MappedWords& DeviceWords::on(int64_t device) {
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, what_, ": device ", num(device), " out of range");
+  std::call_once(allocated_[device], [&] {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    // A host allocation during someone's CUDA-graph capture needs the relaxed mode.
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    void* host = nullptr;
+    void* dev = nullptr;
+    TORCH_CHECK(cudaHostAlloc(&host, n_ * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess,
+                what_, ": cudaHostAlloc failed");
+    std::memset(host, 0, n_ * sizeof(uint32_t));
+    TORCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess, what_, ": cudaHostGetDevicePointer failed");
+    words_[device] = MappedWords{static_cast<uint32_t*>(host), reinterpret_cast<uint64_t>(dev)};
+  });
+  return words_[device];
 }
 
 driver::MemOp claim(int64_t device) {
-  Ring& r = ring(device);
-  const uint32_t op = r.issued.fetch_add(1) + 1;
-  return driver::MemOp{r.dev + 4 * static_cast<uint64_t>(op % kWords), op};
+  const MappedWords& w = rings.on(device);
+  const uint32_t op = last_claimed[device].fetch_add(1) + 1;
+  return driver::MemOp{w.dev + 4 * static_cast<uint64_t>(op % kWords), op};
 }
 
-bool completed(int64_t device, uint32_t op) { return word_reached(ring(device), op); }
+bool completed(int64_t device, uint32_t op) { return word_reached(rings.on(device), op); }
 
 bool all_completed(int64_t device) {
-  const Ring& r = ring(device);
-  const uint32_t last = r.issued.load();
+  const MappedWords& w = rings.on(device);
+  const uint32_t last = last_claimed[device].load();
   for (uint32_t op = last > kWords ? last - kWords + 1 : 1; op <= last; ++op)
-    if (!word_reached(r, op)) return false;
+    if (!word_reached(w, op)) return false;
   return true;
 }
 

@@ -25,13 +25,28 @@ namespace tide::completions {
 
 constexpr uint32_t kWords = 1u << 16;
 
-// `n` zeroed uint32 words of pinned host memory mapped into `device`'s address space (never freed), and
-// their device address; `what` names the caller in errors. Allowed during a CUDA-graph capture.
+constexpr int kMaxDevices = 64;
+
+// Zeroed uint32 words of pinned host memory mapped into a device's address space: host and device address.
 struct MappedWords {
-  uint32_t* host;
-  uint64_t dev;
+  uint32_t* host = nullptr;
+  uint64_t dev = 0;
 };
-MappedWords mapped_words(int64_t device, size_t n, const char* what);
+
+// One table of `n` such words per device, allocated at the device's first use (allowed during a CUDA-graph
+// capture) and never freed: a stalled stream may still write into it. `what` names the owner in errors.
+// The completion rings below and the replay marks (replays.h) are such tables.
+class DeviceWords {
+ public:
+  DeviceWords(size_t n, const char* what) : n_(n), what_(what) {}
+  const MappedWords& on(int64_t device);
+
+ private:
+  size_t n_;
+  const char* what_;
+  std::once_flag allocated_[kMaxDevices];
+  MappedWords words_[kMaxDevices];
+};
 
 // The next op id of `device` and the memop that marks its completion (value = the id); the caller
 // issues it last on the op's stream.
