@@ -10,7 +10,7 @@ never copied into a staging row. The single-node reduce-scatter's terms are its 
 (rank order); the multi-node schedule's are a node's local contributions (local order), then a
 destination's node partials (node order).
 
-:func:`sum_rows_` is the reference: torch ops, any device, this order by construction. :func:`sum_rows`
+:func:`sum_rows_reference` is the reference: torch ops, any device, this order by construction. :func:`sum_rows`
 is what the multi-node schedule calls: on CUDA the bounded-grid summing kernel of TIDE-RS
 (csrc/ops/sum_contributions.cu, :func:`summing_ctas` CTAs), bit for bit the same; on CPU, or when the CUDA
 extension cannot be built, the reference. ``tide.stats()["multinode"]`` counts which ran (``sum:kernel``,
@@ -29,18 +29,18 @@ from tide import counters, knobs
 log = logging.getLogger("tide")
 
 
-def sum_rows_(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[torch.Tensor] = (), own_row: int = -1,
+def sum_rows_reference(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[torch.Tensor] = (), own_row: int = -1,
               scale: float = 1.0, accumulate: bool = False) -> None:
     """The reference of the sum above (torch ops): ``outs`` are fp32, ``rows`` is R x n with n the outs'
     numels summed; with ``owns`` the terms are K = R + 1, ``owns`` standing at ``own_row``."""
     k = rows.shape[0] + (1 if owns else 0)
     if (len(owns) != len(outs)) if owns else own_row != -1:
-        raise ValueError(f"tide.sum_rows_: owns needs one tensor per out ({len(owns)} for {len(outs)}), and "
+        raise ValueError(f"tide.sum_rows_reference: owns needs one tensor per out ({len(owns)} for {len(outs)}), and "
                          f"own_row = -1 without owns (got {own_row})")
     if owns and not 0 <= own_row < k:
-        raise ValueError(f"tide.sum_rows_: own_row={own_row} not in [0, {k})")
+        raise ValueError(f"tide.sum_rows_reference: own_row={own_row} not in [0, {k})")
     if any(o.dtype != rows.dtype for o in owns):
-        raise ValueError(f"tide.sum_rows_: owns must have rows' dtype {rows.dtype}")
+        raise ValueError(f"tide.sum_rows_reference: owns must have rows' dtype {rows.dtype}")
     own = None
     if owns:
         own = owns[0].reshape(-1) if len(owns) == 1 else torch.cat([o.reshape(-1) for o in owns])
@@ -82,10 +82,10 @@ def _kernel():
 
 def sum_rows(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[torch.Tensor] = (), own_row: int = -1,
              scale: float = 1.0, accumulate: bool = False) -> None:
-    """The sum above: the summing kernel on CUDA tensors, else :func:`sum_rows_` (counted either way)."""
+    """The sum above: the summing kernel on CUDA tensors, else :func:`sum_rows_reference` (counted either way)."""
     kernel = _kernel() if rows.is_cuda else None
     counters.count_multinode("sum:kernel" if kernel is not None else "sum:torch")
     if kernel is None:
-        sum_rows_(outs, rows, owns, own_row, scale, accumulate)
+        sum_rows_reference(outs, rows, owns, own_row, scale, accumulate)
         return
     kernel(outs=list(outs), rows=rows, owns=list(owns), own_row=own_row, scale=scale, accumulate=accumulate)

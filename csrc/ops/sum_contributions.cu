@@ -11,7 +11,7 @@
 //
 // in exactly that order, each step one IEEE fp32 operation rounded to nearest (__fadd_rn /
 // __fmul_rn, so nvcc cannot contract a step into an FMA). That is bit for bit what the reference
-// backend computes (tide.sums.sum_rows_). Padding segments (zero != 0) write 0.
+// backend computes (tide.sums.sum_rows_reference). Padding segments (zero != 0) write 0.
 //
 // The grid is persistent and bounded (default 16 CTAs, TIDE_RS_CTAS): the kernel is short-lived,
 // shares the GPU with the model's kernels, and never waits on a flag (the stream waits before it with

@@ -109,7 +109,7 @@ py::dict counters(const Arena& a) {
 //   outs[j] (+)= scale * (x_0 + x_1 + ... + x_{K-1})[off_j : off_j + outs[j].numel()],  fp32, k in order,
 // where x_k, for k == own_row, is owns[j] read where it lies (one per out), and otherwise the next row of
 // `rows` (R x n, rows contiguous: K = R + 1 with owns, K = R without, own_row = -1). Bit for bit
-// tide.sums.sum_rows_.
+// tide.sums.sum_rows_reference.
 void sum_rows(const std::vector<at::Tensor>& outs, const at::Tensor& rows, const std::vector<at::Tensor>& owns,
               int64_t own_row, double scale, bool accumulate, int64_t ctas) {
   auto code = [](const at::Tensor& t) {

@@ -12,8 +12,9 @@
 //   - all-gather: its outputs lie at the plan's places in one slot of the held region;
 //   - the collective accepts the arguments (all_gather.cpp, reduce_scatter.cpp).
 // Any other call runs the Python kernel, which takes every decision that needs Python, words every
-// argument error, and fills the record a later call of that layout finds here. The functional
-// all_gather / reduce_scatter allocate their outputs here and call the mutating kernels; arguments the
+// argument error, and fills the record a later call of that layout finds here. The functional ops'
+// kernels (functional_all_gather / functional_reduce_scatter; all_gather / reduce_scatter are the
+// collectives, collectives.h) allocate their outputs here and call the mutating kernels; arguments the
 // functional checks would refuse go to their Python kernels, which raise.
 #include <torch/extension.h>
 
@@ -162,7 +163,7 @@ bool functional_ok(at::TensorList ts, int64_t world, bool whole_rows) {
   return true;
 }
 
-std::vector<at::Tensor> all_gather(at::TensorList shards, int64_t world, c10::string_view group) {
+std::vector<at::Tensor> functional_all_gather(at::TensorList shards, int64_t world, c10::string_view group) {
   if (!functional_ok(shards, world, false))
     return call_python<std::vector<at::Tensor>>(kAg, shards.vec(), world, std::string(group));
   std::vector<at::Tensor> ins, outs;
@@ -176,8 +177,8 @@ std::vector<at::Tensor> all_gather(at::TensorList shards, int64_t world, c10::st
   return outs;
 }
 
-std::vector<at::Tensor> reduce_scatter(at::TensorList inputs, double scale, std::optional<at::ScalarType> out_dtype,
-                                       int64_t world, c10::string_view group) {
+std::vector<at::Tensor> functional_reduce_scatter(at::TensorList inputs, double scale, std::optional<at::ScalarType> out_dtype,
+                                                  int64_t world, c10::string_view group) {
   if (!functional_ok(inputs, world, true) || (out_dtype.has_value() && dtype_code(*out_dtype) < 0))
     return call_python<std::vector<at::Tensor>>(kRs, inputs.vec(), scale, out_dtype, world, std::string(group));
   std::vector<at::Tensor> ins, shards;
@@ -202,8 +203,8 @@ void hand_over_kernels(py::object ag_params, py::object rs_params, py::object ag
     static auto* lib = new torch::Library(torch::Library::IMPL, "tide", c10::DispatchKey::CUDA, __FILE__, __LINE__);
     lib->impl("all_gather_into_params_", TORCH_FN(all_gather_into_params));
     lib->impl("reduce_scatter_params_", TORCH_FN(reduce_scatter_params));
-    lib->impl("all_gather", TORCH_FN(all_gather));
-    lib->impl("reduce_scatter", TORCH_FN(reduce_scatter));
+    lib->impl("all_gather", TORCH_FN(functional_all_gather));
+    lib->impl("reduce_scatter", TORCH_FN(functional_reduce_scatter));
     steady_on = true;
   });
 }

@@ -1,5 +1,5 @@
 """TIDE's kernels alone: the summing kernel bit for bit against the reference's sum
-(tide.sums.sum_rows_), and the own-shard cast bit for bit against torch's ``to``."""
+(tide.sums.sum_rows_reference), and the own-shard cast bit for bit against torch's ``to``."""
 import random
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from tests.cuda.ranks import assert_bits
 from tests.ops.test_sums import _pieces
-from tide.sums import sum_rows_
+from tide.sums import sum_rows_reference
 
 pytestmark = pytest.mark.cuda
 
@@ -47,7 +47,7 @@ def test_sum_matches_reference(ext, dtype, k):
         ext.sum_rows(outs=list(out[:n].split(sizes)), rows=rows, owns=owns, own_row=own_row, scale=scale,
                      accumulate=accumulate, ctas=ctas)
         want = init.cpu().clone() if accumulate else torch.full((n + 5,), float("nan"))
-        sum_rows_(list(want[:n].split(sizes)), rows.cpu(), [o.cpu() for o in owns], own_row, scale, accumulate)
+        sum_rows_reference(list(want[:n].split(sizes)), rows.cpu(), [o.cpu() for o in owns], own_row, scale, accumulate)
         assert_bits(f"k={k} n={n} pad={pad} own_row={own_row} pieces={len(sizes)} acc={accumulate} ctas={ctas}",
                     out, want)
 
@@ -64,7 +64,7 @@ def test_sum_splits_many_outputs_into_launches(ext):
         ext.sum_rows(outs=list(out.split(sizes)), rows=rows, owns=list(own.split(sizes)), own_row=2, scale=0.5,
                      accumulate=False, ctas=8)
         want = torch.empty(n)
-        sum_rows_(list(want.split(sizes)), rows.cpu(), list(own.cpu().split(sizes)), 2, 0.5, False)
+        sum_rows_reference(list(want.split(sizes)), rows.cpu(), list(own.cpu().split(sizes)), 2, 0.5, False)
         assert_bits(f"{parts} pieces", out, want)
 
 

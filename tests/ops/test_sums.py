@@ -42,7 +42,7 @@ def test_sum_rows_follows_the_documented_order(dtype):
         scale, accumulate = rng.choice([1.0, 0.25, rng.uniform(0.1, 3.0)]), trial % 3 == 0
         old = torch.randn(n)
         out = old.clone() if accumulate else torch.full((n,), float("nan"))
-        sums.sum_rows_(list(out.split(sizes)), rows, owns, own_row, scale, accumulate)
+        sums.sum_rows_reference(list(out.split(sizes)), rows, owns, own_row, scale, accumulate)
         want = _documented(terms, scale, old.numpy() if accumulate else None)
         assert np.array_equal(out.numpy().view(np.int32), want.view(np.int32)), \
             f"{dtype} trial {trial}: k={k} n={n} own_row={own_row} pieces={sizes}"
@@ -56,11 +56,11 @@ def test_an_own_term_stands_where_its_row_would():
     g = torch.Generator().manual_seed(7)
     terms = torch.randn(5, 333, generator=g).to(torch.bfloat16)
     everything = torch.empty(333)
-    sums.sum_rows_([everything], terms, scale=0.5)
+    sums.sum_rows_reference([everything], terms, scale=0.5)
     for own_row in range(5):
         out = torch.full((333,), float("nan"))
         sizes = [100, 0, 233]
-        sums.sum_rows_(list(out.split(sizes)), torch.cat([terms[:own_row], terms[own_row + 1:]]),
+        sums.sum_rows_reference(list(out.split(sizes)), torch.cat([terms[:own_row], terms[own_row + 1:]]),
                        list(terms[own_row].split(sizes)), own_row, scale=0.5)
         assert torch.equal(out.view(torch.int32), everything.view(torch.int32)), own_row
 
@@ -70,7 +70,7 @@ def test_cpu_tensors_take_the_reference_and_count_it():
     rows, out = torch.randn(3, 10), torch.empty(10)
     sums.sum_rows([out], rows)
     want = torch.empty(10)
-    sums.sum_rows_([want], rows)
+    sums.sum_rows_reference([want], rows)
     assert torch.equal(out, want)
     assert tide.stats()["multinode"] == {"sum:torch": 1}
 
@@ -82,6 +82,6 @@ def test_the_reference_refuses_inconsistent_own_terms():
              (dict(owns=[torch.randn(2), torch.randn(2)], own_row=0), "one tensor per out"),
              (dict(owns=[torch.randn(4).half()], own_row=0), "rows' dtype")]
     for kwargs, message in cases:
-        with pytest.raises(ValueError, match="tide.sum_rows_") as e:
-            sums.sum_rows_([out], rows, **kwargs)
+        with pytest.raises(ValueError, match="tide.sum_rows_reference") as e:
+            sums.sum_rows_reference([out], rows, **kwargs)
         assert message in str(e.value), (message, str(e.value))
