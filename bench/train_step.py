@@ -16,7 +16,8 @@ Variants, each in processes of its own (a clean allocator and one symmetric-memo
 which the allocator does not count; ``device_used_mib``: the device's used memory after the steps, which
 also holds what the allocator never sees, such as NCCL's communicators), and the CUDA graphs
 instantiated per step after warm-up (``cudaGraphInstantiate`` calls in a profiled step). Writes ``train_step_8b.csv`` / ``train_step_moe.csv``
-(``train_step_<preset>.csv`` for the small presets) and a PNG under ``--out``. With fewer GPUs than
+(``train_step_<preset>.csv`` for the small presets; ``_compiled`` added with a compiled variant) and a PNG under
+``--out``. With fewer GPUs than
 ranks the ranks share a GPU over gloo: a smoke run, not NVLink numbers. ``--local-world-size L``
 emulates nodes of L ranks (``TIDE_CUDA_MULTINODE=1``: TIDE's variants run the multi-node schedule, every
 round point-to-point; stock is unchanged) and writes ``<name>_multinode.csv``: the schedule's cost on
@@ -469,7 +470,7 @@ def main(argv=None):
     name = (CSV_NAMES.get(args.preset, f"train_step_{args.preset}") + ("_multinode" if L is not None else "")
             + ("_implicit" if args.implicit_prefetch else "") + ("_graphs" if args.cuda_graphs else "")
             + (f"_hsdp{args.hsdp}" if args.hsdp else "") + ("_shard1" if args.shard_experts else "")
-            + ("_float8" if args.float8 else ""))
+            + ("_float8" if args.float8 else "") + ("_compiled" if any(v.startswith("compiled") for v in variants) else ""))
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
     if args.segments:

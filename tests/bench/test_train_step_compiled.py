@@ -23,7 +23,7 @@ def test_compiled_variants_write_their_rows_with_the_same_losses(tmp_path):
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUMMARY train_step tiny (2 CPU ranks over gloo" in done.stdout, done.stdout
-    rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "train_step_tiny.csv"))}
+    rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "train_step_tiny_compiled.csv"))}
     assert sorted(rows) == ["compiled_stock", "compiled_tide"], rows
     stock, tide_ = rows["compiled_stock"], rows["compiled_tide"]
     assert float(tide_["first_loss"]) == float(stock["first_loss"]), (tide_["first_loss"], stock["first_loss"])
