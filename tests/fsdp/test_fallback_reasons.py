@@ -226,10 +226,10 @@ def test_tracing_reasons(reason, patch, monkeypatch):
 def test_under_capture(arena, multinode, reason, monkeypatch):
     from tide import topology
     from tide.meta.multinode import Topology
-    from tide.transport import node_leg
+    from tide.transport import serving
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(node_leg, "serving", lambda name: arena)
+    monkeypatch.setattr(serving, "of", lambda name: arena)
     nodes = Topology(num_nodes=2, local_size=1) if multinode else None
     monkeypatch.setattr(topology, "of_group", lambda group: nodes)
     assert _ag(device=CUDA, contract=None) == reason

@@ -130,9 +130,9 @@ def capture_reason(device: torch.device, group) -> str | None:
         return None
     if topology.is_multinode(topology.of_group(group)):
         return "capture_multinode"
-    from tide.transport import node_leg
+    from tide.transport import serving
 
-    return "capture_before_arena" if node_leg.serving(group.group_name) is None else None
+    return "capture_before_arena" if serving.of(group.group_name) is None else None
 
 
 def param_reason(p) -> str | None:

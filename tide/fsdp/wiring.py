@@ -20,7 +20,7 @@ from tide import counters, registry, topology, transport
 from tide.fsdp import comms, extensions, shard_dims
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
 from tide.meta import plans
-from tide.transport import node_leg
+from tide.transport import node_leg, serving
 
 log = logging.getLogger("tide.fsdp")
 
@@ -123,14 +123,14 @@ def arena_for(group: dist.ProcessGroup, device: torch.device, comm_transport: st
     multinode = topology.is_multinode(topo)
     if multinode and topo.local_size < 2:
         return None
-    arena = node_leg.serving(group.group_name)
+    arena = serving.of(group.group_name)
     return arena if arena is not None else _create_arena(group, multinode)
 
 
 def check_arenas_idle(param_groups) -> None:
     """Raise (changing nothing) if an arena serving ``param_groups`` still holds unsharded params."""
     for g in param_groups:
-        arena = node_leg.serving(g._all_gather_process_group.group_name)
+        arena = serving.of(g._all_gather_process_group.group_name)
         if arena is not None and arena.slots.held():
             raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of "
                                f"ranks {list(arena.ranks)}; call disable between steps (after backward / reshard)")
@@ -149,7 +149,7 @@ def release_leases() -> None:
     ended: nothing TIDE leases sits beside the activations at the loss or beside the optimizer step;
     tide/transport/lease.py). Every rank reaches the same points."""
     for name in registry.created_arenas.values():
-        arena = node_leg.serving(name)
+        arena = serving.of(name)
         if arena is not None:
             arena.release()
 
@@ -220,7 +220,7 @@ def order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
     gradients there, within the call)."""
     if not (comm is not None and comm.grad_hooks and fsdp_params and group is not None):
         return
-    arena = node_leg.serving(group.group_name)
+    arena = serving.of(group.group_name)
     own = arena.slots.last_slot(fsdp_params[0]) if arena is not None else None
     if own is not None:
         arena.slots.used(own, stream)

@@ -50,9 +50,9 @@ def _node_arena(group: dist.ProcessGroup, tensor: torch.Tensor):
     transport is imported only where it made a node arena."""
     if not registry.node_arenas or not tensor.is_cuda or torch.cuda.is_current_stream_capturing():
         return None
-    from tide.transport import node_leg
+    from tide.transport import serving
 
-    return node_leg.get(group.group_name)
+    return serving.node_arena(group.group_name)
 
 
 def _node_slot(outs, group: dist.ProcessGroup):

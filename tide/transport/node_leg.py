@@ -12,9 +12,9 @@ leg. A multi-node reduce-scatter step sums its node partials as a TIDE-RS over t
 (:func:`reduce_partials`): each rank pushes its contributions into the summing rank's staging ring.
 
     enable(group, slot_bytes=...) -> Arena    (collective over ``group``'s ranks, once per set of ranks)
-    get(group_name) -> Arena | None           (the node arena of a multi-node group)
-    serving(group_name) -> Arena | None       (a group's own arena, else its node arena)
     disable(group_name)
+
+Which arena serves a group (its own, else its node arena) is :mod:`tide.transport.serving`'s to say.
 """
 from __future__ import annotations
 
@@ -54,22 +54,6 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Are
     arena = _arena.enable(node_group, slot_bytes=slot_bytes, **kwargs)
     registry.node_arenas[ranks] = arena
     return arena
-
-
-def get(group_name: str) -> _arena.Arena | None:
-    """The node arena of the multi-node group ``group_name`` on this rank, or None."""
-    if not registry.node_arenas:
-        return None
-    try:
-        return registry.node_arenas.get(_arena.group_ranks(group_name))
-    except (RuntimeError, ValueError, KeyError):
-        return None
-
-
-def serving(group_name: str) -> _arena.Arena | None:
-    """The arena that holds ``group_name``'s bound all-gather outputs: the group's own (one node), else its
-    node arena (several nodes), else None."""
-    return _arena.get(group_name) or get(group_name)
 
 
 def disable(group_name: str) -> None:
