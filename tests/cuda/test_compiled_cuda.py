@@ -5,8 +5,8 @@ Inductor after ``tide.compile.enable()``, on two ranks sharing one GPU over gloo
 Three runs from the same seed and data, each returning per step the loss and every parameter's gradient
 shard: TIDE's reference backend (no arena), the CUDA transport (``tide.compile.prepare``), and the transport
 with forward and backward captured into one CUDA graph and replayed. The transport runs must equal the
-reference bit for bit, and ``tide.stats()`` must show the copy-engine paths (``all_gather_start:slot``,
-``*:tide``), not the reference backend. Data is fresh per run (the seed is in every message).
+reference bit for bit, and ``tide.stats()`` must show the copy-engine paths (``all_gather_start:slot``, or
+``all_gather_start:allocator:<why>`` on the direct lane, and ``*:tide``), not the reference backend. Data is fresh per run (the seed is in every message).
 """
 from __future__ import annotations
 
@@ -114,6 +114,7 @@ def test_compiled_simple_fsdp_on_the_transport_matches_the_reference(ext):
                 for i, (g, w) in enumerate(zip(grads, want_grads)):
                     ranks.assert_bits(f"seed {seed} rank {rank} {variant} step {k} grad {i}", g, w)
             stats = got["stats"]
-            assert not any(":allocator:" in k or ":stock:" in k or ":reference" in k for k in stats), (seed, variant, stats)
+            # every gather on the copy engines: in a slot, or on the direct lane when live outputs hold both
+            assert not any(":stock:" in k or ":reference" in k for k in stats), (seed, variant, stats)
             assert stats.get("all_gather_start:slot", 0) > 0 and stats.get("reduce_scatter_start:allocator", 0) > 0
         assert r["transport"]["stats"].get("reduce_scatter_params_:tide", 0) > 0, (seed, r["transport"]["stats"])

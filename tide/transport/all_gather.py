@@ -89,13 +89,19 @@ def all_gather_direct(arena, shards: Sequence[torch.Tensor], layout: GroupLayout
     """The flat all-gather outputs of ``shards`` (checked, contiguous; ``layout`` their
     :func:`tide.meta.plans.all_gather_layout`) in a region of the caching allocator leased for this call
     (collective: every rank at the same call), gathered by the transport on the direct lane; None when the
-    ranks cannot export allocator memory (``arena.direct.mode`` says why; nothing issued). The outputs share
-    the region's storage, which lives while any of them does."""
+    ranks cannot export allocator memory (``arena.direct.mode`` says why; nothing issued). The region lives
+    while any of the outputs does."""
     region = arena.direct.acquire(layout.slot_bytes)
     if region is None:
         return None
     try:
-        outs = [region[p.slot_offset:p.slot_offset + p.out_bytes].view(s.dtype) for p, s in zip(layout.params, shards)]
+        # Each output a storage of its own (a custom op's outputs may not alias), pointed at its place in the
+        # region, which each keeps alive.
+        outs = [torch.empty(arena.world_size * s.numel(), dtype=s.dtype, device=arena.device) for s in shards]
+        if not arena.ext.bind_storages(outs=outs, device=arena.device.index, region=region, base=region.data_ptr(),
+                                       offsets=[p.slot_offset for p in layout.params],
+                                       nbytes=[p.out_bytes for p in layout.params]):
+            raise RuntimeError(f"tide.{OP}: the direct lane's outputs could not be pointed into its lease")
         plan = arena.native.ag_plan(shards=shards, outs=outs) or _new_plan(arena, shards, outs)
         if issue.watched(arena, OP, arena.native.all_gather, plan=plan, shards=shards, outs=outs,
                          lane=arena.num_slots) != "tide":
