@@ -335,11 +335,13 @@ class Arena:
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts of this arena's ops (copy-engine copies and bytes, flag copies, copy-API,
-        kernel and stream-memop calls, op calls) and the host nanoseconds spent in the ops' C++ part
-        (``host_ns_total``), split by kind of call."""
+        kernel and stream-memop calls, op calls), its leases and peer segments mapped (the data region's,
+        the direct lane's), and the host nanoseconds spent in the ops' C++ part (``host_ns_total``), split
+        by kind of call."""
         out = dict(self.native.counters())
         out.update(sum_ctas=self.sum_ctas, symmetric_bytes=self.symmetric_bytes, data_bytes=self.data_bytes,
-                   leases=self.leases.count, peer_maps=self.leases.maps_opened)
+                   leases=self.leases.count, peer_maps=self.leases.maps_opened, direct_leases=self.direct.count,
+                   direct_peer_maps=self.direct.maps_opened)
         return out
 
 
