@@ -13,7 +13,7 @@ STRING_ARG = re.compile(
     r'^(?:"(?:[^"\\]|\\.)*"|\bop\b|\s)+$'  # literals, possibly joined with the op-name macro argument
     r'|^#\w+$'  # a stringised macro argument
     r'|^(?:num|c10::toString|cudaGetErrorString)\(.*\)$'
-    r'|^(?:op|what|name|graph_error_)$'
+    r'|^(?:op|what|what_|name|graph_error_)$'
 )
 
 

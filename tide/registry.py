@@ -25,7 +25,7 @@ extension_load_hooks: list = []  # called with the CUDA extension when it loads 
 # ---- tide.topology
 topologies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> {local world size: Topology | None}
 
-# ---- tide.transport.arena and tide.transport.node_leg
+# ---- tide.transport.serving (arenas by ranks) and tide.transport.node_leg
 arenas: dict = {}  # global ranks, in group-rank order -> Arena
 group_ranks: dict[str, tuple] = {}  # process-group name -> its global ranks (resolved once)
 arena_generations: Counter = Counter()  # global ranks -> arenas created for them (names their store keys)

@@ -89,7 +89,7 @@ def test_an_op_whose_lease_lies_across_a_capture_takes_the_reference_path(monkey
     counted = []
     monkeypatch.setattr(cuda_ops.counters, "count_op", lambda op, *why, **kw: counted.append((op, why)))
     arena = types.SimpleNamespace(world_size=2, leases=types.SimpleNamespace(held_elsewhere=lambda: True))
-    monkeypatch.setattr(cuda_ops._transport, "arena", types.SimpleNamespace(get=lambda name: arena), raising=False)
+    monkeypatch.setattr(cuda_ops._transport, "serving", types.SimpleNamespace(get=lambda name: arena), raising=False)
     monkeypatch.setattr(cuda_ops._transport, "WATCHDOG", types.SimpleNamespace(check=lambda: None), raising=False)
     assert cuda_ops._arena_for("reduce_scatter_params_", "g", 2) is None
     assert counted == [("reduce_scatter_params_", ("lease_across_capture",))]

@@ -28,7 +28,7 @@ log = logging.getLogger("tide.fsdp")
 
 def group_key(group: dist.ProcessGroup) -> tuple:
     """The global ranks of ``group``, in group-rank order: the key of its arena."""
-    return transport.arena.group_ranks(group.group_name)
+    return serving.group_ranks(group.group_name)
 
 
 def register_group(param_group) -> None:

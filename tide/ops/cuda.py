@@ -34,9 +34,9 @@ class _Transport:
     """The CUDA transport's modules, imported at the first CUDA call (``import tide`` loads none of them)."""
 
     def __getattr__(self, name: str):
-        from tide.transport import all_gather, arena, graph_gather, reduce_scatter, watchdog
+        from tide.transport import all_gather, graph_gather, reduce_scatter, serving, watchdog
 
-        self.all_gather, self.arena, self.graph_gather = all_gather, arena, graph_gather
+        self.all_gather, self.serving, self.graph_gather = all_gather, serving, graph_gather
         self.reduce_scatter, self.WATCHDOG = reduce_scatter, watchdog.WATCHDOG
         return getattr(self, name)
 
@@ -46,7 +46,7 @@ _transport = _Transport()
 
 def _arena_for(op: str, group_name: str, world_size: int):
     _transport.WATCHDOG.check()
-    a = _transport.arena.get(group_name)
+    a = _transport.serving.get(group_name)
     if a is None:
         group = reference.resolve_group(op, group_name, world_size)
         if topology.is_multinode(topology.of_group(group)):  # the reference runs the multi-node schedule
@@ -110,7 +110,7 @@ def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
     knobs.validate_once()
     shards = reference.checked_shards(op, shards, world_size, group_name)
     _transport.WATCHDOG.check()
-    a = _transport.arena.get(group_name)
+    a = _transport.serving.get(group_name)
     got = None
     if a is None:
         why = "no_arena"

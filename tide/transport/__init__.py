@@ -15,6 +15,7 @@ Importing this package builds nothing and needs no GPU: the extension is compile
     reduce_scatter.reduce_scatter_params(arena, grads, ...)    (TIDE-RS's driver: reduce_scatter.py)
     node_leg.enable(group, slot_bytes=...) -> Arena            (a multi-node group's node arena: node_leg.py)
 """
-from tide.transport.arena import Arena, arenas, disable, enable, get  # noqa: F401
+from tide.transport.arena import Arena  # noqa: F401
+from tide.transport.serving import arenas, disable, enable, get  # noqa: F401
 
 __all__ = ["Arena", "enable", "disable", "get", "arenas"]

@@ -1,5 +1,6 @@
-"""The arena of one set of ranks: its memory and identity (flags, the leased data region, slots), and
-the lookup the ``tide`` ops make (by ranks: every process group over the same ranks, in the same order,
+"""The arena of one set of ranks: its memory and identity (flags, the leased data region, slots, the
+direct lane), built in named steps (:class:`Arena`). Which arena serves a group is
+:mod:`tide.transport.serving`'s (by ranks: every process group over the same ranks, in the same order,
 finds the same arena; the arenas themselves sit in :mod:`tide.registry`). The collectives that run on
 an arena are drivers of their own: :mod:`tide.transport.all_gather`, :mod:`tide.transport.reduce_scatter`
 and :mod:`tide.transport.node_leg`.
@@ -44,7 +45,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from tide import agreement, knobs, registry, sums, timeouts, topology
+from tide import agreement, knobs, registry, sums, timeouts
 from tide.meta import plans
 from tide.meta.layout import GroupLayout, align_up
 from tide.transport import board, issue, watchdog
@@ -81,17 +82,38 @@ class Arena:
                  sum_ctas: int | None = None, cast_ctas: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
-        from torch.distributed import _symmetric_memory as symm_mem
-
         from tide import extension
 
         self.ext = extension.load()
+        self._identify(group)
+        self._size(slot_bytes, num_slots, rs_ring_bytes, rs_piece_bytes, ring_depth, sum_ctas, cast_ctas)
+        self._agree_layout()
+        bases = self._rendezvous_flags()
+        self._build_native(bases)
+        self._make_leases()
+        self._watch()
+
+    # ------------------------------------------------------------------------------------ construction steps
+    def _identify(self, group: dist.ProcessGroup) -> None:
+        """Who: the group, its ranks, this rank's device, the store keys of this arena's generation."""
         self.group = group
         self.group_name = group.group_name
-        self.world_size = W = group.size()
+        self.world_size = group.size()
         self.rank = group.rank()
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.timeout_s = timeouts.timeout_for(group)
+        self.label = f"{self.group_name!r} (ranks {list(self.ranks)}, this rank {self.rank})"
+        registry.arena_generations[self.ranks] += 1
+        self.store = dist.distributed_c10d._get_default_store()
+        self.store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{registry.arena_generations[self.ranks]}"
+        self.plans: dict = {}  # the node leg's plans (tide/transport/node_leg.py); the collectives' are the extension's
+        self.plans_agreed = 0  # plans agreed on so far, every kind (numbers their store keys)
+        self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
+
+    def _size(self, slot_bytes, num_slots, rs_ring_bytes, rs_piece_bytes, ring_depth, sum_ctas, cast_ctas) -> None:
+        """How big: slots, ring and CTAs from the arguments, else the knobs; the byte layout from the extension."""
+        W = self.world_size
         self.slot_bytes = align_up(int(slot_bytes), 4096)
         self.num_slots = num_slots if self.slot_bytes > 0 else 0
         self.ring_depth = ring_depth or knobs.get("TIDE_RS_RING_DEPTH") or DEFAULT_RING_DEPTH
@@ -108,26 +130,25 @@ class Arena:
                                        slot_bytes=self.slot_bytes, entry_bytes=self.entry_bytes)
         self.flags_bytes, self.slots_off, self.data_bytes = layout["flags_bytes"], layout["slots_off"], layout["data_bytes"]
         self.flag_words, self.flag_index = layout["flag_words"], layout["flag_index"]
-        self.timeout_s = timeouts.timeout_for(group)
-        self.label = f"{self.group_name!r} (ranks {list(self.ranks)}, this rank {self.rank})"
-        registry.arena_generations[self.ranks] += 1
-        self.store = dist.distributed_c10d._get_default_store()
-        self.store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{registry.arena_generations[self.ranks]}"
-        self.plans: dict = {}  # the node leg's plans (tide/transport/node_leg.py); the collectives' are the extension's
-        self.plans_agreed = 0  # plans agreed on so far, every kind (numbers their store keys)
         self.ring_off = layout["ring_off"]
-        # Ranks laid out differently would push into each other's wrong addresses: they agree first.
-        agreement.agree(self.store, f"{self.store_prefix}/layout", self.rank, W,
+
+    def _agree_layout(self) -> None:
+        """Ranks laid out differently would push into each other's wrong addresses: they agree first."""
+        agreement.agree(self.store, f"{self.store_prefix}/layout", self.rank, self.world_size,
                         f"Arena(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, ring_depth={self.ring_depth}, "
                         f"entry_bytes={self.entry_bytes})", self.timeout_s,
                         f"tide.transport.enable (group {self.label}): the arena's layout must be the same on every "
                         "rank (TIDE_RS_RING_BYTES, TIDE_RS_RING_DEPTH and the slot size)")
 
-        self.board = board.IssuedBoard.rendezvous(self.store, f"{self.store_prefix}/board", self.rank, W,
-                                                  self.num_slots + 1)  # the slots' lanes and the direct lane
+    def _rendezvous_flags(self) -> list[int]:
+        """The issued board, then the flag words in symmetric memory, zeroed on every rank: every rank's base."""
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.board = board.IssuedBoard.rendezvous(self.store, f"{self.store_prefix}/board", self.rank,
+                                                  self.world_size, self.num_slots + 1)  # the slots' lanes, the direct lane
         try:
             self.flags = symm_mem.empty(self.flags_bytes, dtype=torch.uint8, device=self.device)
-            self.handle = symm_mem.rendezvous(self.flags, group)
+            self.handle = symm_mem.rendezvous(self.flags, self.group)
         except BaseException:
             if self.board is not None and self.rank == 0:
                 self.board.unlink()  # a peer that never reached the board leaves no count to unlink it
@@ -138,27 +159,32 @@ class Arena:
         self.flags.zero_()
         self.flags.view(torch.int32)[self.flag_index["one"]] = 1  # the captured "ready" copies' source (flags.h)
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=group)  # no peer writes a flag before every rank has zeroed its own
-        self.native = self.ext.Arena(rank=self.rank, world=W, flag_bases=bases, device=self.device.index,
-                                 num_slots=self.num_slots, slot_bytes=self.slot_bytes, ring_depth=self.ring_depth,
-                                 entry_bytes=self.entry_bytes, sum_ctas=self.sum_ctas,
-                                 cast_ctas=self.cast_ctas)
+        dist.barrier(group=self.group)  # no peer writes a flag before every rank has zeroed its own
+        return bases
+
+    def _build_native(self, flag_bases: list[int]) -> None:
+        """The extension's arena (streams, flag handshakes, what was issued) and the slots' leases."""
+        self.native = self.ext.Arena(rank=self.rank, world=self.world_size, flag_bases=flag_bases,
+                                     device=self.device.index, num_slots=self.num_slots, slot_bytes=self.slot_bytes,
+                                     ring_depth=self.ring_depth, entry_bytes=self.entry_bytes, sum_ctas=self.sum_ctas,
+                                     cast_ctas=self.cast_ctas)
         if self.board is not None:
             self.native.publish_progress_to(self.board.progress_address())
-        c = self.native
-        self.slots = SlotLeases(self.num_slots, events=c)
+        self.slots = SlotLeases(self.num_slots, events=self.native)
+
+    def _make_leases(self) -> None:
+        """The data region's leases, and the direct lane's: one lease per all-gather that finds no slot
+        (tide/transport/all_gather.py)."""
+        c, W = self.native, self.world_size
         lease_board = self.board if self.board is not None and board.ORDERED_STORES else None
         capture = functools.partial(self.ext.capture_id, self.device.index)
-        self.leases = Leases(self.ext, group, self.store, self.store_prefix, self.rank, W, self.device,
+        self.leases = Leases(self.ext, self.group, self.store, self.store_prefix, self.rank, W, self.device,
                              self.data_bytes, self.timeout_s, self.label,
                              set_region=c.set_region, sync_pushes=c.sync_pushes, context=capture, board=lease_board)
-        # The direct lane's outputs: one lease per all-gather that finds no slot (tide/transport/all_gather.py).
-        self.direct = Leases(self.ext, group, self.store, f"{self.store_prefix}/direct", self.rank, W, self.device,
+        self.direct = Leases(self.ext, self.group, self.store, f"{self.store_prefix}/direct", self.rank, W, self.device,
                              0, self.timeout_s, self.label, set_region=c.set_direct, sync_pushes=c.sync_pushes,
                              context=capture, board=lease_board, channel=1, symmetric_fallback=False,
                              mappings_per_peer=DIRECT_MAPPINGS_PER_PEER)
-        self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
-        self._watch()
 
     def _watch(self) -> None:
         # The watchdog's flag report allocates nothing when it runs (the driver may be wedged by then).
@@ -343,57 +369,3 @@ class Arena:
                    leases=self.leases.count, peer_maps=self.leases.maps_opened, direct_leases=self.direct.count,
                    direct_peer_maps=self.direct.maps_opened)
         return out
-
-
-# ---------------------------------------------------------------------------------------- lookup
-def group_ranks(group_name: str) -> tuple:
-    """The global ranks of the process group ``group_name``, in group-rank order (resolved once)."""
-    ranks = registry.group_ranks.get(group_name)
-    if ranks is None:
-        group = dist.distributed_c10d._resolve_process_group(group_name)
-        ranks = registry.group_ranks[group_name] = tuple(dist.get_process_group_ranks(group))
-    return ranks
-
-
-def enable(group: dist.ProcessGroup, *, slot_bytes: int | None = None, layouts: Sequence[GroupLayout] = (),
-           **kwargs) -> Arena:
-    """Create (collectively) the arena of ``group``'s ranks; its slots fit ``slot_bytes`` or the largest of
-    ``layouts`` (neither: an arena without slots). Every process group over the same ranks then uses it.
-    Must be called by every rank of ``group``, outside CUDA-graph capture; ranks that already have an
-    arena are refused (``disable`` it first), on every rank alike."""
-    need = max([slot_bytes or 0] + [l.slot_bytes for l in layouts])
-    ranks = group_ranks(group.group_name)
-    topo = topology.of_group(group)
-    if topology.is_multinode(topo):
-        raise ValueError(f"tide.transport.enable: ranks {list(ranks)} span {topo.num_nodes} nodes of {topo.local_size} "
-                         "(tide.topology); the CUDA transport serves one node, and multi-node groups run the "
-                         "reference backend's multi-node schedule")
-    if ranks in registry.arenas:
-        raise ValueError(f"tide.transport.enable: ranks {list(ranks)} already have an arena; "
-                         "tide.transport.disable it first")
-    arena = Arena(group, need, **kwargs)
-    registry.arenas[ranks] = arena
-    return arena
-
-
-def disable(group_name: str) -> None:
-    """Release the arena of ``group_name``'s ranks (for every group over them); their ops take the stock
-    path afterwards."""
-    arena = registry.arenas.pop(group_ranks(group_name), None)
-    if arena is not None:
-        arena.close()
-
-
-def get(group_name: str) -> Arena | None:
-    """The arena of ``group_name``'s ranks, or None (also for a name that is no process group: the
-    reference backend then raises the op's error)."""
-    if not registry.arenas:
-        return None
-    try:
-        return registry.arenas.get(group_ranks(group_name))
-    except (RuntimeError, ValueError, KeyError):
-        return None
-
-
-def arenas() -> list[Arena]:
-    return list(registry.arenas.values())

@@ -24,18 +24,18 @@ import torch
 import torch.distributed as dist
 
 from tide import agreement, registry, topology
-from tide.transport import arena as _arena
-from tide.transport import issue
+from tide.transport import issue, serving
+from tide.transport.arena import Arena
 from tide.transport.reduce_scatter import native_rounds
 
 OP_AG, OP_RS = "all_gather_into_params_", "reduce_scatter_params_"
 
 
-def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Arena:
+def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> Arena:
     """Create the node arena of multi-node ``group`` on this rank's node, its slots ``slot_bytes`` each (the
     largest bound layout of ``group``'s W ranks). Every rank of ``group`` calls it at the same point; the
     ranks of one node rendezvous together. ``kwargs`` go to :class:`~tide.transport.arena.Arena`."""
-    ranks = _arena.group_ranks(group.group_name)
+    ranks = serving.group_ranks(group.group_name)
     topo = topology.of_group(group)
     if not topology.is_multinode(topo) or topo.local_size < 2:
         raise ValueError(f"tide.transport.node_leg.enable: ranks {list(ranks)} are not several nodes of 2 or more "
@@ -51,16 +51,16 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> _arena.Are
     if node_group.rank() != topo.local(group.rank()):  # the plans index the node's ranks by local rank
         raise RuntimeError(f"tide.transport.node_leg.enable: rank {node_group.rank()} of the node group is not local "
                            f"rank {topo.local(group.rank())}")
-    arena = _arena.enable(node_group, slot_bytes=slot_bytes, **kwargs)
+    arena = serving.enable(node_group, slot_bytes=slot_bytes, **kwargs)
     registry.node_arenas[ranks] = arena
     return arena
 
 
 def disable(group_name: str) -> None:
     """Release the node arena of ``group_name`` (if any); its all-gathers take the point-to-point leg after."""
-    arena = registry.node_arenas.pop(_arena.group_ranks(group_name), None)
+    arena = registry.node_arenas.pop(serving.group_ranks(group_name), None)
     if arena is not None:
-        _arena.disable(arena.group_name)
+        serving.disable(arena.group_name)
 
 
 def push_spans(arena, slot: int, start: torch.cuda.Event,
