@@ -95,7 +95,7 @@ class Arena:
 
     # ------------------------------------------------------------------------------------ construction steps
     def _identify(self, group: dist.ProcessGroup) -> None:
-        """Who: the group, its ranks, this rank's device, the store keys of this arena's generation."""
+        """Who: the group, its ranks, this rank's device and the store."""
         self.group = group
         self.group_name = group.group_name
         self.world_size = group.size()
@@ -104,9 +104,7 @@ class Arena:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = timeouts.timeout_for(group)
         self.label = f"{self.group_name!r} (ranks {list(self.ranks)}, this rank {self.rank})"
-        registry.arena_generations[self.ranks] += 1
         self.store = dist.distributed_c10d._get_default_store()
-        self.store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{registry.arena_generations[self.ranks]}"
         self.plans: dict = {}  # the node leg's plans (tide/transport/node_leg.py); the collectives' are the extension's
         self.plans_agreed = 0  # plans agreed on so far, every kind (numbers their store keys)
         self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
@@ -133,7 +131,10 @@ class Arena:
         self.ring_off = layout["ring_off"]
 
     def _agree_layout(self) -> None:
-        """Ranks laid out differently would push into each other's wrong addresses: they agree first."""
+        """This arena's generation of its ranks (its store keys); then the layout, agreed: ranks laid out
+        differently would push into each other's wrong addresses."""
+        registry.arena_generations[self.ranks] += 1
+        self.store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{registry.arena_generations[self.ranks]}"
         agreement.agree(self.store, f"{self.store_prefix}/layout", self.rank, self.world_size,
                         f"Arena(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, ring_depth={self.ring_depth}, "
                         f"entry_bytes={self.entry_bytes})", self.timeout_s,
