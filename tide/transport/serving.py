@@ -59,28 +59,26 @@ def disable(group_name: str) -> None:
 def get(group_name: str) -> Arena | None:
     """The arena of ``group_name``'s ranks, or None (also for a name that is no process group: the
     reference backend then raises the op's error)."""
-    if not registry.arenas:
+    return _by_ranks(registry.arenas, group_name)
+
+
+def node_arena(group_name: str) -> Arena | None:
+    """The node arena of the multi-node group ``group_name`` on this rank, or None."""
+    return _by_ranks(registry.node_arenas, group_name)
+
+
+def _by_ranks(table: dict, group_name: str) -> Arena | None:
+    if not table:  # no lookup of the group's ranks while TIDE has no arena
         return None
     try:
-        return registry.arenas.get(group_ranks(group_name))
+        return table.get(group_ranks(group_name))
     except (RuntimeError, ValueError, KeyError):
         return None
 
 
 def arenas() -> list[Arena]:
-    """Every arena of this process (one per set of ranks; node arenas included)."""
+    """Every arena of this process, one per set of ranks (node arenas included)."""
     return list(registry.arenas.values())
-
-
-
-def node_arena(group_name: str) -> Arena | None:
-    """The node arena of the multi-node group ``group_name`` on this rank, or None."""
-    if not registry.node_arenas:
-        return None
-    try:
-        return registry.node_arenas.get(group_ranks(group_name))
-    except (RuntimeError, ValueError, KeyError):
-        return None
 
 
 def of(group_name: str) -> Arena | None:
