@@ -117,7 +117,8 @@ def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
     elif a.world_size != world_size:
         why = "world_size"
     else:
-        got, why = _transport.graph_gather.gather(a, shards, world_size, group_name), "no_ipc"
+        got = _transport.graph_gather.gather(a, shards, world_size, group_name)
+        why = "no_ipc"  # gather gives None only where the ranks cannot export allocator memory
     if got is None:
         outs, where = reference.gather_into_new(shards, world_size, group_name), f"reference:{why}"
     else:

@@ -26,8 +26,9 @@ from tide.transport import all_gather
 def gather(arena, shards: Sequence[torch.Tensor], world_size: int,
            group_name: str) -> tuple[list[torch.Tensor], str] | None:
     """The unsharded ``(W * c_i, *rest)`` outputs of ``shards`` (checked, contiguous), gathered by the
-    transport, and where they lie: ``slot``, or ``allocator:<why no slot>`` (``slot_too_small``,
-    ``no_free_slot``, ``lease_across_capture``), or ``empty`` (every shard empty); None when neither can take them (nothing issued)."""
+    transport, and where they lie: ``slot``, ``allocator:<why no slot>`` (``slot_too_small``, ``no_free_slot``,
+    ``lease_across_capture``) or ``empty`` (every shard empty); None when the direct lane cannot take them
+    either (the ranks cannot export allocator memory; nothing issued)."""
     if not any(s.numel() for s in shards):  # nothing to move
         return [s.new_empty((world_size * s.shape[0], *s.shape[1:])) for s in shards], "empty"
     layout = plans.all_gather_layout([tuple(s.shape) for s in shards], [s.dtype for s in shards], world_size)
