@@ -11,7 +11,8 @@ in the extension's C++ kernel (csrc/transport/dispatch.cpp; ``steady_calls`` cou
 rows show what a call that enters Python costs: ``ag_op_via_python`` and
 ``rs_in_place_via_python`` are the op calls with the C++ steady path off (``steady_enable``: every call
 enters the Python kernel, as before the C++ kernels existed), ``ag_python`` calls the op's Python
-kernel (``tide.ops.cuda``, what serves the first call of a layout, a lease, a capture), ``ag_arena``
+kernel (``tide.ops.cuda``, what serves the first call of a layout, a lease, a capture; called without the
+gate's verdict, which the C++ kernel hands it, it asks the gate once per call), ``ag_arena``
 calls the Python driver ``all_gather.all_gather_into_params`` (the kernel's watchdog check, capture
 check and counter left out).
 ``dispatch_only`` calls an operator of this bench with the all-gather's schema whose CUDA kernel does

@@ -42,7 +42,7 @@ TIMED = (
     ("tide.ops.call_exchange", "exchange"),
     ("tide.meta.checks", "check_all_gather_into_params"),
     ("tide.meta.checks", "check_reduce_scatter_params"),
-    ("tide.topology", "of_group"),
+    ("tide.routes", "of"),
     ("tide.multinode.schedule", "all_gather"),
     ("tide.multinode.schedule", "reduce_scatter"),
     ("tide.multinode.schedule", "_reduce_scatter_step"),

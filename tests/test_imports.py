@@ -105,7 +105,8 @@ def test_no_import_circle_between_packages():
 LAYERS = (
     {"tide.registry", "tide.knobs", "tide.meta"},
     {"tide.extension"},
-    {"tide.procfs", "tide.trace", "tide.timeouts", "tide.agreement", "tide.topology", "tide.counters", "tide.sums"},
+    {"tide.procfs", "tide.trace", "tide.timeouts", "tide.agreement", "tide.topology", "tide.routes", "tide.counters",
+     "tide.sums"},
     {"tide.transport"},
     {"tide.multinode"},
     {"tide.ops"},

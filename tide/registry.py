@@ -25,9 +25,12 @@ extension_load_hooks: list = []  # called with the CUDA extension when it loads 
 # ---- tide.topology
 topologies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> {local world size: Topology | None}
 
+# ---- tide.routes: each group's route, resolved once
+routes: dict = {}  # process-group name -> (weakref(group), (generation, ranks per node), Route)
+route_generation: list = [0]  # bumped when an arena is enabled or dropped: routes are resolved again
+
 # ---- tide.transport.serving (arenas by ranks) and tide.transport.node_leg
 arenas: dict = {}  # global ranks, in group-rank order -> Arena
-group_ranks: dict[str, tuple] = {}  # process-group name -> its global ranks (resolved once)
 arena_generations: Counter = Counter()  # global ranks -> arenas created for them (names their store keys)
 node_groups: dict = {}  # a node's global ranks -> their gloo process group (made once)
 node_arenas: dict = {}  # a multi-node group's global ranks -> this rank's node arena

@@ -104,6 +104,29 @@ void Arena::check_leased(const char* op) const {
                 "leases it before every op)");
 }
 
+int64_t Arena::slot_of(uint64_t ptr) const {
+  const at::Tensor& region = steady_.region();
+  if (layout_.flags.K == 0 || !region.defined() || ptr < ptr_of(region)) return -1;
+  const int64_t off = static_cast<int64_t>(ptr - ptr_of(region));
+  if (off < layout_.slots_off() || off >= layout_.ring_off()) return -1;
+  return (off - layout_.slots_off()) / layout_.slot_bytes;
+}
+
+int64_t Arena::outputs_slot(at::TensorList outs) const {
+  for (const at::Tensor& o : outs)
+    if (o.numel() > 0) return slot_of(ptr_of(o));
+  return !outs.empty() && layout_.flags.K > 0 && steady_.region().defined() ? 0 : -1;
+}
+
+int64_t Arena::placed_slot(at::TensorList outs, const std::vector<int64_t>& offsets, int64_t need) const {
+  const int64_t slot = outputs_slot(outs);
+  if (slot < 0 || offsets.size() != outs.size() || need > layout_.slot_bytes) return -1;
+  const uint64_t base = ptr_of(steady_.region()) + layout_.slots_off() + slot * layout_.slot_bytes;
+  for (size_t j = 0; j < outs.size(); ++j)
+    if (outs[j].numel() > 0 && ptr_of(outs[j]) != base + static_cast<uint64_t>(offsets[j])) return -1;
+  return slot;
+}
+
 WatchedOp::WatchedOp(Arena& a, const char* op, const Issue& is) : a_(a), op_before_(a.last_op()) {
   if (!is.captured()) ticket_ = a.in_flight()->begin(op);
 }

@@ -2,7 +2,8 @@
 // data region leased per phase (laid out as csrc/transport/flags.h says), the streams the collectives
 // issue on, the flag handshakes they share and what this rank has issued. The collectives themselves
 // are all_gather.cpp, reduce_scatter.cpp and node_leg.cpp (collectives.h), each handed its plan and,
-// for an all-gather, its slot, by Python (tide/transport/all_gather.py, reduce_scatter.py, node_leg.py).
+// for an all-gather, its lane: by the ops' C++ kernels once the gate (gate.h) lets a call through, else by
+// Python's drivers (tide/transport/all_gather.py, reduce_scatter.py, node_leg.py).
 #pragma once
 
 #include <torch/extension.h>
@@ -109,6 +110,16 @@ class Arena {
   // point (tide/transport/lease.py); all 0 while none is leased.
   void set_region(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t context);
   void check_leased(const char* op) const;
+  // Where tensors lie in this rank's held region: the one rule, for the ops' C++ kernels (gate.h) and
+  // for Python (tide/transport/arena.py, all_gather.py, the multi-node schedule) alike.
+  // The slot whose bytes start at `ptr`, or -1 (no region held, no slots, or outside them).
+  int64_t slot_of(uint64_t ptr) const;
+  // The slot an all-gather's outputs can lie in: the one their first non-empty output starts in; with
+  // every output empty, slot 0 of a held region (the handshake then moves no data); -1 if none.
+  int64_t outputs_slot(at::TensorList outs) const;
+  // outputs_slot(outs) if there every non-empty output j starts at `offsets[j]` bytes from the slot's
+  // start (the plan's param-major places) and the group's `need` bytes fit a slot, else -1.
+  int64_t placed_slot(at::TensorList outs, const std::vector<int64_t>& offsets, int64_t need) const;
   // The direct lane's lease (tide/transport/lease.py, one per all-gather call on it), like set_region.
   void set_direct(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t context);
   // Waits for this arena's push streams: nothing of this rank's still writes into a peer's old lease

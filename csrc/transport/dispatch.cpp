@@ -2,20 +2,14 @@
 // when the extension loads: tide/ops/cuda.py drops its Python CUDA kernels and calls hand_over_kernels
 // with them. Before that (no arena yet, nothing built) those Python kernels serve CUDA calls.
 //
-// A call on a layout seen before runs here without entering Python. It stays in C++ when all hold:
-//   - the steady path is on (handed over, no TIDE op timed out, TIDE_TRACE unset);
-//   - an earlier Python call bound its group name to an arena of its world size (steady_bind_group);
-//   - no argument requires grad under grad mode (the mutating ops are not differentiable);
-//   - the current stream captures no CUDA graph (a captured op claims a replay mark in Python);
-//   - the arena's region is held, leased eagerly (a lease is collective, and Python's);
-//   - its call shape has a plan (steady.h: Python builds and agrees each one);
-//   - all-gather: its outputs lie at the plan's places in one slot of the held region;
-//   - the collective accepts the arguments (all_gather.cpp, reduce_scatter.cpp).
-// Any other call runs the Python kernel, which takes every decision that needs Python, words every
-// argument error, and fills the record a later call of that layout finds here. The functional ops'
-// kernels (functional_all_gather / functional_reduce_scatter; all_gather / reduce_scatter are the
-// collectives, collectives.h) allocate their outputs here and call the mutating kernels; arguments the
-// functional checks would refuse go to their Python kernels, which raise.
+// Every call of the two mutating ops asks the gatekeeper (gate.h) whether it may take the transport.
+// On "transport", with the steady path on (handed over, no TIDE op timed out, TIDE_TRACE unset), the
+// collective runs here without entering Python. Any other call enters the op's Python kernel with the
+// verdict's name: Python does what the verdict says (a lease, a new plan, a capture's replay mark, the
+// reference backend, an argument error) and leaves behind what the next call of that layout needs here.
+// The functional ops' kernels (functional_all_gather / functional_reduce_scatter; all_gather /
+// reduce_scatter are the collectives, collectives.h) allocate their outputs here and call the mutating
+// kernels; arguments the functional checks would refuse go to their Python kernels, which raise.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAStream.h>
@@ -26,10 +20,10 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
+#include <vector>
 
 #include "transport/collectives.h"
-#include "transport/steady.h"
+#include "transport/gate.h"
 
 namespace tide {
 namespace {
@@ -40,18 +34,8 @@ enum Kernel { kAgParams = 0, kRsParams, kAg, kRs, kKernels };
 constexpr std::array<const char*, kKernels> kOps = {"all_gather_into_params_", "reduce_scatter_params_", "all_gather",
                                                     "reduce_scatter"};
 
-struct Bound {
-  std::weak_ptr<Arena> arena;
-  int64_t world;
-};
-
 std::atomic<bool> steady_on{false};
 std::array<std::atomic<int64_t>, 2> steady_calls{};  // calls of the two mutating ops that stayed in C++
-std::mutex groups_mu;
-std::unordered_map<std::string, Bound>& groups() {
-  static auto* g = new std::unordered_map<std::string, Bound>();
-  return *g;
-}
 // The Python kernels (tide/ops/cuda.py), kept for the process's life (never destroyed without the GIL).
 std::array<py::object*, kKernels> python_kernels{};
 
@@ -65,91 +49,43 @@ R call_python(Kernel k, Args&&... args) {
   if constexpr (!std::is_void_v<R>) return result.cast<R>();
 }
 
-std::shared_ptr<Arena> arena_for(c10::string_view group_name, int64_t world) {
-  if (!steady_on.load(std::memory_order_relaxed)) return nullptr;
-  std::lock_guard<std::mutex> lock(groups_mu);
-  auto it = groups().find(std::string(group_name));
-  if (it == groups().end() || it->second.world != world) return nullptr;
-  return it->second.arena.lock();
-}
-
-bool grad_refused(at::TensorList a, at::TensorList b) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (at::TensorList l : {a, b})
-    for (const at::Tensor& t : l)
-      if (t.requires_grad()) return true;
-  return false;
-}
-
-// The slot of the held region that `ptr` starts in, or -1.
-int64_t slot_of(const Arena& a, uint64_t ptr) {
-  const at::Tensor& region = a.steady().region();
-  const ArenaLayout& l = a.layout();
-  const int64_t off = static_cast<int64_t>(ptr - ptr_of(region));
-  if (l.flags.K == 0 || ptr < ptr_of(region) || off < l.slots_off() || off >= l.ring_off()) return -1;
-  return (off - l.slots_off()) / l.slot_bytes;
-}
-
-// The held, eagerly leased region's arena and the current stream, for a call that may stay in C++.
-std::shared_ptr<Arena> steady_arena(c10::string_view group, int64_t world, at::TensorList a, at::TensorList b,
-                                    c10::cuda::CUDAStream* stream) {
-  auto arena = arena_for(group, world);
-  if (arena == nullptr || grad_refused(a, b) || !arena->steady().held_eagerly()) return nullptr;
-  *stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(arena->device()));
-  return capture_id(stream->stream()) == 0 ? arena : nullptr;
-}
-
-bool steady_all_gather(at::TensorList shards, at::TensorList outs, int64_t world, c10::string_view group) {
-  c10::cuda::CUDAStream stream = c10::cuda::getDefaultCUDAStream();
-  auto a = steady_arena(group, world, shards, outs, &stream);
-  if (a == nullptr) return false;
-  auto plan = a->steady().ag_plan(ag_key(shards, outs));
-  const at::Tensor* first = nullptr;
-  for (const at::Tensor& o : outs)
-    if (o.numel() > 0 && first == nullptr) first = &o;
-  if (plan == nullptr || first == nullptr || plan->out_offset.size() != outs.size() ||
-      plan->slot_bytes > a->layout().slot_bytes)
-    return false;
-  const int64_t slot = slot_of(*a, ptr_of(*first));
-  if (slot < 0) return false;
-  const uint64_t base = ptr_of(a->steady().region()) + a->layout().slots_off() + slot * a->layout().slot_bytes;
-  for (size_t j = 0; j < outs.size(); ++j)
-    if (outs[j].numel() > 0 && ptr_of(outs[j]) != base + plan->out_offset[j]) return false;
-  a->steady().use_region_on(stream);
-  if (all_gather(*a, *plan, shards, outs, slot, -1) != Ran::kTide) return false;
+// Runs the collective the gate let through; "refused" when it refused the arguments.
+Verdict run(AgGate& g, at::TensorList shards, at::TensorList outs) {
+  g.arena->steady().use_region_on(g.stream);
+  if (all_gather(*g.arena, *g.plan, shards, outs, g.slot, -1) != Ran::kTide) return Verdict::kRefused;
   ++steady_calls[kAgParams];
-  return true;
+  return Verdict::kTransport;
 }
 
-bool steady_reduce_scatter(at::TensorList grads, at::TensorList shard_grads, double scale, bool accumulate,
-                           int64_t world, c10::string_view group) {
-  c10::cuda::CUDAStream stream = c10::cuda::getDefaultCUDAStream();
-  auto a = steady_arena(group, world, grads, shard_grads, &stream);
-  if (a == nullptr) return false;
-  auto plan = a->steady().rs_plan(rs_key(grads));
-  if (plan == nullptr) return false;
-  a->steady().use_region_on(stream);
-  if (reduce_scatter(*a, *plan, grads, shard_grads, scale, accumulate, -1) != Ran::kTide) return false;
+Verdict run(RsGate& g, at::TensorList grads, at::TensorList shard_grads, double scale, bool accumulate) {
+  Arena& a = *g.arena;
+  a.steady().use_region_on(g.stream);
+  if (reduce_scatter(a, *g.plan, grads, shard_grads, scale, accumulate, -1) != Ran::kTide) return Verdict::kRefused;
   // A slot that holds gradients (the Slot-Reuse hooks put them there) is busy until the stream has read them.
   std::vector<int64_t> read;
-  for (const at::Tensor& g : grads) {
-    const int64_t s = g.numel() > 0 ? slot_of(*a, ptr_of(g)) : -1;
+  for (const at::Tensor& grad : grads) {
+    const int64_t s = grad.numel() > 0 ? a.slot_of(ptr_of(grad)) : -1;
     if (s >= 0 && std::find(read.begin(), read.end(), s) == read.end()) read.push_back(s);
   }
-  for (int64_t s : read) a->steady().slot_used(s, stream.stream());
+  for (int64_t s : read) a.steady().slot_used(s, g.stream.stream());
   ++steady_calls[kRsParams];
-  return true;
+  return Verdict::kTransport;
 }
 
 void all_gather_into_params(at::TensorList shards, at::TensorList outs, int64_t world, c10::string_view group) {
-  if (!steady_all_gather(shards, outs, world, group))
-    call_python<void>(kAgParams, shards.vec(), outs.vec(), world, std::string(group));
+  AgGate g = gate_all_gather(shards, outs, world, group);
+  const bool here = g.verdict == Verdict::kTransport && steady_on.load(std::memory_order_relaxed);
+  if (!here || (g.verdict = run(g, shards, outs)) != Verdict::kTransport)
+    call_python<void>(kAgParams, shards.vec(), outs.vec(), world, std::string(group), verdict_name(g.verdict));
 }
 
 void reduce_scatter_params(at::TensorList grads, at::TensorList shard_grads, double scale, bool accumulate,
                            int64_t world, c10::string_view group) {
-  if (!steady_reduce_scatter(grads, shard_grads, scale, accumulate, world, group))
-    call_python<void>(kRsParams, grads.vec(), shard_grads.vec(), scale, accumulate, world, std::string(group));
+  RsGate g = gate_reduce_scatter(grads, shard_grads, world, group);
+  const bool here = g.verdict == Verdict::kTransport && steady_on.load(std::memory_order_relaxed);
+  if (!here || (g.verdict = run(g, grads, shard_grads, scale, accumulate)) != Verdict::kTransport)
+    call_python<void>(kRsParams, grads.vec(), shard_grads.vec(), scale, accumulate, world, std::string(group),
+                      verdict_name(g.verdict));
 }
 
 // What the functional checks (tide.meta.checks) accept: float, contiguous tensors of at least one dim on
@@ -215,17 +151,18 @@ void bind_dispatch(py::module_& m) {
   m.def("hand_over_kernels", &hand_over_kernels, py::arg("all_gather_into_params_"), py::arg("reduce_scatter_params_"),
         py::arg("all_gather"), py::arg("reduce_scatter"));
   m.def("steady_enable", [](bool on) { steady_on = on && python_kernels[0] != nullptr; }, py::arg("on"));
-  m.def("steady_bind_group", [](const std::string& name, const std::shared_ptr<Arena>& a, int64_t world) {
-          std::lock_guard<std::mutex> lock(groups_mu);
-          groups()[name] = Bound{a, world};
-        }, py::arg("group_name"), py::arg("arena"), py::arg("world_size"));
-  m.def("steady_forget", [](const std::shared_ptr<Arena>& a) {
-          std::lock_guard<std::mutex> lock(groups_mu);
-          for (auto it = groups().begin(); it != groups().end();) {
-            auto held = it->second.arena.lock();
-            it = held == nullptr || held == a ? groups().erase(it) : std::next(it);
-          }
-        }, py::arg("arena"));
+  m.def("bind_group", &bind_group, py::arg("group_name"), py::arg("arena"), py::arg("world_size"));
+  m.def("forget_arena", &forget_arena, py::arg("arena"));
+  // The gate's verdict on a call, its name (gate.h): what the C++ kernel would do with it.
+  m.def("all_gather_verdict", [](const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
+                                 int64_t world, const std::string& group) {
+    return std::string(verdict_name(gate_all_gather(shards, outs, world, group).verdict));
+  }, py::arg("shards"), py::arg("outs"), py::arg("world_size"), py::arg("group_name"));
+  m.def("reduce_scatter_verdict", [](const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
+                                     int64_t world, const std::string& group) {
+    return std::string(verdict_name(gate_reduce_scatter(grads, shard_grads, world, group).verdict));
+  }, py::arg("grads"), py::arg("shard_grads"), py::arg("world_size"), py::arg("group_name"));
+  m.def("verdicts", [] { return std::vector<std::string>(kVerdicts.begin(), kVerdicts.end()); });
   m.def("steady_calls", [] {
     py::dict d;
     for (int k : {kAgParams, kRsParams}) d[py::str(kOps[k])] = steady_calls[k].load();

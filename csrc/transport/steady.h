@@ -2,8 +2,8 @@
 // (dispatch.cpp) take it without entering Python: the held lease (its region, the capture it was leased
 // in, the streams recorded as its users), the plans by call shape, and the slots' busy events. Python
 // writes it where it decides (tide/transport/lease.py at each lease, all_gather.py and reduce_scatter.py
-// at a new plan, tide/transport/slots.py for the slots); the kernels read it and hand any call it does
-// not cover to Python. One thread issues an arena's ops at a time (FSDP2: the training thread, or the
+// at a new plan, tide/transport/slots.py for the slots); the gate (gate.h) reads it for every call and
+// hands any call it does not cover to Python. One thread issues an arena's ops at a time (FSDP2: the training thread, or the
 // autograd thread in backward): nothing here is locked but the plans.
 #pragma once
 
@@ -41,10 +41,16 @@ class Steady {
   Steady(const Steady&) = delete;
   Steady& operator=(const Steady&) = delete;
 
-  // ---- the lease: the region held (undefined once released) and the capture it was leased in (0: eager)
+  // ---- the lease: the region held (undefined once released) and the context it was leased in: the
+  // capture's id, 0 eagerly, kEveryContext for a symmetric region (never freed, so any context may use it)
+  static constexpr uint64_t kEveryContext = ~uint64_t{0};
   void set_region(const at::Tensor& region, uint64_t context);
   const at::Tensor& region() const { return region_; }
-  bool held_eagerly() const { return region_.defined() && context_ == 0; }
+  // Whether a call in `context` (capture_id of its stream) may use the held region: a capture must not
+  // bake in memory that eager work uses, nor eager work use a graph's.
+  bool held_in(uint64_t context) const {
+    return region_.defined() && (context_ == kEveryContext || context_ == context);
+  }
   // Records `stream` as a user of the held region, once per lease: the allocator reuses the block only
   // after every such stream has passed its use.
   void use_region_on(const c10::cuda::CUDAStream& stream);

@@ -64,12 +64,12 @@ def _check_node_arena(rank, world_size, seed, trials):
     from tide.meta.layout import shard_rows
     from tide.meta import plans
     from tide.transport import node_leg as nodes
-    from tide.transport import serving
+    from tide import routes
 
     group, W = dist.group.WORLD, world_size
     dev = torch.device("cuda", torch.cuda.current_device())
     node = nodes.enable(group, slot_bytes=1 << 21)
-    assert serving.node_arena(group.group_name) is node and node.world_size == 2, node
+    assert routes.of(group).node_arena is node and node.world_size == 2, node
     tide.reset_stats()
     rng = random.Random(seed)
     for t in range(trials):
@@ -130,7 +130,7 @@ def _check_node_arena(rank, world_size, seed, trials):
     assert node.native.progress()["rs_rounds"] == rounds_before
     torch.cuda.synchronize()
     nodes.disable(group.group_name)
-    assert serving.node_arena(group.group_name) is None
+    assert routes.of(group).node_arena is None
     return trials
 
 

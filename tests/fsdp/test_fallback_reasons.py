@@ -224,14 +224,13 @@ def test_tracing_reasons(reason, patch, monkeypatch):
     (object(), True, "capture_multinode"),
 ])
 def test_under_capture(arena, multinode, reason, monkeypatch):
-    from tide import topology
+    from tide import routes
     from tide.meta.multinode import Topology
-    from tide.transport import serving
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(serving, "of", lambda name: arena)
     nodes = Topology(num_nodes=2, local_size=1) if multinode else None
-    monkeypatch.setattr(topology, "of_group", lambda group: nodes)
+    route = routes.Route("g", (0, 1), nodes, None if multinode else arena, arena if multinode else None)
+    monkeypatch.setattr(routes, "of", lambda group: route)
     assert _ag(device=CUDA, contract=None) == reason
     assert _rs(device=CUDA, contract=None) == reason
     assert _ag() is None  # a CPU group is never capturing

@@ -144,12 +144,12 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
     4 times larger too."""
     import torch.distributed as dist
 
-    from tide import topology
+    from tide import routes
     from tide.meta.layout import shard_rows
     from tide.multinode import rails, schedule
 
     group = dist.group.WORLD
-    topo = topology.of_group(group)
+    topo = routes.of(group).topology
     assert (topo.num_nodes, topo.local_size) == expect_nodes, topo
     N, L, W = topo.num_nodes, topo.local_size, world_size
     chunk, per_step = 16, 4
@@ -169,7 +169,7 @@ def _in_small_steps(rank, world_size, seed, expect_nodes, accumulate):
                     for sh in shapes]
             shard_grads = [x.clone() if accumulate else torch.full_like(x, float("nan")) for x in init]
             received.clear()
-            schedule.reduce_scatter(grads_all[rank], shard_grads, 0.5, accumulate, group, topo,
+            schedule.reduce_scatter(grads_all[rank], shard_grads, 0.5, accumulate, group, routes.of(group),
                                                rs_chunk_bytes=chunk, pace=per_step * chunk)
             for i, sh in enumerate(shapes):
                 want, _ = _expected_shard(grads_all, i, sh, rank, N, L, 0.5, init[i], accumulate)

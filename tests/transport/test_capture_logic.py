@@ -84,20 +84,31 @@ def test_a_refused_captured_call_is_not_watched(monkeypatch):
     assert tracked == []
 
 
-def test_an_op_whose_lease_lies_across_a_capture_takes_the_reference_path(monkeypatch):
-    """A capture must not bake in an eager lease (nor eager work use a graph's): per call, with a reason."""
+def test_the_python_kernels_act_on_the_gates_verdict_without_deciding_again(monkeypatch):
+    """A capture must not bake in an eager lease (nor eager work use a graph's): the gate says so
+    (``lease_across_capture``) and Python runs the reference backend, counted with that reason; a
+    group's first call finds no arena bound to its name in C++, resolves its route (which binds it) and
+    asks the gate again."""
     counted = []
-    monkeypatch.setattr(cuda_ops.counters, "count_op", lambda op, *why, **kw: counted.append((op, why)))
-    arena = types.SimpleNamespace(world_size=2, leases=types.SimpleNamespace(held_elsewhere=lambda: True))
-    monkeypatch.setattr(cuda_ops._transport, "serving", types.SimpleNamespace(get=lambda name: arena), raising=False)
+    monkeypatch.setattr(cuda_ops.counters, "count_op", lambda op, *why, **kw: counted.append((op, why, kw)))
     monkeypatch.setattr(cuda_ops._transport, "WATCHDOG", types.SimpleNamespace(check=lambda: None), raising=False)
-    assert cuda_ops._arena_for("reduce_scatter_params_", "g", 2) is None
-    assert counted == [("reduce_scatter_params_", ("lease_across_capture",))]
-    arena.leases.held_elsewhere = lambda: False
-    bound = []
-    arena.native, arena.ext = "native", types.SimpleNamespace(steady_bind_group=lambda **kw: bound.append(kw))
-    assert cuda_ops._arena_for("reduce_scatter_params_", "g", 2) is arena
-    assert bound == [{"group_name": "g", "arena": "native", "world_size": 2}]  # later calls of "g" may stay in C++
+    arena = object()
+    route = types.SimpleNamespace(arena=arena, multinode=False, ranks=(0, 1))
+    monkeypatch.setattr(cuda_ops.routes, "of_name", lambda name: route)
+    op = "reduce_scatter_params_"
+    assert cuda_ops._arena_for(op, "lease_across_capture", "g", 2, lambda a: "transport") is None
+    assert counted == [(op, ("lease_across_capture",), {})]
+    asked = []
+    assert cuda_ops._arena_for(op, "no_arena", "g", 2, lambda a: asked.append(a) or "no_plan") is arena
+    assert asked == [arena]
+    for verdict in ("transport", "no_lease", "capturing", "refused"):
+        assert cuda_ops._arena_for(op, verdict, "g", 2, None) is arena
+    with pytest.raises(ValueError, match=r"tide\.reduce_scatter_params_: world_size=4 but group 'g' has 2 ranks"):
+        cuda_ops._arena_for(op, "world_size", "g", 4, None)
+    route.arena, route.multinode = None, True  # no arena: the multi-node schedule, counted as such
+    counted.clear()
+    assert cuda_ops._arena_for(op, "no_arena", "g", 2, None) is None
+    assert counted == [(op, (), {"multinode": True})]
 
 
 # ------------------------------------------------------------------------------------------ watchdog

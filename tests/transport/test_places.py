@@ -1,6 +1,7 @@
-"""Where an arena puts a group's all-gather outputs (``Arena._places``, ``bound_slot``, ``bind_outputs``'
-checks): pure host logic, checked on CPU tensors with an arena built without its rendezvous (the
-rendezvous and the binding itself need GPUs: tests/cuda)."""
+"""Where an arena puts a group's all-gather outputs (``Arena._places``, ``bind_outputs``' checks): pure host
+logic, checked on CPU tensors with an arena built without its rendezvous. Where outputs lie (the
+extension's ``slot_of`` / ``placed_slot``, which ``bound_slot`` asks) and the binding itself need a GPU:
+tests/cuda/test_gate_cuda.py."""
 import pytest
 import torch
 
@@ -31,29 +32,3 @@ def test_bind_outputs_refuses_before_binding_anything():
         _arena(64).bind_outputs([torch.empty(64)], 0)
     with pytest.raises(ValueError, match=r"tide\.transport\.bind_outputs: slot must be in \[0, 2\), got 2"):
         _arena(1 << 20).bind_outputs([torch.empty(64)], 2)
-
-
-def test_bound_slot_finds_outputs_at_their_places_only():
-    from types import SimpleNamespace
-
-    slot_bytes = 4096
-    arena = _arena(slot_bytes)
-    region = torch.zeros(3 * slot_bytes, dtype=torch.uint8)  # two slots, then the ring
-    arena.slots_off, arena.ring_off, arena.leases = 0, 2 * slot_bytes, SimpleNamespace(held=region)
-    dtypes, numels = [torch.bfloat16, torch.float32], [4 * 10, 4 * 7]
-    offsets, nbytes, _ = arena._places([torch.empty(n, dtype=d) for n, d in zip(numels, dtypes)], 4)
-
-    def at(slot, shift=0):
-        base = slot * slot_bytes + shift
-        return [region[base + o:base + o + b].view(d) for o, b, d in zip(offsets, nbytes, dtypes)]
-
-    assert arena.bound_slot(at(0), 4) == 0 and arena.bound_slot(at(1), 4) == 1
-    assert arena.bound_slot(at(1, shift=16), 4) is None  # in a slot, not at the group's places
-    assert arena.bound_slot(at(0)[::-1], 4) is None  # the same tensors as another group's: other places
-    assert arena.bound_slot([region[2 * slot_bytes:2 * slot_bytes + 80].view(torch.bfloat16)], 4) is None  # ring
-    assert arena.bound_slot([torch.empty(4 * 2000)], 4) is None  # outside the region
-    # An empty output has no address of its own: it neither places nor unplaces its group.
-    outs = [torch.empty(0, dtype=torch.bfloat16), torch.empty(4 * 7)]
-    offsets, nbytes, _ = arena._places(outs, 4)
-    outs[1] = region[slot_bytes + offsets[1]:slot_bytes + offsets[1] + nbytes[1]].view(torch.float32)
-    assert arena.bound_slot(outs, 4) == 1 and arena.bound_slot(outs[:1], 4) is None

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tide import topology
+from tide import routes
 from tide.compile.patterns import outermost_module
 from tide.meta import plans
 
@@ -54,7 +54,7 @@ def prepare(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> list
     units: dict[str, dict] = defaultdict(lambda: defaultdict(list))
     groups = {}
     for group, unit, shape, W, dtype in _sharded_params(model):
-        if W < 2 or topology.is_multinode(topology.of_group(group)):
+        if W < 2 or routes.of(group).multinode:
             continue
         groups[group.group_name] = group
         units[group.group_name][unit].append((shape, param_dtype or dtype))

@@ -48,6 +48,7 @@ SOURCES = (
     "transport/all_gather.cpp",
     "transport/reduce_scatter.cpp",
     "transport/node_leg.cpp",
+    "transport/gate.cpp",
     "transport/dispatch.cpp",
     "transport/bindings.cpp",
 )

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-from tide import knobs, topology
+from tide import knobs, routes, topology
 from tide.fsdp import compat, joined
 from tide.fsdp.comms import STOCK_ALL_GATHERS, STOCK_REDUCE_SCATTERS
 from tide.meta.checks import FLOAT_DTYPES
@@ -117,7 +117,7 @@ def _device_reason(device: torch.device, group, comm) -> str | None:
     if comm.contract is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         hosts, serve_multinode = group_facts(group)
-        comm.contract = (contract_reason(torch.cuda.get_device_capability(index)[0], hosts, topology.of_group(group),
+        comm.contract = (contract_reason(torch.cuda.get_device_capability(index)[0], hosts, routes.of(group).topology,
                                          serve_multinode),)
     return comm.contract[0]
 
@@ -128,11 +128,10 @@ def capture_reason(device: torch.device, group) -> str | None:
     multi-node group (its rails' exchanges are not captured)."""
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         return None
-    if topology.is_multinode(topology.of_group(group)):
+    route = routes.of(group)
+    if route.multinode:
         return "capture_multinode"
-    from tide.transport import serving
-
-    return "capture_before_arena" if serving.of(group.group_name) is None else None
+    return "capture_before_arena" if route.holder is None else None
 
 
 def param_reason(p) -> str | None:

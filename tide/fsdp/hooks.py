@@ -6,7 +6,7 @@ import torch
 
 from tide import counters
 from tide.fsdp import comms, compat, extensions
-from tide.transport import serving
+from tide import routes
 
 
 def install(param_group) -> None:
@@ -48,7 +48,7 @@ def grad_into_slot(param_group, fsdp_param, param) -> None:
     if not movable(param_group, fsdp_param, param):
         return
     grad = param.grad
-    arena = serving.of(param_group._all_gather_process_group.group_name)
+    arena = routes.of(param_group._all_gather_process_group).holder
     out = fsdp_param.all_gather_outputs[0] if fsdp_param.all_gather_outputs else None
     if arena is None or out is None or out.untyped_storage().nbytes() == 0 or grad.data_ptr() == out.data_ptr():
         return

@@ -33,7 +33,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-from tide import counters, registry, topology
+from tide import counters, registry, routes
 from tide.fsdp import comm_debug, comms, compat, extensions, hooks, reduce_output, replicate, shard_dims, wiring
 from tide.fsdp.comms import TideAllGatherResult
 from tide.fsdp.fallbacks import all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason
@@ -230,9 +230,10 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
     enabled = comms.of_params(fsdp_params)
     comm = enabled[0] if enabled is not None else None
     reason = all_gather_reason(fsdp_params, group, async_op, device, comm)
-    arena, plan, inputs = None, ("none", None), None
+    arena, plan, inputs, route = None, ("none", None), None, None
     if reason is None:
-        arena = wiring.arena_for(group, device, comm.transport)
+        route = routes.of(group)  # resolved once per group: its topology and arena
+        arena = wiring.arena_for(group, route, device, comm.transport)
         hooked = extensions.hooked(comm, fsdp_params)
         if hooked:  # tensor extensions' inputs first, on the copy-in stream as stock runs them: they size the outputs
             with _get_device_handle(device.type).stream(all_gather_copy_in_stream):
@@ -242,7 +243,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, 
             plan = wiring.plan_all_gather(arena, comm, fsdp_params, group.size(), inputs)
             reason = arena_reason(plan[0])
         # On stock after a pre-all-gather, stock runs it again, on every rank alike.
-    counters.count_fsdp("all_gather", reason, reason is None and topology.is_multinode(topology.of_group(group)))
+    counters.count_fsdp("all_gather", reason, reason is None and route.multinode)
     if reason is not None:
         if reason == "custom_comm":
             _warn_custom_comm(comm, "all-gather", "set_custom_all_gather")
@@ -301,14 +302,15 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, de
     enabled = comms.of_params(fsdp_params)
     comm = enabled[1] if enabled is not None else None
     reason = reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device, custom_input_fn)
-    counters.count_fsdp("reduce_scatter", reason, reason is None and topology.is_multinode(topology.of_group(group)))
+    route = routes.of(group) if reason is None else None
+    counters.count_fsdp("reduce_scatter", reason, route is not None and route.multinode)
     if reason is not None:
         if reason == "custom_comm":
             _warn_custom_comm(comm, "reduce-scatter", "set_custom_reduce_scatter")
         out = stock()
         wiring.order_slot_after_stock_reduce(fsdp_params, comm, group, stream)
         return out
-    arena = wiring.arena_for(group, device, comm.transport)
+    arena = wiring.arena_for(group, route, device, comm.transport)
     if arena is not None:
         wiring.release_at_backward_end()
     comm_debug.register_if_loaded()

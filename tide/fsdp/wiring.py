@@ -16,11 +16,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from tide import counters, registry, topology, transport
+from tide import counters, registry, routes, transport
 from tide.fsdp import comms, extensions, shard_dims
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
 from tide.meta import plans
-from tide.transport import node_leg, serving
+from tide.transport import node_leg
 
 log = logging.getLogger("tide.fsdp")
 
@@ -28,7 +28,7 @@ log = logging.getLogger("tide.fsdp")
 
 def group_key(group: dist.ProcessGroup) -> tuple:
     """The global ranks of ``group``, in group-rank order: the key of its arena."""
-    return serving.group_ranks(group.group_name)
+    return routes.of(group).ranks
 
 
 def register_group(param_group) -> None:
@@ -112,25 +112,22 @@ def _create_arena(group: dist.ProcessGroup, multinode: bool):
     return arena
 
 
-def arena_for(group: dist.ProcessGroup, device: torch.device, comm_transport: str):
-    """The arena serving ``group`` (created on first use, unless an op-level user made one): its ranks' own,
-    or for a group spanning nodes of 2 or more ranks its node arena, which carries the multi-node ops'
-    intra-node legs. None: not CUDA, the reference transport, or one rank per node (the ops run the
-    multi-node schedule alone)."""
+def arena_for(group: dist.ProcessGroup, route: routes.Route, device: torch.device, comm_transport: str):
+    """The arena serving ``group`` (its ``route``; created on first use, unless an op-level user made one):
+    its ranks' own, or for a group spanning nodes of 2 or more ranks its node arena, which carries the
+    multi-node ops' intra-node legs. None: not CUDA, the reference transport, or one rank per node (the
+    ops run the multi-node schedule alone)."""
     if device.type != "cuda" or comm_transport != "auto":
         return None
-    topo = topology.of_group(group)
-    multinode = topology.is_multinode(topo)
-    if multinode and topo.local_size < 2:
+    if route.multinode and route.topology.local_size < 2:
         return None
-    arena = serving.of(group.group_name)
-    return arena if arena is not None else _create_arena(group, multinode)
+    return route.holder if route.holder is not None else _create_arena(group, route.multinode)
 
 
 def check_arenas_idle(param_groups) -> None:
     """Raise (changing nothing) if an arena serving ``param_groups`` still holds unsharded params."""
     for g in param_groups:
-        arena = serving.of(g._all_gather_process_group.group_name)
+        arena = routes.of(g._all_gather_process_group).holder
         if arena is not None and arena.slots.held():
             raise RuntimeError("tide.fsdp.disable: unsharded parameters still live in the transport arena of "
                                f"ranks {list(arena.ranks)}; call disable between steps (after backward / reshard)")
@@ -149,9 +146,9 @@ def release_leases() -> None:
     ended: nothing TIDE leases sits beside the activations at the loss or beside the optimizer step;
     tide/transport/lease.py). Every rank reaches the same points."""
     for name in registry.created_arenas.values():
-        arena = serving.of(name)
-        if arena is not None:
-            arena.release()
+        route = routes.of_name(name)
+        if route is not None and route.holder is not None:
+            route.holder.release()
 
 
 def _release_after_root_forward(module, args, output) -> None:
@@ -220,7 +217,7 @@ def order_slot_after_stock_reduce(fsdp_params, comm, group, stream) -> None:
     gradients there, within the call)."""
     if not (comm is not None and comm.grad_hooks and fsdp_params and group is not None):
         return
-    arena = serving.of(group.group_name)
+    arena = routes.of(group).holder
     own = arena.slots.last_slot(fsdp_params[0]) if arena is not None else None
     if own is not None:
         arena.slots.used(own, stream)

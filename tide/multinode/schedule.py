@@ -33,10 +33,11 @@ from functools import reduce
 import torch
 import torch.distributed as dist
 
-from tide import counters, registry, sums
+from tide import counters, sums
 from tide.meta.layout import DEFAULT_RS_CHUNK_BYTES
-from tide.meta.multinode import MultiNodePlan, Piece, Topology
+from tide.meta.multinode import MultiNodePlan, Piece
 from tide.multinode import plans, rails, settings
+from tide.routes import Route
 
 @functools.cache
 def _own_copy_stream(device: int) -> torch.cuda.Stream:
@@ -44,20 +45,17 @@ def _own_copy_stream(device: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _node_arena(group: dist.ProcessGroup, tensor: torch.Tensor):
-    """``group``'s node arena (:mod:`tide.transport.node_leg`) for an op on ``tensor``'s device, or None: no
-    node arena, a CPU tensor, or CUDA-graph capture (its flags would be captured, not written). The CUDA
-    transport is imported only where it made a node arena."""
-    if not registry.node_arenas or not tensor.is_cuda or torch.cuda.is_current_stream_capturing():
+def _node_arena(route: Route, tensor: torch.Tensor):
+    """The route's node arena (:mod:`tide.transport.node_leg`) for an op on ``tensor``'s device, or None: no
+    node arena, a CPU tensor, or CUDA-graph capture (its flags would be captured, not written)."""
+    if route.node_arena is None or not tensor.is_cuda or torch.cuda.is_current_stream_capturing():
         return None
-    from tide.transport import serving
-
-    return serving.node_arena(group.group_name)
+    return route.node_arena
 
 
-def _node_slot(outs, group: dist.ProcessGroup):
-    """(the node arena, the slot) when ``outs`` are bound in a slot of ``group``'s node arena, else None."""
-    node = _node_arena(group, outs[0]) if outs else None
+def _node_slot(outs, group: dist.ProcessGroup, route: Route):
+    """(the node arena, the slot) when ``outs`` are bound in a slot of the route's node arena, else None."""
+    node = _node_arena(route, outs[0]) if outs else None
     slot = node.bound_slot(outs, group.size()) if node is not None else None
     return None if slot is None else (node, slot)
 
@@ -74,12 +72,12 @@ def _node_partials(node, rs_key: tuple, k: int, rank: int, flat: list) -> dict:
     return {d: out[off:off + n] for d, (off, n) in mine.items()}
 
 
-def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pace: int | None = None) -> None:
-    rank = group.rank()
+def all_gather(shards, outs, group: dist.ProcessGroup, route: Route, *, pace: int | None = None) -> None:
+    rank, topology = group.rank(), route.topology
     key = (tuple(tuple(s.shape) for s in shards), tuple(o.element_size() for o in outs), topology, rank,
            pace or settings.pace(group, shards[0].device))
     numels, steps = plans.ag_schedule(*key)
-    node_slot = _node_slot(outs, group)
+    node_slot = _node_slot(outs, group, route)
     if node_slot is not None:  # the node's ranks push each other's pieces by copy engine (node_leg.push_spans)
         current = torch.cuda.current_stream(outs[0].device)
         start, landed = current.record_event(), []
@@ -128,15 +126,15 @@ def all_gather(shards, outs, group: dist.ProcessGroup, topology: Topology, *, pa
 
 
 def reduce_scatter(grads, shard_grads, scale: float, accumulate: bool, group: dist.ProcessGroup,
-                   topology: Topology, *, rs_chunk_bytes: int = DEFAULT_RS_CHUNK_BYTES,
+                   route: Route, *, rs_chunk_bytes: int = DEFAULT_RS_CHUNK_BYTES,
                    pace: int | None = None) -> None:
-    rank = group.rank()
+    rank, topology = group.rank(), route.topology
     key = (tuple(tuple(g.shape) for g in grads), tuple(g.element_size() for g in grads), topology, rs_chunk_bytes,
            pace or settings.pace(group, grads[0].device))
     layout, plan, steps = plans.rs_schedule(*key)
     flat = [g.reshape(-1) for g in grads]
     out = [s.view(-1) for s in shard_grads]
-    node = _node_arena(group, flat[0]) if topology.local_size > 1 else None
+    node = _node_arena(route, flat[0]) if topology.local_size > 1 else None
     for k, step in enumerate(steps):
         partials = _node_partials(node, key, k, rank, flat) if node is not None else None
         _reduce_scatter_step(step, flat, out, scale, accumulate, group, plan, partials)

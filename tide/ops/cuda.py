@@ -2,27 +2,24 @@
 
 Two layers. Until the CUDA extension loads (no arena yet: nothing is built) the Python kernels below
 serve CUDA calls. When it loads (:func:`hand_over`, a hook of ``tide.extension.load``), its C++
-kernels take the CUDA dispatch key (csrc/transport/dispatch.cpp): a call on a layout seen before runs
-in C++ without entering Python, and every other call enters these Python kernels, which take the
-decisions that need Python (the lease, a new plan, capture, a fallback, the argument errors) and
-leave behind what the next call of that layout needs in C++.
+kernels take the CUDA dispatch key (csrc/transport/dispatch.cpp). Every call of the two mutating ops
+then asks the gatekeeper (csrc/transport/gate.h) whether it may take the transport; a call it lets
+through runs in C++ without entering Python, and every other call enters these Python kernels with the
+gate's verdict, which :data:`VERDICTS` turns into what to do: run the transport's Python driver
+(``tide.transport.all_gather``, ``tide.transport.reduce_scatter``: a lease, a new plan, a capture's replay
+mark), run the reference backend (the stock collectives, layout-aware; ``tide.stats()["ops"]`` counts
+why), or raise. Nothing the gate decided is decided here again. Every call first raises the transport
+watchdog's error if an earlier TIDE op timed out (``tide.transport.watchdog``).
 
-For a CUDA call here: if ``tide.transport`` holds an arena for ``group_name`` (``tide.transport.enable``),
-the transport runs (the all-gather when its outputs are bound in an arena slot: zero-copy), eagerly or
-captured into the CUDA graph the current stream is capturing (docs/design.md, "Captured into a CUDA
-graph"); otherwise the reference backend runs (the stock collectives, layout-aware), and
-``tide.stats()["ops"]`` counts why. Every call first raises the transport watchdog's error if an
-earlier TIDE op timed out (``tide.transport.watchdog``). The drivers (``tide.transport.all_gather``,
-``tide.transport.reduce_scatter``) find the plan and the slot and enter the extension once. The
-functional ``all_gather`` / ``reduce_scatter`` are the reference's compositions: they call these two ops,
-and so do the graph ops ``all_gather_start`` / ``reduce_scatter_start``, whose kernels then register an
-event-backed work on their outputs (``tide.ops.works``).
+The functional ``all_gather`` / ``reduce_scatter`` are the reference's compositions: they call these two
+ops, and so do the graph ops ``all_gather_start`` / ``reduce_scatter_start``, whose kernels then register
+an event-backed work on their outputs (``tide.ops.works``).
 """
 from __future__ import annotations
 
 import torch
 
-from tide import counters, extension, knobs, registry, topology, trace
+from tide import counters, extension, knobs, registry, routes, trace
 from tide.meta import checks
 from tide.ops import reference, works
 
@@ -34,9 +31,9 @@ class _Transport:
     """The CUDA transport's modules, imported at the first CUDA call (``import tide`` loads none of them)."""
 
     def __getattr__(self, name: str):
-        from tide.transport import all_gather, graph_gather, reduce_scatter, serving, watchdog
+        from tide.transport import all_gather, graph_gather, reduce_scatter, watchdog
 
-        self.all_gather, self.serving, self.graph_gather = all_gather, serving, graph_gather
+        self.all_gather, self.graph_gather = all_gather, graph_gather
         self.reduce_scatter, self.WATCHDOG = reduce_scatter, watchdog.WATCHDOG
         return getattr(self, name)
 
@@ -44,31 +41,52 @@ class _Transport:
 _transport = _Transport()
 
 
-def _arena_for(op: str, group_name: str, world_size: int):
+# What the Python kernels do with each verdict of the gatekeeper (csrc/transport/gate.h, whose kVerdicts
+# these must name exactly: tests/ops/test_gate.py): run the transport's Python driver, run the reference
+# backend (counted with the verdict as its reason), or raise the argument's error.
+VERDICTS = {
+    "transport": "driver",  # the steady path is off (TIDE_TRACE): Python issues what C++ would have
+    "no_arena": "reference",
+    "world_size": "raise",
+    "grad": "raise",  # worded by the kernel's argument check, which every backend runs first
+    "lease_across_capture": "reference",
+    "no_lease": "driver",
+    "outputs_not_in_slot": "reference",
+    "no_plan": "driver",
+    "capturing": "driver",
+    "refused": "driver",  # the driver words the error
+}
+
+
+def _arena_for(op: str, verdict: str, group_name: str, world_size: int, ask_gate):
+    """The arena whose transport the gate's ``verdict`` sends this call to, or None: the reference backend
+    (counted, with why). ``no_arena`` may only mean that the group's route was not resolved yet: resolving
+    it binds the group's name to its arena, and ``ask_gate(arena)`` gives the verdict then."""
     _transport.WATCHDOG.check()
-    a = _transport.serving.get(group_name)
-    if a is None:
-        group = reference.resolve_group(op, group_name, world_size)
-        if topology.is_multinode(topology.of_group(group)):  # the reference runs the multi-node schedule
+    route = routes.of_name(group_name) if verdict != "transport" else None
+    if verdict == "no_arena" and route is not None and route.arena is not None:
+        verdict = ask_gate(route.arena)
+    action = VERDICTS[verdict]
+    if action == "raise":
+        if verdict == "world_size":
+            raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has {len(route.ranks)} ranks")
+        raise AssertionError(f"tide.{op}: the transport's gate refused an argument ({verdict}) that its check passed")
+    if action == "reference":
+        if verdict == "no_arena" and route is not None and route.multinode:  # the multi-node schedule runs
             counters.count_op(op, multinode=True)
         else:
-            counters.count_op(op, "no_arena")
+            counters.count_op(op, verdict)
         return None
-    if a.world_size != world_size:
-        raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has {a.world_size} ranks")
-    if a.leases.held_elsewhere():  # e.g. outputs bound in an eager lease, gathered inside a capture
-        counters.count_op(op, "lease_across_capture")
-        return None
-    a.ext.steady_bind_group(group_name=group_name, arena=a.native, world_size=world_size)
-    return a
+    return (route or routes.of_name(group_name)).arena
 
 
-def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
+def all_gather_into_params_(shards, outs, world_size, group_name, verdict="no_arena") -> None:
     op = "all_gather_into_params_"
     knobs.validate_once()  # TIDE's first use (a CUDA call enters Python at least at its layout's first call)
     if torch.is_grad_enabled():  # FSDP2 calls under no_grad: nothing to look at on its path
         checks.check_no_grad(op, (("shards", shards), ("outs", outs)))
-    a = _arena_for(op, group_name, world_size)
+    a = _arena_for(op, verdict, group_name, world_size,
+                   lambda a: a.ext.all_gather_verdict(shards, outs, world_size, group_name))
     if a is not None:
         if _transport.all_gather.all_gather_into_params(a, shards, outs):
             counters.count_op(op)
@@ -77,12 +95,13 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     reference.all_gather_into_params_(shards, outs, world_size, group_name)
 
 
-def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name) -> None:
+def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name, verdict="no_arena") -> None:
     op = "reduce_scatter_params_"
     knobs.validate_once()
     if torch.is_grad_enabled():
         checks.check_no_grad(op, (("grads", grads), ("shard_grads", shard_grads)))
-    a = _arena_for(op, group_name, world_size)
+    a = _arena_for(op, verdict, group_name, world_size,
+                   lambda a: a.ext.reduce_scatter_verdict(grads, shard_grads, world_size, group_name))
     if a is None:
         reference.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)
         return
@@ -110,7 +129,8 @@ def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
     knobs.validate_once()
     shards = reference.checked_shards(op, shards, world_size, group_name)
     _transport.WATCHDOG.check()
-    a = _transport.serving.get(group_name)
+    route = routes.of_name(group_name)
+    a = route.arena if route is not None else None
     got = None
     if a is None:
         why = "no_arena"

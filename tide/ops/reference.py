@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tide import counters, knobs, sums, topology
+from tide import counters, knobs, routes, sums
 from tide.meta import checks
 from tide.meta.layout import rank_row_range, rows_and_row_numel
 from tide.multinode import schedule as multinode
@@ -49,12 +49,12 @@ def _first_use_then(check, *args) -> None:
     check(*args)
 
 
-def _count_cpu_call(op: str, tensor: torch.Tensor, topo) -> None:
+def _count_cpu_call(op: str, tensor: torch.Tensor, route: routes.Route) -> None:
     """Count a CPU call as ``tide/ops/cuda.py`` counts a CUDA one (which counted before calling here):
     the multi-node schedule, else the reference backend."""
     if tensor.is_cuda:
         return
-    if topology.is_multinode(topo):
+    if route.multinode:
         counters.count_op(op, multinode=True)
     else:
         counters.count_op(op, reference=True)
@@ -64,13 +64,13 @@ def all_gather_into_params_(shards, outs, world_size, group_name) -> None:
     op = "all_gather_into_params_"
     with calls.agreed(op, group_name, world_size, (shards, outs), (("outs", outs),), (("shards", shards),),
                       lambda: _first_use_then(checks.check_all_gather_into_params, op, shards, outs, world_size),
-                      lambda group: (topology.of_group(group),),
+                      lambda group: (routes.of(group).topology,),
                       lambda rank: checks.all_gather_own_rows(shards, outs, rank)) as call:
         group = call.group
-        topo = topology.of_group(group)
-        _count_cpu_call(op, shards[0], topo)
-        if topology.is_multinode(topo):
-            multinode.all_gather(shards, outs, group, topo)
+        route = routes.of(group)
+        _count_cpu_call(op, shards[0], route)
+        if route.multinode:
+            multinode.all_gather(shards, outs, group, route)
             return
         rank = group.rank()
         works = []
@@ -90,12 +90,12 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
     with calls.agreed(op, group_name, world_size, (grads, shard_grads), (("shard_grads", shard_grads),),
                       (("grads", grads),),
                       lambda: _first_use_then(checks.check_reduce_scatter_params, op, grads, shard_grads, world_size),
-                      lambda group: (accumulate, f"scale={scale!r}", topology.of_group(group))) as call:
+                      lambda group: (accumulate, f"scale={scale!r}", routes.of(group).topology)) as call:
         group = call.group
-        topo = topology.of_group(group)
-        _count_cpu_call(op, grads[0], topo)
-        if topology.is_multinode(topo):
-            multinode.reduce_scatter(grads, shard_grads, scale, accumulate, group, topo)
+        route = routes.of(group)
+        _count_cpu_call(op, grads[0], route)
+        if route.multinode:
+            multinode.reduce_scatter(grads, shard_grads, scale, accumulate, group, route)
             return
         rank = group.rank()
         pending = []

@@ -7,7 +7,7 @@ Importing this package builds nothing and needs no GPU: the extension is compile
 (:func:`tide.extension.load`, or ahead of time with ``python -m tide.extension``).
 
     enable(group, slot_bytes=... | layouts=[...]) -> Arena    (collective, once per set of ranks)
-    get(group_name) -> Arena | None                            (what the tide ops consult)
+    get(group_name) -> Arena | None                            (the arena of a group's ranks: its route's)
     Arena.bind_outputs(outs, slot)                             (FSDP's all-gather outputs into a slot)
     Arena.slots                                                (the slot leases)
     disable(group_name)                                        (releases the arena's memory)

@@ -2,12 +2,12 @@
 csrc/transport/all_gather.cpp, whose header has the protocol).
 
 Outputs are bound at their param-major places of one slot (``Arena.bind_outputs``: param j's output at
-``out_offset[j]``, rank r's shard of it ``r * shard_bytes[j]`` further). A call decides here, in Python,
-whether its outputs lie in a slot at their plan's places; only then does it build its plan (once per
-call shape: :func:`tide.meta.plans.ag_plan_info`, agreed by every rank first, then kept by the
-extension, whose C++ kernel takes later calls of that shape without Python: tide/ops/cuda.py) and
-enter the extension, handing it the plan and the slot. Outputs in no slot (a group FSDP does not bind: the root)
-enter neither: the op's reference backend gathers them in place.
+``out_offset[j]``, rank r's shard of it ``r * shard_bytes[j]`` further). Whether a call's outputs lie
+there is the extension arena's one rule (``placed_slot``, csrc/transport/arena.h), which the ops' gate
+(csrc/transport/gate.h) applies before a call comes here; this driver builds a call shape's plan the
+first time (:func:`tide.meta.plans.ag_plan_info`, agreed by every rank first, then kept by the
+extension, whose C++ kernel takes later calls of that shape without Python) and enters the extension
+once, handing it the plan and the slot.
 
 The graph op ``all_gather_start`` makes its own outputs (tide/transport/graph_gather.py): in a free slot,
 else on the arena's direct lane (:func:`all_gather_direct`): a region of the caching allocator leased for
@@ -38,16 +38,6 @@ def _check(arena, shards, outs) -> None:
                      *_lists(shards, outs))
 
 
-def _candidate_slot(arena, outs: Sequence[torch.Tensor]) -> int | None:
-    """The one slot the outputs can be bound in: the slot their first placed output starts in (slots do
-    not overlap). An empty output has no address of its own; with every output empty, slot 0 of a held
-    lease serves (the handshake then moves no data)."""
-    first = next((o for o in outs if o.numel()), None)
-    if first is not None:
-        return arena.slot_of(first)
-    return 0 if outs and arena.num_slots and arena.leases.held is not None else None
-
-
 def _new_plan(arena, shards, outs):
     """This call shape's plan (the extension's AgPlan), built after its arguments are checked and every rank
     agreed on it, and kept by the extension for every later call of the shape."""
@@ -64,19 +54,13 @@ def _new_plan(arena, shards, outs):
 
 
 def all_gather_into_params(arena, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> bool:
-    """TIDE-AG of ``shards`` into ``outs`` bound in a slot (``Arena.bind_outputs``, ``Arena.slot_views``):
-    True, or False when ``outs`` lie in no slot at their plan's places (nothing issued; the caller gathers
-    another way)."""
-    if arena.leases.held is not None:  # outputs can only be bound in a held lease; record the stream
-        arena.region()
-    slot = _candidate_slot(arena, outs)
-    if slot is None:
-        _check(arena, shards, outs)
-        return False
+    """TIDE-AG of ``shards`` into ``outs`` bound in a slot of the held lease (``Arena.bind_outputs``,
+    ``Arena.slot_views``): True, or False when ``outs`` lie in no slot at their plan's places (nothing
+    issued; the caller gathers another way)."""
+    arena.region()  # outputs lie in a slot only while the lease is held: record this stream as its user
     plan = arena.native.ag_plan(shards=shards, outs=outs) or _new_plan(arena, shards, outs)
-    base = arena.slot_address(slot)
-    if plan.slot_bytes > arena.slot_bytes or not all(
-            o.numel() == 0 or o.data_ptr() == base + off for o, off in zip(outs, plan.out_offset)):
+    slot = arena.native.placed_slot(outs=outs, offsets=plan.out_offset, need=plan.slot_bytes)
+    if slot < 0:
         return False
     if issue.watched(arena, OP, arena.native.all_gather, plan=plan, shards=shards, outs=outs,
                      lane=slot) != "tide":

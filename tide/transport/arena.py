@@ -234,7 +234,7 @@ class Arena:
         torch.cuda.synchronize(self.device)  # nothing of this rank writes into a peer's region any more
         self.native.publish_progress_to(0)
         watchdog.WATCHDOG.forget(self.store_prefix)  # its graphs cannot replay once it is closed
-        self.ext.steady_forget(arena=self.native)
+        self.ext.forget_arena(arena=self.native)
         self.leases.close()
         self.direct.close()
         self.slots = None  # its events are the extension arena's
@@ -265,19 +265,11 @@ class Arena:
     def _slot_base(self, slot: int) -> int:
         return self.slots_off + slot * self.slot_bytes
 
-    def slot_address(self, slot: int) -> int:
-        """The device address of this rank's slot ``slot`` in the held lease."""
-        return self.leases.held.data_ptr() + self._slot_base(slot)
-
     def slot_of(self, tensor: torch.Tensor) -> int | None:
-        """The slot of the leased region whose bytes ``tensor`` starts in, or None."""
-        region = self.leases.held
-        if region is None or self.num_slots == 0:
-            return None
-        offset = tensor.data_ptr() - region.data_ptr()
-        if not self.slots_off <= offset < self.ring_off:
-            return None
-        return (offset - self.slots_off) // self.slot_bytes
+        """The slot of the held region whose bytes ``tensor`` starts in, or None (the extension's rule,
+        which the ops' C++ kernels apply too)."""
+        slot = self.native.slot_of(ptr=tensor.data_ptr())
+        return None if slot < 0 else slot
 
     def slot_views(self, layout: GroupLayout, dtypes: Sequence[torch.dtype], slot: int) -> list[torch.Tensor]:
         """1-D views of this rank's slot ``slot`` at every param's all-gather output (param-major)."""
@@ -327,14 +319,10 @@ class Arena:
 
     def bound_slot(self, outs: Sequence[torch.Tensor], world_size: int) -> int | None:
         """The slot in which every output of ``outs`` (1-D, of a ``world_size``-rank all-gather) lies at its
-        param-major address, or None."""
-        placed = [o for o in outs if o.numel()]  # an empty output has no address (the extension's rule too)
-        slot = self.slot_of(placed[0]) if placed else None
-        places = self._places(outs, world_size) if slot is not None else None
-        if places is None or places[2] > self.slot_bytes:
-            return None
-        base = self.leases.held.data_ptr() + self._slot_base(slot)
-        return slot if all(o.numel() == 0 or o.data_ptr() == base + off for o, off in zip(outs, places[0])) else None
+        param-major address, or None (the extension's rule: ``placed_slot``, csrc/transport/arena.h)."""
+        places = self._places(outs, world_size)
+        slot = -1 if places is None else self.native.placed_slot(outs=outs, offsets=places[0], need=places[2])
+        return None if slot < 0 else slot
 
     def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int, owners: Sequence = (),
                      world_size: int | None = None) -> None:

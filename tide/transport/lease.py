@@ -180,7 +180,8 @@ class Leases:
 
         self._region = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._symmetric = symm_mem.rendezvous(self._region, self._group)
-        self._set_region(self._region, [int(p) for p in self._symmetric.buffer_ptrs], self._leased_in)
+        # Never freed, so any context may use it (held_elsewhere says the same).
+        self._set_region(self._region, [int(p) for p in self._symmetric.buffer_ptrs], self._ext.EVERY_CONTEXT)
 
     def _exchange_by_store(self, mine: str, what: str) -> list[str]:
         """Every rank's lease value through the store. The first lease, which fixes the mode, also settles

@@ -14,7 +14,7 @@ leg. A multi-node reduce-scatter step sums its node partials as a TIDE-RS over t
     enable(group, slot_bytes=...) -> Arena    (collective over ``group``'s ranks, once per set of ranks)
     disable(group_name)
 
-Which arena serves a group (its own, else its node arena) is :mod:`tide.transport.serving`'s to say.
+Which arena serves a group (its own, else its node arena) is its route's to say (:mod:`tide.routes`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from tide import agreement, registry, topology
+from tide import agreement, registry, routes
 from tide.transport import issue, serving
 from tide.transport.arena import Arena
 from tide.transport.reduce_scatter import native_rounds
@@ -35,9 +35,9 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> Arena:
     """Create the node arena of multi-node ``group`` on this rank's node, its slots ``slot_bytes`` each (the
     largest bound layout of ``group``'s W ranks). Every rank of ``group`` calls it at the same point; the
     ranks of one node rendezvous together. ``kwargs`` go to :class:`~tide.transport.arena.Arena`."""
-    ranks = serving.group_ranks(group.group_name)
-    topo = topology.of_group(group)
-    if not topology.is_multinode(topo) or topo.local_size < 2:
+    route = routes.of(group)
+    ranks, topo = route.ranks, route.topology
+    if not route.multinode or topo.local_size < 2:
         raise ValueError(f"tide.transport.node_leg.enable: ranks {list(ranks)} are not several nodes of 2 or more "
                          f"ranks (topology {topo}); a node arena serves the intra-node legs of such a group")
     if ranks in registry.node_arenas:
@@ -53,12 +53,14 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> Arena:
                            f"rank {topo.local(group.rank())}")
     arena = serving.enable(node_group, slot_bytes=slot_bytes, **kwargs)
     registry.node_arenas[ranks] = arena
+    routes.changed()
     return arena
 
 
 def disable(group_name: str) -> None:
     """Release the node arena of ``group_name`` (if any); its all-gathers take the point-to-point leg after."""
-    arena = registry.node_arenas.pop(serving.group_ranks(group_name), None)
+    route = routes.of_name(group_name)
+    arena = registry.node_arenas.pop(route.ranks, None) if route is not None else None
     if arena is not None:
         serving.disable(arena.group_name)
 
