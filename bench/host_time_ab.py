@@ -1,0 +1,65 @@
+"""Host time of two commits side by side: the CSVs of ``bench/bench_host_time.py`` runs of each, taken
+interleaved on one machine (before, after, before, after, ...), merged into one CSV with the commit and the
+run, and plotted per path (every run's median, one dot each). On a shared machine the same code's median
+moves by a quarter between runs; only the runs side by side say whether a change grew the host time.
+
+    python bench/host_time_ab.py --before a4dbcdc b1.csv b2.csv --after 1a2b3c4 a1.csv a2.csv --out DIR
+
+Writes ``host_time_ab.csv`` and ``.png`` under ``--out`` and prints each path's median over the runs.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import default_out, pyplot, write_csv  # noqa: E402
+
+
+def merged(sides: dict[str, list[str]]) -> list[dict]:
+    rows = []
+    for commit, paths in sides.items():
+        for run, path in enumerate(paths, 1):
+            with open(path, newline="") as f:
+                rows += [{"commit": commit, "run": run, **r} for r in csv.DictReader(f) if r["path"].startswith("tide_")]
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--before", nargs="+", required=True, metavar=("COMMIT", "CSV"))
+    p.add_argument("--after", nargs="+", required=True, metavar=("COMMIT", "CSV"))
+    p.add_argument("--out", default=str(default_out()))
+    args = p.parse_args()
+    if len(args.before) < 2 or len(args.after) < 2:
+        p.error("--before and --after each take a commit and at least one CSV")
+    sides = {args.before[0]: args.before[1:], args.after[0]: args.after[1:]}
+    rows = merged(sides)
+    out = Path(args.out)
+    write_csv(out / "host_time_ab.csv", rows)
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    for path in paths:
+        medians = {c: statistics.median(float(r["median_us"]) for r in rows if r["path"] == path and r["commit"] == c)
+                   for c in sides}
+        print(f"{path:28s} " + "  ".join(f"{c}: {m:6.0f} us" for c, m in medians.items()))
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for k, (commit, marker) in enumerate(zip(sides, ("o", "s"))):
+        xs = [i + (k - 0.5) * 0.3 for i, path in enumerate(paths) for r in rows if r["path"] == path and r["commit"] == commit]
+        ys = [float(r["median_us"]) for path in paths for r in rows if r["path"] == path and r["commit"] == commit]
+        ax.scatter(xs, ys, marker=marker, label=f"{commit} ({len(sides[commit])} runs)")
+    ax.set_xticks(range(len(paths)), [p.removeprefix("tide_") for p in paths], rotation=30, ha="right")
+    ax.set_ylabel("median host time per call (us)")
+    ax.set_title(f"bench_host_time.py runs, interleaved ({rows[0]['device']}, {rows[0]['mode']})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "host_time_ab.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
