@@ -74,3 +74,14 @@ def test_the_cpp_function_finder_sees_functions_and_nothing_else():
     heads = [head for head, _, _ in _cpp_functions(sample)]
     assert any(h.startswith("Arena::Arena(") for h in heads), heads
     assert not any(h.split()[0] in CONTROL for h in heads), heads
+
+
+def test_the_design_docs_module_map_names_every_module():
+    """docs/design.md's module map is where a newcomer finds each room: every module of the library and
+    every source of the extension is named there (by its file name)."""
+    doc = (ROOT / "docs" / "design.md").read_text()
+    table = doc[doc.index("## Module map"):doc.index("### The path of one all-gather")]
+    sources = [p for p in sorted((ROOT / "tide").rglob("*.py")) if p.name != "__init__.py"]
+    sources += sorted(p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cpp", ".cu", ".h"))
+    unnamed = [str(p.relative_to(ROOT)) for p in sources if not re.search(rf"\b{re.escape(p.stem)}\b", table)]
+    assert not unnamed, unnamed
