@@ -52,25 +52,31 @@ def changed() -> None:
 
 def of(group: dist.ProcessGroup) -> Route:
     """The route of ``group``."""
-    entry = registry.routes.get(group.group_name)
     local_size = topology.local_world_size()
-    if entry is not None and entry[0]() is group and entry[1] == (registry.route_generation[0], local_size):
-        return entry[2]
-    return _resolve(group, local_size)
+    return _kept(group.group_name, local_size, group) or _resolve(group, local_size)
 
 
 def of_name(group_name: str) -> Route | None:
     """The route of the process group named ``group_name``; None when no group has that name (the op's
     reference backend then raises its error)."""
-    entry = registry.routes.get(group_name)
-    if entry is not None and entry[0]() is not None and entry[1] == (registry.route_generation[0],
-                                                                     topology.local_world_size()):
-        return entry[2]
+    kept = _kept(group_name, topology.local_world_size())
+    if kept is not None:
+        return kept
     try:
         group = dist.distributed_c10d._resolve_process_group(group_name)
     except (RuntimeError, ValueError, KeyError):
         return None
     return of(group)
+
+
+def _kept(group_name: str, local_size: int | None, group: dist.ProcessGroup | None = None) -> Route | None:
+    """The route kept for ``group_name`` if nothing it rests on changed and its group (``group``, if given)
+    is alive."""
+    entry = registry.routes.get(group_name)
+    if entry is None or entry[1] != (registry.route_generation[0], local_size):
+        return None
+    held = entry[0]()
+    return entry[2] if held is not None and (group is None or held is group) else None
 
 
 def _resolve(group: dist.ProcessGroup, local_size: int | None) -> Route:

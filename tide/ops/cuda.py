@@ -63,7 +63,7 @@ def _arena_for(op: str, verdict: str, group_name: str, world_size: int, ask_gate
     (counted, with why). ``no_arena`` may only mean that the group's route was not resolved yet: resolving
     it binds the group's name to its arena, and ``ask_gate(arena)`` gives the verdict then."""
     _transport.WATCHDOG.check()
-    route = routes.of_name(group_name) if verdict != "transport" else None
+    route = routes.of_name(group_name)
     if verdict == "no_arena" and route is not None and route.arena is not None:
         verdict = ask_gate(route.arena)
     action = VERDICTS[verdict]
@@ -77,7 +77,7 @@ def _arena_for(op: str, verdict: str, group_name: str, world_size: int, ask_gate
         else:
             counters.count_op(op, verdict)
         return None
-    return (route or routes.of_name(group_name)).arena
+    return route.arena
 
 
 def all_gather_into_params_(shards, outs, world_size, group_name, verdict="no_arena") -> None:

@@ -1,7 +1,7 @@
 """The arena of one set of ranks: its memory and identity (flags, the leased data region, slots, the
-direct lane), built in named steps (:class:`Arena`). Which arena serves a group is
-:mod:`tide.transport.serving`'s (by ranks: every process group over the same ranks, in the same order,
-finds the same arena; the arenas themselves sit in :mod:`tide.registry`). The collectives that run on
+direct lane), built in named steps (:class:`Arena`). Which arena serves a group is its route's
+(:mod:`tide.routes`, by ranks: every process group over the same ranks, in the same order, finds the same
+arena; :mod:`tide.transport.serving` makes them, :mod:`tide.registry` holds them). The collectives that run on
 an arena are drivers of their own: :mod:`tide.transport.all_gather`, :mod:`tide.transport.reduce_scatter`
 and :mod:`tide.transport.node_leg`.
 
