@@ -14,12 +14,14 @@ from tide import knobs
 from tide.launch import run_ranks
 
 TIDE = pathlib.Path(knobs.__file__).resolve().parent
-ACCEPTED = {"positive_int": "an integer >= 1", "positive_float": "a number > 0", "flag": "0 or 1"}
+ACCEPTED = {"positive_int": "an integer >= 1", "count": "an integer >= 0", "positive_float": "a number > 0",
+            "flag": "0 or 1"}
 # A bad value of every declared knob (a knob declared without one fails test_every_knob_is_validated).
 BAD = {"TIDE_RS_CTAS": "abc", "TIDE_MULTINODE_RAILS": "x", "TIDE_RS_RING_BYTES": "-1", "TIDE_AG_CAST_CTAS": "0",
        "TIDE_RS_RING_DEPTH": "x", "TIDE_MULTINODE_PACE_BYTES": "abc", "TIDE_CUDA_MULTINODE": "2",
        "TIDE_ALLOW_MULTICAST": "yes", "TIDE_BUILD_VERBOSE": "x", "LOCAL_WORLD_SIZE": "0", "TIDE_TIMEOUT_S": "-3",
-       "TIDE_RS_MODE": "x", "TIDE_FSDP_TRANSPORT": "x", "TIDE_TRACE": "on", "TIDE_BUILD_CUDA": "true"}
+       "TIDE_RS_MODE": "x", "TIDE_FSDP_TRANSPORT": "x", "TIDE_TRACE": "on", "TIDE_BUILD_CUDA": "true",
+       "TIDE_COMPILE_PREFETCH": "-1"}
 
 
 @pytest.fixture
@@ -34,6 +36,8 @@ def clean_env(monkeypatch):
 @pytest.mark.parametrize("knob, value, expected", [
     (knobs.Knob("positive_int"), "12", 12),
     (knobs.Knob("positive_int", 7), "", 7),
+    (knobs.Knob("count", 1), "0", 0),
+    (knobs.Knob("count", 1), "", 1),
     (knobs.Knob("positive_float"), "2.5", 2.5),
     (knobs.Knob("positive_float"), "", None),
     (knobs.Knob("choice", "a", ("a", "b")), "b", "b"),
@@ -52,6 +56,8 @@ def test_valid_values_and_defaults(monkeypatch, knob, value, expected):
     (knobs.Knob("positive_int"), "abc", "an integer >= 1"),
     (knobs.Knob("positive_int"), "0", "an integer >= 1"),
     (knobs.Knob("positive_int"), "1.5", "an integer >= 1"),
+    (knobs.Knob("count", 1), "-1", "an integer >= 0"),
+    (knobs.Knob("count", 1), "x", "an integer >= 0"),
     (knobs.Knob("positive_float"), "x", "a number > 0"),
     (knobs.Knob("positive_float"), "-3", "a number > 0"),
     (knobs.Knob("positive_float"), "nan", "a number > 0"),

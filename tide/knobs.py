@@ -1,6 +1,6 @@
 """The one reader of TIDE's environment variables, each declared once in :data:`KNOBS`.
 
-A knob is a positive integer, a positive number, one of its choices, or a flag (``0`` or ``1``).
+A knob is a positive integer, a count (an integer >= 0), a positive number, one of its choices, or a flag (``0`` or ``1``).
 :func:`get` reads one by name: an unset or empty variable gives its declared default (None for a number:
 its reader's own default, a tuning constant beside the code it tunes or worked out from the device or the
 group); any other value must parse as its kind or the read raises ``ValueError`` naming the variable, its
@@ -22,7 +22,7 @@ RAILS_CHOICES = ("auto", "p2p", "nccl")  # the multi-node rails (tide/multinode/
 
 
 class Knob(NamedTuple):
-    kind: str  # "positive_int", "positive_float", "choice" or "flag"
+    kind: str  # "positive_int", "count", "positive_float", "choice" or "flag"
     default: object = None  # what an unset or empty variable reads as
     choices: tuple = ()  # a choice's accepted values
 
@@ -40,6 +40,7 @@ KNOBS: dict[str, Knob] = {
     "TIDE_RS_RING_BYTES": Knob("positive_int"),  # default: tide.transport.arena.DEFAULT_RS_RING_BYTES
     "TIDE_RS_RING_DEPTH": Knob("positive_int"),  # default: tide.transport.arena.DEFAULT_RING_DEPTH
     "TIDE_AG_CAST_CTAS": Knob("positive_int"),  # default: tide.transport.arena.CAST_CTAS_PER_SM per SM
+    "TIDE_COMPILE_PREFETCH": Knob("count", 1),  # tide.compile: all-gather buckets issued ahead
     "TIDE_ALLOW_MULTICAST": Knob("flag", False),
     "TIDE_BUILD_VERBOSE": Knob("flag", False),
     "TIDE_BUILD_CUDA": Knob("flag", False),  # setup.py: compile the CUDA extension at install time
@@ -49,6 +50,13 @@ KNOBS: dict[str, Knob] = {
 def _positive_int(value: str, knob: Knob) -> int:
     number = int(value)
     if number < 1:
+        raise ValueError
+    return number
+
+
+def _count(value: str, knob: Knob) -> int:
+    number = int(value)
+    if number < 0:
         raise ValueError
     return number
 
@@ -74,6 +82,7 @@ def _flag(value: str, knob: Knob) -> bool:
 
 _KINDS = {  # kind -> (its parser, what it accepts)
     "positive_int": (_positive_int, lambda knob: "an integer >= 1"),
+    "count": (_count, lambda knob: "an integer >= 0"),
     "positive_float": (_positive_float, lambda knob: "a number > 0"),
     "choice": (_choice, lambda knob: f"one of {knob.choices}"),
     "flag": (_flag, lambda knob: "0 or 1"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph
 
+from tide.compile.schedule import pinned_inputs, pinned_target
+
 aten, prims, c10d = torch.ops.aten, torch.ops.prims, torch.ops._c10d_functional
 CASTS = {aten._to_copy.default, prims.convert_element_type.default}
 
@@ -16,19 +18,22 @@ def _fp32_cast(node) -> bool:
 
 
 def summarize(graph: Graph) -> dict:
+    """The counts, reading a node pinned in ``control_deps`` (Inductor's graphs) as the op it wraps."""
     calls = [n for n in graph.nodes if n.op == "call_function"]
     count = lambda pred: sum(1 for n in calls if pred(n))  # noqa: E731
+    target = {n: pinned_target(n) for n in calls}
     ag_start, rs_start = torch.ops.tide.all_gather_start.default, torch.ops.tide.reduce_scatter_start.default
     glue = lambda n: _fp32_cast(n) or n.target in (aten.constant_pad_nd.default, aten.cat.default)  # noqa: E731
     return {
         "backward": any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes),
-        "all_gather_start": count(lambda n: n.target is ag_start),
-        "reduce_scatter_start": count(lambda n: n.target is rs_start),
-        "glue_into_reduce_scatter": sum(1 for n in calls if n.target is rs_start for g in n.args[0] if glue(g)),
-        "c10d": count(lambda n: n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)),
+        "all_gather_start": count(lambda n: target[n] is ag_start),
+        "reduce_scatter_start": count(lambda n: target[n] is rs_start),
+        "glue_into_reduce_scatter": sum(1 for n in calls if target[n] is rs_start for g in pinned_inputs(n)
+                                        if glue(g)),
+        "c10d": count(lambda n: target[n] in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)),
         "fp32_casts": count(_fp32_cast),
         "pads_not_for_all_gather": count(lambda n: n.target is aten.constant_pad_nd.default
-                                         and not any(u.target is ag_start for u in n.users)),
+                                         and not any(target.get(u) is ag_start for u in n.users)),
         "splits": count(lambda n: n.target in (aten.split.Tensor, aten.split_with_sizes.default)),
         "cats": count(lambda n: n.target is aten.cat.default),
         "dead": count(lambda n: not n.users and not n.is_impure()),

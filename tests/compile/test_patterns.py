@@ -114,13 +114,36 @@ def test_module_names_from_graph_trainer_and_dynamo_metadata():
     (m,) = _found(graph)
     node = m.collective
     assert patterns.module_of(node) == ""
+    # Dynamo's stack, innermost last, named from the compiled frame's root (a lambda's closure, or the module)
     node.meta["nn_module_stack"] = {"a": ("L['model']", object), "b": ("L['model'].layers.0", object),
                                     "c": ("L['model'].layers.0.attn", object)}
-    assert patterns.module_of(node) == "L['model'].layers.0"
-    node.meta["custom"] = {"module_fqn": "layers.3"}
-    assert patterns.module_of(node) == "layers.3"
-    # GraphTrainer names the leaf module: its parameters bucket with their block's.
-    node.meta["custom"] = {"module_fqn": "layers.3.attention.wo"}
-    assert patterns.module_of(node) == "layers.3"
-    node.meta["custom"] = {"module_fqn": "tok_embeddings"}
-    assert patterns.module_of(node) == "tok_embeddings"
+    assert patterns.module_of(node) == "layers.0.attn"
+    node.meta["nn_module_stack"] = {"a": ("L['self'].model", object), "b": ("L['self'].model.layers[3]", object),
+                                    "c": ("L['self'].model.layers[3].mlp", object)}
+    assert patterns.module_of(node) == "model.layers.3.mlp"
+    node.meta["custom"] = {"module_fqn": "layers.3.attention.wo"}  # GraphTrainer names the leaf module
+    assert patterns.module_of(node) == "layers.3.attention.wo"
+
+
+@pytest.mark.parametrize("source, name", [
+    ("L['model'].layers[0].attn", "layers.0.attn"),
+    ("L['self'].model.layers._modules['12'].mlp", "model.layers.12.mlp"),
+    ("getattr(getattr(L['self'].h, '3'), 'attn')", "h.3.attn"),
+    ("G['model'].blocks['0']", "blocks.0"),
+    ("L['self']", ""),
+    ("self.lm_head", "lm_head"),
+])
+def test_module_name_reads_dynamo_source_strings(source, name):
+    assert patterns.module_name(source) == name
+
+
+@pytest.mark.parametrize("name, block", [
+    ("layers.3.attention.wo", "layers.3"),
+    ("model.layers.3.mlp.gate_proj", "model.layers.3"),  # Hugging Face nesting
+    ("layers.3", "layers.3"),
+    ("model.embed_tokens", ""),
+    ("norm", ""),
+    ("", ""),
+])
+def test_a_block_is_a_containers_child_whatever_the_nesting(name, block):
+    assert patterns.block_of(name) == block

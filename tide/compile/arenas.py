@@ -2,10 +2,13 @@
 
 ``prepare(model)`` creates, on every rank and before the compiled model first runs (never under CUDA-graph
 capture), the arena of each data-parallel group that the model's DTensor ``Shard(0)`` parameters are
-sharded over. Its slots fit the largest module's all-gather (the plan buckets the collectives of one module
-below the root per call: ``layers.3``, tide/compile/plan.py), so ``all_gather_start`` gathers into a free
-slot with the copy engines (else into caching-allocator outputs on the arena's direct lane); its staging
-ring fits one round of that module's reduce-scatter. A group that already has an arena keeps it.
+sharded over. The plan buckets each block's collectives per call (``layers.3``, tide/compile/plan.py); the
+arena has ``TIDE_COMPILE_PREFETCH`` + 1 slots (the buckets alive at once, tide/compile/schedule.py), each
+fitting the largest block's all-gather, so ``all_gather_start`` gathers into a free slot with the copy
+engines. A bucket of modules in no block larger than that (an embedding, a head) takes the arena's direct
+lane: caching-allocator outputs of its own size, which the copy engines fill the same way, so the slots
+are not sized for the largest matrix. Its staging ring fits one round of the largest reduce-scatter. A
+group that already has an arena keeps it.
 
 ``release()`` gives every arena's leased data region back to the caching allocator (the regions of outputs
 still alive stay until those die). Call it on every rank at the same point, after each optimizer step and
@@ -23,7 +26,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from tide import routes
-from tide.compile.patterns import outermost_module
+from tide.compile import schedule
+from tide.compile.patterns import block_of
 from tide.meta import plans
 
 log = logging.getLogger("tide")
@@ -32,7 +36,8 @@ _prepared: list = []  # the arenas prepare() returned, which release() releases
 
 
 def _sharded_params(model: nn.Module):
-    """(group, unit, padded shard shape, world size) of every CUDA DTensor parameter sharded on dim 0."""
+    """(group, unit, padded shard shape, world size, dtype) of every CUDA DTensor parameter sharded on dim 0;
+    its unit is its block, else its module (``(False, name)``, ``(True, name)``)."""
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor) or p.device.type != "cuda":
             continue
@@ -41,7 +46,8 @@ def _sharded_params(model: nn.Module):
                 group = p.device_mesh.get_group(dim)
                 W = group.size()
                 shape = (math.ceil(p.shape[0] / W), *p.shape[1:]) if p.dim() else (1,)
-                yield group, outermost_module(name), shape, W, p.dtype
+                module = name.rpartition(".")[0]
+                yield group, (bool(block_of(module)), block_of(module) or module), shape, W, p.dtype
 
 
 def prepare(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> list:
@@ -61,13 +67,15 @@ def prepare(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> list
     made = []
     for name, group in groups.items():
         W = group.size()
-        layouts = [plans.all_gather_layout([s for s, _ in u], [d for _, d in u], W) for u in units[name].values()]
+        blocks = [u for (in_block, _), u in units[name].items() if in_block] or list(units[name].values())
+        layouts = [plans.all_gather_layout([s for s, _ in u], [d for _, d in u], W) for u in blocks]
         pieces = [plans.rs_piece_bytes([math.prod(s) for s, _ in u], [d.itemsize for _, d in u])
                   for u in units[name].values()]
         arena = transport.get(name)
         if arena is None:
-            arena = transport.enable(group, layouts=layouts, rs_piece_bytes=max(pieces))
-            log.info("tide.compile.prepare: created %r for %d modules", arena, len(layouts))
+            arena = transport.enable(group, layouts=layouts, rs_piece_bytes=max(pieces),
+                                     num_slots=schedule.prefetch_depth() + 1)
+            log.info("tide.compile.prepare: created %r for %d blocks", arena, len(blocks))
         made.append(arena)
         if arena not in _prepared:
             _prepared.append(arena)

@@ -18,6 +18,7 @@ after the waits exist only on ranks whose shard is short, so nothing a match rep
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -101,26 +102,42 @@ def _dim0_pad_input(node):
     return node.args[0]
 
 
-def outermost_module(fqn: str) -> str:
-    """The module below the root that ``fqn`` lies in: its first name, with the index after it when that names
-    a container's child (``layers.3.attention.wo``: ``layers.3``)."""
-    parts = fqn.split(".")
-    return ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
+_GETATTR = re.compile(r"getattr\(([^()]*), '([^']+)'\)")
+_ROOT = re.compile(r"^(?:[LG]\['[^']*'\]|self)")
+
+
+def module_name(source: str) -> str:
+    """A module path as Dynamo's ``nn_module_stack`` writes it (``L['model'].layers[0]._modules['attn']``,
+    ``getattr(L['self'].h, '0')``) as a module name below the compiled frame's root (``layers.0.attn``)."""
+    while _GETATTR.search(source):
+        source = _GETATTR.sub(r"\1.\2", source)
+    source = _ROOT.sub("", source)
+    source = re.sub(r"\._modules\['([^']+)'\]", r".\1", source)
+    source = re.sub(r"\[(\d+)\]|\['([^']+)'\]", lambda m: "." + (m.group(1) or m.group(2)), source)
+    return source.strip(".")
+
+
+def block_of(name: str) -> str:
+    """The block a module name lies in: its path through its first container index (``layers.3.attn.wo``,
+    ``model.layers.3.mlp``: ``layers.3``, ``model.layers.3``); ``""`` for a module in no container
+    (an embedding, a final norm, a head)."""
+    parts = name.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return "" if index is None else ".".join(parts[:index + 1])
 
 
 def module_of(node: Node) -> str:
-    """The module a collective serves, by name: the outermost module below the root in GraphTrainer's
-    ``custom["module_fqn"]`` (which names the leaf module), else in Dynamo's ``nn_module_stack`` (for a
-    gradient: the forward's), else ``""``."""
+    """The module a collective serves, by name: GraphTrainer's ``custom["module_fqn"]``, else the innermost
+    entry of Dynamo's ``nn_module_stack`` (for a gradient: the forward's) as a :func:`module_name`, else ``""``."""
     custom = node.meta.get("custom") or {}
     if custom.get("module_fqn"):
-        return outermost_module(str(custom["module_fqn"]))
+        return str(custom["module_fqn"])
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     entries = list(stack.values())
     if not entries:
         return ""
-    entry = entries[1] if len(entries) > 1 else entries[0]
-    return str(entry[0] if isinstance(entry, tuple) else entry)
+    entry = entries[-1]
+    return module_name(str(entry[0] if isinstance(entry, tuple) else entry))
 
 
 def phase_of(node: Node) -> str:

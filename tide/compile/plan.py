@@ -4,10 +4,12 @@ A rank's graph differs from its peers' where its shard is short (a pad before th
 the waits), so the plan reads none of that: per collective only its kind, module name, phase, group,
 world size and the shapes and dtypes every rank sees alike (an all-gather's padded shard, a
 reduce-scatter's unpadded gradient and output dtype), in graph order. A bucket is a run of consecutive
-matches of one kind (the other kind's collectives may lie between) with the same module, phase, group and,
-for reduce-scatters, the same scale and output dtype; collectives of no known module bucket only with
-those that no matmul separates from them. An all-gather whose shard is produced after its bucket's first
-collective starts a new bucket (the bucket's op is issued where that collective was).
+matches of one kind (the other kind's collectives may lie between) with the same block, phase, group and,
+for reduce-scatters, the same scale and output dtype. A block is what a user calls one: a container's child
+(``layers.3``, ``model.layers.3``: :func:`tide.compile.patterns.block_of`), whatever the nesting above it.
+Collectives of modules in no block (an embedding, a final norm and a head) bucket only with those that no
+matmul separates from them. An all-gather whose shard is produced after its bucket's first collective
+starts a new bucket.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tide import agreement, timeouts
-from tide.compile.patterns import Match, Stock
+from tide.compile.patterns import Match, Stock, block_of
 from tide.ops import call_groups
 from tide.ops.calls import resolve_group
 
@@ -40,7 +42,11 @@ class Bucket:
 
     def describe(self) -> str:
         facts = ", ".join(_fact(m) for m in self.members)
-        return f"{self.kind} {self.phase} {self.module or '-'} on {self.group_name}/{self.world_size}: [{facts}]"
+        return f"{self.kind} {self.phase} {self.name()} on {self.group_name}/{self.world_size}: [{facts}]"
+
+    def name(self) -> str:
+        """The block, else the modules the bucket serves (``norm+output``), else ``-``."""
+        return self.module or "+".join(dict.fromkeys(m.module for m in self.members if m.module)) or "-"
 
 
 def _dtype(d) -> str:
@@ -57,7 +63,7 @@ def _fact(m: Match) -> str:
 
 def _key(m: Match) -> tuple:
     extra = (m.scale, m.facts[2]) if m.kind == "reduce_scatter" else ()
-    return (m.module, m.phase, m.group_name, m.world_size, *extra)
+    return (block_of(m.module), m.phase, m.group_name, m.world_size, *extra)
 
 
 def buckets(matches: list[Match], position: dict) -> list[Bucket]:
@@ -70,23 +76,31 @@ def buckets(matches: list[Match], position: dict) -> list[Bucket]:
         fits = run is not None and run[0] == key
         if fits and m.kind == "all_gather":
             fits = position[m.source] < position[run[1].members[0].collective]
-        if fits and not m.module:  # no module name: a run of collectives between two matmuls
+        if fits and not key[0]:  # in no block: a run of collectives between two matmuls
             last = position[run[1].members[-1].collective]
             fits = bisect.bisect(matmuls, last) == bisect.bisect(matmuls, position[m.collective])
         if not fits:
-            run = (key, Bucket(m.kind, m.module, m.phase, m.group_name, m.world_size))
+            run = (key, Bucket(m.kind, key[0], m.phase, m.group_name, m.world_size))
             open_bucket[m.kind] = run
             out.append(run[1])
         run[1].members.append(m)
     return out
 
 
-def entries(plan: list[Bucket], stock: list[Stock], position: dict) -> list[tuple[str, str]]:
-    """(group name, one line) per bucket (at its first collective) and per collective left to stock, in graph
-    order: the same on every rank whose graph holds the same collectives (``position`` only orders them)."""
-    rows = [(position[b.members[0].collective], b.group_name, b.describe()) for b in plan]
-    rows += [(position[s.node], str(s.node.args[-1]), f"{s.kind} stock:{s.reason}") for s in stock]
-    return [(group, line) for _, group, line in sorted(rows)]
+def entries(issue_order: list, buckets: dict, stock: dict) -> list[tuple[str, str]]:
+    """(group name, one line) per collective of ``issue_order`` (:func:`tide.compile.schedule.issue_order`):
+    a TIDE call's bucket (``buckets``: call node -> :class:`Bucket`), a collective left to stock with its
+    reason (``stock``: node -> :class:`Stock`), or another collective's op. The same on every rank whose graph
+    holds the same collectives in the same order."""
+    rows = []
+    for node in issue_order:
+        if node in buckets:
+            rows.append((buckets[node].group_name, buckets[node].describe()))
+        elif node in stock:
+            rows.append((str(node.args[-1]), f"{stock[node].kind} stock:{stock[node].reason}"))
+        else:
+            rows.append((str(node.args[-1]), f"{node.target._schema.name} stock"))
+    return rows
 
 
 def describe(plan_entries: list[tuple[str, str]]) -> str:

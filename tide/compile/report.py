@@ -16,7 +16,9 @@ class Report:
     counts: dict[str, Counter] = field(default_factory=dict)  # kind -> {"buckets", "tide", "copies", "stock:<r>"}
     glue_removed: int = 0  # casts, pads, splits and cats of the reduce-scatters the rewrite erased
     digest: str = ""  # of the agreed plan (tide.compile.plan.describe)
-    plan: str = ""
+    plan: str = ""  # one line per call and per collective left to stock, in issue order
+    depth: int = 0  # all-gather buckets issued ahead (tide.compile.schedule)
+    pins: int = 0  # ordering dependencies given to Inductor (tide.compile.schedule.pin)
 
     def count(self, kind: str, path: str, n: int = 1) -> None:
         self.counts.setdefault(kind, Counter())[path] += n

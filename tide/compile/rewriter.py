@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from tide.compile import patterns, plan as planning
+from tide.compile import patterns, plan as planning, schedule
 from tide.compile.report import Report, record
 
 aten = torch.ops.aten
@@ -36,8 +36,8 @@ def _node(graph: Graph, target, args, like: Node, val) -> Node:
     return node
 
 
-def _issue(graph: Graph, bucket: planning.Bucket, target, args, anchor: Node, before: bool) -> list[Node]:
-    """The bucket's op at ``anchor`` and one getitem per output; returns the getitems."""
+def _issue(graph: Graph, bucket: planning.Bucket, target, args, anchor: Node, before: bool) -> schedule.Call:
+    """The bucket's op at ``anchor`` and one getitem per output (the call's waits are added by the caller)."""
     first = bucket.members[0].collective
     with graph.inserting_before(anchor) if before else graph.inserting_after(anchor):
         start = _node(graph, target, args, first, [m.collective.meta["val"] for m in bucket.members])
@@ -46,7 +46,7 @@ def _issue(graph: Graph, bucket: planning.Bucket, target, args, anchor: Node, be
         with graph.inserting_after(cursor):
             cursor = _node(graph, operator.getitem, (start, i), m.collective, m.collective.meta["val"])
         items.append(cursor)
-    return items
+    return schedule.Call(bucket, start), items
 
 
 def _replace_wait(graph: Graph, m: patterns.Match, item: Node, after: Node | None) -> Node:
@@ -71,7 +71,7 @@ def _contiguous(graph: Graph, node: Node, report: Report, kind: str) -> Node:
     return copy
 
 
-def _gather(graph: Graph, bucket: planning.Bucket, position: dict, report: Report) -> None:
+def _gather(graph: Graph, bucket: planning.Bucket, position: dict, report: Report) -> schedule.Call:
     first = bucket.members[0].collective
     for m in bucket.members[1:]:
         for n in m.glue:
@@ -79,27 +79,32 @@ def _gather(graph: Graph, bucket: planning.Bucket, position: dict, report: Repor
                 first.prepend(n)
     args = ([_contiguous(graph, m.input, report, bucket.kind) for m in bucket.members], bucket.world_size,
             bucket.group_name)
-    items = _issue(graph, bucket, _op("all_gather_start"), args, first, before=True)
-    for m, item in zip(bucket.members, items):
-        _replace_wait(graph, m, item, None)
+    call, items = _issue(graph, bucket, _op("all_gather_start"), args, first, before=True)
+    call.waits = [_replace_wait(graph, m, item, None) for m, item in zip(bucket.members, items)]
+    return call
 
 
-def _scatter(graph: Graph, bucket: planning.Bucket, position: dict, report: Report) -> None:
+def _scatter(graph: Graph, bucket: planning.Bucket, position: dict, report: Report) -> schedule.Call:
     last = max((m.input for m in bucket.members), key=position.__getitem__)
     out_dtype = bucket.members[0].facts[2]
     args = ([_contiguous(graph, m.input, report, bucket.kind) for m in bucket.members], bucket.members[0].scale,
             out_dtype, bucket.world_size, bucket.group_name)
-    items = _issue(graph, bucket, _op("reduce_scatter_start"), args, last, before=False)
+    call, items = _issue(graph, bucket, _op("reduce_scatter_start"), args, last, before=False)
     cursor = items[-1]  # the waits that stood before the op follow it, in their order
     for m, item in zip(bucket.members, items):
         if position[m.wait] > position[last]:
-            _replace_wait(graph, m, item, None)
+            call.waits.append(_replace_wait(graph, m, item, None))
         else:
             cursor = _replace_wait(graph, m, item, cursor)
+            call.waits.append(cursor)
+    return call
 
 
 def _erase_unused(graph: Graph, nodes: list[Node]) -> int:
-    left, erased = set(nodes), 0
+    """Erase those of ``nodes`` that nothing reads any more (and then those only they read). Only calls: a
+    graph input stays, even unread (Inductor's backward may take an empty shard's zero padding as one, and
+    its inputs are bound by position)."""
+    left, erased = {n for n in nodes if n.op == "call_function"}, 0
     while True:
         unused = [n for n in left if not n.users]
         if not unused:
@@ -144,35 +149,46 @@ def _merge_repeated_waits(graph: Graph) -> None:
                 graph.erase_node(w)
 
 
-def rewrite_graph(graph: Graph, agree: bool = True) -> Report:
-    """Rewrite ``graph`` in place (see the module doc); the plan is agreed first with the ranks of each group
-    it names (``agree``). Returns what was rewritten and what was left to stock, and why."""
+def rewrite_graph(graph: Graph, agree: bool = True, pin: bool = False) -> Report:
+    """Rewrite ``graph`` in place (see the module doc), place its calls and waits
+    (:func:`tide.compile.schedule.place`, ``TIDE_COMPILE_PREFETCH`` buckets ahead) and agree on the issue
+    order with the ranks of each group it names (``agree``); ``pin``: make that order the only one Inductor
+    may issue (:func:`tide.compile.schedule.pin`; Inductor's post-grad graphs). Returns what was rewritten and
+    what was left to stock, and why."""
     _merge_repeated_waits(graph)
     position = {n: i for i, n in enumerate(graph.nodes)}
     found = [f for f in map(patterns.classify, graph.nodes) if f is not None]
     matches = [f for f in found if isinstance(f, patterns.Match)]
     stock = [f for f in found if isinstance(f, patterns.Stock)]
     plan = planning.buckets(matches, position)
-    plan_entries = planning.entries(plan, stock, position)
-    description = planning.describe(plan_entries)
-    if agree:
-        planning.agree(plan_entries)
-    report = Report(digest=planning.digest(description), plan=description)
+    report = Report()
+    calls = []
     for bucket in plan:
-        (_gather if bucket.kind == "all_gather" else _scatter)(graph, bucket, position, report)
+        calls.append((_gather if bucket.kind == "all_gather" else _scatter)(graph, bucket, position, report))
         report.count(bucket.kind, "buckets")
         report.count(bucket.kind, "tide", len(bucket.members))
     for s in stock:
         report.count(s.kind, f"stock:{s.reason}")
     report.glue_removed = _erase_unused(graph, [n for m in matches if m.kind == "reduce_scatter" for n in m.glue])
     stable_topological_sort(graph)
+    report.depth = schedule.prefetch_depth()
+    schedule.place(graph, calls, report.depth)
+    plan_entries = planning.entries(schedule.issue_order(graph), {c.start: c.bucket for c in calls},
+                                    {s.node: s for s in stock})
+    report.plan = planning.describe(plan_entries)
+    report.digest = planning.digest(report.plan)
+    if agree:
+        planning.agree(plan_entries)
+    if pin:
+        report.pins = schedule.pin(graph, calls)
     graph.lint()
     record(report)
     return report
 
 
 def rewrite(gm: GraphModule, agree: bool = True) -> Report:
-    """:func:`rewrite_graph` on ``gm.graph``, then recompile ``gm`` (make_fx graphs, GraphTrainer's pipeline)."""
+    """:func:`rewrite_graph` on ``gm.graph``, then recompile ``gm`` (make_fx graphs, GraphTrainer's pipeline:
+    their FX order is what runs, so the placement needs no pinning)."""
     report = rewrite_graph(gm.graph, agree)
     gm.recompile()
     return report
