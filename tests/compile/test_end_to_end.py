@@ -87,7 +87,7 @@ def test_a_plan_that_differs_on_one_rank_raises_on_every_rank():
     for message in run_ranks(workers.divergent_plan, 2, timeout=300):
         assert "tide.compile.rewrite: the bucket plan on group '0' of rank" in message, message
         assert "differs from rank" in message, message
-        assert "at plan entry 1: \"all_gather forward blocks.0 on 0/2: [(4, 8) bfloat16" in message, message
+        assert "at plan entry 1: 'all_gather forward blocks.0 on 0/2: [(4, 8) bfloat16" in message, message
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
