@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "kernels.h"
 #include "transport/arena.h"
@@ -390,6 +391,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           driver::batch(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(), {write}, {});
           return write.value;
         }, py::arg("device"), py::call_guard<py::gil_scoped_release>());  // a full queue can block the launch
+  // A full fence: this thread's stores before it are visible to other processes before its loads after it
+  // are made (the issued board's graph-call check publishes, then reads its peers': tide/transport/graph_calls.py).
+  m.def("memory_fence", [] { std::atomic_thread_fence(std::memory_order_seq_cst); });
   m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("region"), py::arg("base"), py::arg("offsets"),
         py::arg("nbytes"));
 }

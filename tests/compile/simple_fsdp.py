@@ -2,8 +2,8 @@
 DTensor, all-gathered to ``param_dtype`` at each read, its gradient reduce-scattered in ``reduce_dtype``), so a
 compiled step holds DTensor's functional c10d collectives.
 
-The model has an uneven Linear (7 rows on 2 and 3 ranks), tied embedding/head weights and an
-activation-checkpointed block."""
+The model has an uneven Linear (7 rows on 2 and 3 ranks), a one-row parameter per block (a rank holds no
+row of it: its shard is empty), tied embedding/head weights and an activation-checkpointed block."""
 from __future__ import annotations
 
 import sys
@@ -25,9 +25,10 @@ class Block(nn.Module):
         super().__init__()
         self.up = nn.Linear(DIM, HIDDEN)       # weight (7, 8): uneven shards
         self.down = nn.Linear(HIDDEN, DIM, bias=False)
+        self.gate = nn.Parameter(torch.rand(1, DIM))  # one row: every rank but rank 0 holds none of it
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+        return x + self.down(torch.relu(self.up(x))) * self.gate
 
 
 class Toy(nn.Module):

@@ -114,6 +114,28 @@ def digest(description: str) -> str:
 _agreements: Counter = Counter()  # group name -> plans agreed on it (numbers the store keys: its ranks compile alike)
 
 
+def _missing(store, base: str, n: int, world_size: int, timeout_s: float, what: str) -> str:
+    """Why peers never published plan ``n``: each one's last plan on the group, in words."""
+    latest = {}
+    for p in range(world_size):
+        key = f"{base}/latest/{p}"
+        latest[p] = int(store.get(key)) if store.check([key]) else 0
+    here = [p for p, k in latest.items() if k >= n]
+    causes = []
+    for p, k in latest.items():
+        if k >= n:
+            continue
+        if k == 0:
+            causes.append(f"rank {p} never ran TIDE's pass on this group (tide.compile.enable() was not called "
+                          "there, or its graph was compiled before enable())")
+        else:
+            causes.append(f"rank {p} agreed {k} plan(s) and is not compiling this graph: a recompile on rank(s) "
+                          f"{here} only (their guards failed where rank {p}'s held, e.g. a shape or a Python value "
+                          "only they changed)")
+    return (f"{what}: rank(s) {[p for p, k in latest.items() if k < n]} did not reach plan #{n} within "
+            f"{timeout_s:g} s: " + "; ".join(causes))
+
+
 def agree(plan_entries: list[tuple[str, str]]) -> None:
     """Check that every rank of each group in the plan planned the same for that group, through the default
     store; raises ``RuntimeError`` on every rank of a group, naming the first entry that differs, when one of
@@ -134,11 +156,16 @@ def _agree_on(group, description: str) -> None:
     if group.size() < 2:
         return
     _agreements[group.group_name] += 1
-    prefix = (f"tide/compile/{call_groups.restart_count()}/{group.group_name}/"
-              f"plan{_agreements[group.group_name]}")
+    n = _agreements[group.group_name]
+    base = f"tide/compile/{call_groups.restart_count()}/{group.group_name}"
     rank, what = group.rank(), f"tide.compile.rewrite: the bucket plan on group {group.group_name!r}"
-    plans = agreement.exchange(dist.distributed_c10d._get_default_store(), prefix, rank, group.size(), description,
-                               timeouts.timeout_for(group), what)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{base}/latest/{rank}", str(n))  # how far this rank got: its peers' error names what is missing
+    timeout_s = timeouts.timeout_for(group)
+    try:
+        plans = agreement.exchange(store, f"{base}/plan{n}", rank, group.size(), description, timeout_s, what)
+    except RuntimeError:
+        raise RuntimeError(_missing(store, base, n, group.size(), timeout_s, what)) from None
     for peer, theirs in enumerate(plans):
         if theirs != description:
             mine_lines, their_lines = description.split("\n"), theirs.split("\n")

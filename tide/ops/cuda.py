@@ -31,9 +31,9 @@ class _Transport:
     """The CUDA transport's modules, imported at the first CUDA call (``import tide`` loads none of them)."""
 
     def __getattr__(self, name: str):
-        from tide.transport import all_gather, graph_gather, reduce_scatter, watchdog
+        from tide.transport import all_gather, graph_calls, graph_gather, reduce_scatter, watchdog
 
-        self.all_gather, self.graph_gather = all_gather, graph_gather
+        self.all_gather, self.graph_gather, self.graph_calls = all_gather, graph_gather, graph_calls
         self.reduce_scatter, self.WATCHDOG = reduce_scatter, watchdog.WATCHDOG
         return getattr(self, name)
 
@@ -119,7 +119,8 @@ for _name, _fn in _KERNELS.items():
     _python_kernels.impl(_name, _fn, "CUDA")
 
 
-# The graph ops stay Python kernels (their own library: the extension takes over only the four above).
+# The graph ops stay Python kernels (their own library: the extension takes over only the four above). Each
+# runs on its kind's side stream and holds its inputs until its wait (tide/ops/works.py).
 def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
     """Outputs gathered by the transport in a free slot of the group's arena (``slot``) or in memory of the
     caching allocator (``allocator:<why no slot>``): tide/transport/graph_gather.py. Without an arena, or
@@ -131,28 +132,38 @@ def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
     _transport.WATCHDOG.check()
     route = routes.of_name(group_name)
     a = route.arena if route is not None else None
+    side = works.side_stream("all_gather", shards[0].device)
     got = None
-    if a is None:
-        why = "no_arena"
-    elif a.world_size != world_size:
-        why = "world_size"
-    else:
-        got = _transport.graph_gather.gather(a, shards, world_size, group_name)
-        why = "no_ipc"  # gather gives None only where the ranks cannot export allocator memory
-    if got is None:
-        outs, where = reference.gather_into_new(shards, world_size, group_name), f"reference:{why}"
-    else:
-        outs, where = got
+    with works.issued_on(side):
+        if a is None:
+            why = "no_arena"
+        elif a.world_size != world_size:
+            why = "world_size"
+        else:
+            _transport.graph_calls.check(a, op, shards)
+            got = _transport.graph_gather.gather(a, shards, world_size, group_name)
+            why = "no_ipc"  # gather gives None only where the ranks cannot export allocator memory
+        if got is None:
+            outs, where = reference.gather_into_new(shards, world_size, group_name), f"reference:{why}"
+        else:
+            outs, where = got
     counters.count_graph_op(op, where)
-    works.register(outs)
+    works.register(outs, side, held=shards)
     return outs
 
 
 def reduce_scatter_start(grads, scale, out_dtype, world_size, group_name) -> list[torch.Tensor]:
-    shards = reference.reduce_scatter_into_new("reduce_scatter_start", grads, scale, out_dtype, world_size,
-                                               group_name)
-    counters.count_graph_op("reduce_scatter_start", "allocator")
-    works.register(shards)
+    op = "reduce_scatter_start"
+    grads = reference.checked_grads(op, grads, out_dtype, world_size, group_name)
+    route = routes.of_name(group_name)
+    if route is not None and route.arena is not None and route.arena.world_size == world_size:
+        _transport.WATCHDOG.check()
+        _transport.graph_calls.check(route.arena, op, grads, (f"scale={scale!r}", f"out_dtype={out_dtype}"))
+    side = works.side_stream("reduce_scatter", grads[0].device)
+    with works.issued_on(side):
+        shards = reference.scatter_into_new(grads, scale, out_dtype, world_size, group_name)
+    counters.count_graph_op(op, "allocator")
+    works.register(shards, side, held=grads)
     return shards
 
 

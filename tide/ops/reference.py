@@ -164,12 +164,17 @@ def gather_into_new(shards, world_size, group_name) -> list[torch.Tensor]:
     return outs
 
 
-def reduce_scatter_into_new(op, grads, scale, out_dtype, world_size, group_name) -> list[torch.Tensor]:
+def checked_grads(op, grads, out_dtype, world_size, group_name) -> list[torch.Tensor]:
+    """The graph reduce-scatter's ``grads``, detached, once they pass its checks (else refused on every rank)."""
     try:
         checks.check_reduce_scatter_start(op, grads, out_dtype, world_size)
     except (ValueError, TypeError) as e:
         calls.refuse(op, group_name, world_size, (grads,), e)
-    grads = [g.detach() for g in grads]
+    return [g.detach() for g in grads]
+
+
+def scatter_into_new(grads, scale, out_dtype, world_size, group_name) -> list[torch.Tensor]:
+    """New shards reduced from ``grads`` (already :func:`checked_grads`)."""
     shards = [g.new_empty(checks.padded_shard_shape(g.shape, world_size), dtype=torch.float32) for g in grads]
     torch.ops.tide.reduce_scatter_params_(grads, shards, scale, False, world_size, group_name)
     return shards if out_dtype in (None, torch.float32) else [s.to(out_dtype) for s in shards]
@@ -184,7 +189,8 @@ def all_gather_start(shards, world_size, group_name) -> list[torch.Tensor]:
 
 
 def reduce_scatter_start(grads, scale, out_dtype, world_size, group_name) -> list[torch.Tensor]:
-    shards = reduce_scatter_into_new("reduce_scatter_start", grads, scale, out_dtype, world_size, group_name)
+    grads = checked_grads("reduce_scatter_start", grads, out_dtype, world_size, group_name)
+    shards = scatter_into_new(grads, scale, out_dtype, world_size, group_name)
     counters.count_graph_op("reduce_scatter_start", "reference")
     works.register(shards)
     return shards

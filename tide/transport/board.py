@@ -22,6 +22,10 @@ lease n + 2 only after it has read every rank's lease n + 1, which this rank pub
 read lease n: no slot is overwritten before every rank has read it. Plain stores become visible in
 program order only on x86-64 (:data:`ORDERED_STORES`); elsewhere the leases go through the store.
 
+Last, the graph calls (tide/transport/graph_calls.py): the number of the call this rank refused (0: none),
+then a ring of :data:`GRAPH_CALLS` entries ``(number, digest)``: graph call n in entry n % GRAPH_CALLS, its
+digest written first.
+
 A rank that cannot open the file (a process on another host) has no board; the others' reports say its
 record is missing.
 """
@@ -43,6 +47,7 @@ _HEADER = 2  # pid, mapped
 _LEASE_SLOT_WORDS = 64  # number, length, then the value's bytes
 _LEASE_VALUE_BYTES = 4 * (_LEASE_SLOT_WORDS - 2)
 LEASE_CHANNELS = 2  # the arena's data region (0) and its direct lane (1), each numbering its own leases
+GRAPH_CALLS = 512  # graph calls a rank's ring keeps: a peer this many calls ahead can no longer be compared
 ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")
 
 
@@ -53,6 +58,8 @@ class Record:
     mapped: bool
     ag_uses: list[int]  # per all-gather lane: the slots, then the direct lane
     rs_rounds: list[int]
+    graph_call: int = 0  # the last graph call it published (tide/transport/graph_calls.py)
+    refused_call: int = 0  # the graph call it refused, its peers' being another
 
 
 class IssuedBoard:
@@ -61,7 +68,8 @@ class IssuedBoard:
     def __init__(self, path: str, rank: int, world: int, ag_lanes: int, create: bool) -> None:
         self.path, self.rank, self.world, self.ag_lanes = path, rank, world, ag_lanes
         self.progress_words = _HEADER + ag_lanes + world
-        self.record_words = self.progress_words + LEASE_CHANNELS * 2 * _LEASE_SLOT_WORDS
+        self.graph_words = self.progress_words + LEASE_CHANNELS * 2 * _LEASE_SLOT_WORDS
+        self.record_words = self.graph_words + 1 + 2 * GRAPH_CALLS
         size = 4 * self.record_words * world
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
@@ -138,13 +146,35 @@ class IssuedBoard:
             out.append(bytes(self._map[at + 8:at + 8 + length]).decode(errors="replace"))
         return out
 
+    def _call_entry(self, rank: int, n: int) -> int:
+        return 4 * (self.record_words * rank + self.graph_words + 1 + 2 * (n % GRAPH_CALLS))
+
+    def publish_call(self, n: int, digest: int) -> None:
+        """This rank's graph call ``n`` (numbered from 1) has ``digest``; its number written last."""
+        at = self._call_entry(self.rank, n)
+        struct.pack_into("<I", self._map, at + 4, digest)
+        struct.pack_into("<I", self._map, at, n)
+
+    def call_of(self, rank: int, n: int) -> int | None:
+        """``rank``'s digest of its graph call ``n``, or None while it has not published it (or when its ring
+        has moved past it)."""
+        number, digest = struct.unpack_from("<2I", self._map, self._call_entry(rank, n))
+        return digest if number == n else None
+
+    def refuse_call(self, n: int) -> None:
+        """This rank refused its graph call ``n`` (for its peers' reports)."""
+        struct.pack_into("<I", self._map, 4 * (self.record_words * self.rank + self.graph_words), n)
+
     def records(self) -> list[Record]:
         words = struct.unpack_from(f"<{self.record_words * self.world}I", self._map)
         out = []
         for r in range(self.world):
-            w = words[r * self.record_words:r * self.record_words + self.progress_words]
+            base = r * self.record_words
+            w = words[base:base + self.progress_words]
+            ring = words[base + self.graph_words + 1:base + self.record_words:2]
             out.append(Record(pid=w[0], mapped=w[1] == 1, ag_uses=list(w[_HEADER:_HEADER + self.ag_lanes]),
-                              rs_rounds=list(w[_HEADER + self.ag_lanes:])))
+                              rs_rounds=list(w[_HEADER + self.ag_lanes:]), graph_call=max(ring),
+                              refused_call=words[base + self.graph_words]))
         return out
 
     def close(self) -> None:
@@ -189,4 +219,9 @@ def report(records: list[Record], rank: int, ranks, state=procfs.state) -> list[
         lines.append(f"{who}, process {rec.pid} ({state(rec.pid)}): "
                      + (f"issued all-gather uses {rec.ag_uses} per lane and reduce-scatter rounds {rec.rs_rounds}, "
                         + ", ".join(lags) if lags else "issued as far as this rank"))
+        if rec.refused_call:
+            lines.append(f"{who} refused its graph call {rec.refused_call}: the call this rank issued there was "
+                         "another (the ranks' compiled graphs issue their collectives in different orders)")
+        elif rec.graph_call != mine.graph_call:
+            lines.append(f"{who} is at graph call {rec.graph_call}, this rank at {mine.graph_call}")
     return lines
