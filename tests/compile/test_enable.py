@@ -34,6 +34,27 @@ def test_enable_appends_and_disable_restores(previous):
         assert config.post_grad_custom_post_pass is previous and not tide.compile.enabled()
 
 
+def test_enable_twice_keeps_one_pass():
+    with config.patch(post_grad_custom_post_pass=UserPass()):
+        first = tide.compile.enable()
+        try:
+            assert tide.compile.enable() is first
+            assert sum(isinstance(p, tide.compile.TidePass) for p in config.post_grad_custom_post_pass) == 1
+        finally:
+            tide.compile.disable()
+        assert not tide.compile.enabled()
+
+
+def test_enable_after_a_graph_was_compiled_warns(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters["stats"], "unique_graphs", 2)
+    with config.patch(post_grad_custom_post_pass=None):
+        with pytest.warns(UserWarning, match="2 graph\\(s\\) were compiled before TIDE's pass was enabled"):
+            tide.compile.enable()
+        tide.compile.disable()
+
+
 def test_disable_without_enable_raises():
     with pytest.raises(RuntimeError, match="tide.compile.disable"):
         tide.compile.disable()

@@ -81,6 +81,12 @@ def test_inductor_like_stock(tmp_path):
         # plan's exchange its peers wait in.
         assert result["tide"]["fx_graph_cache"].get("fxgraph_cache_bypass") == 2, result["tide"]["fx_graph_cache"]
         assert not result["tide"]["fx_graph_cache"].get("fxgraph_cache_hit"), result["tide"]["fx_graph_cache"]
+        # In the code Inductor generates, every all-gather but each pass's first is issued a block ahead, and a
+        # reduce-scatter waited at once has its shards read at once (the last one's, by the graph's output).
+        forward, backward = result["tide"]["exposures"]
+        assert forward["tide:all_gather"]["exposed"] <= 1 and backward["tide:all_gather"]["exposed"] <= 1, forward
+        assert forward["tide:all_gather"]["calls"] == 3, forward  # embed, blocks.0 and 1: the head reads embed's
+        assert backward["tide:reduce_scatter"] == {"calls": 4, "exposed": 1, "exposed_unread": 0}, backward
 
 
 def test_a_plan_that_differs_on_one_rank_raises_on_every_rank():

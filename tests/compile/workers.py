@@ -66,9 +66,11 @@ def _inductor(rewrite: bool, graphs: list):
 
 
 def train(rank: int, world_size: int, backend: str, rewrite: bool) -> dict:
+    from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
 
     import tide.compile
+    from tide.compile import exposure
 
     torch._dynamo.reset()
     counters.clear()
@@ -80,18 +82,27 @@ def train(rank: int, world_size: int, backend: str, rewrite: bool) -> dict:
                              dynamic=False,
                              backend=_aot_eager(rewrite, graphs, reports) if backend == "aot_eager" else "inductor")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
+    losses, exposures = [], []
     with _inductor(rewrite, graphs) if backend == "inductor" else contextlib.nullcontext():
         for step in range(STEPS):
-            loss = compiled(*simple_fsdp.batch(step, rank))
-            loss.backward()
+            def forward_backward():
+                loss = compiled(*simple_fsdp.batch(step, rank))
+                loss.backward()
+                return loss
+
+            if backend == "inductor" and step == 0:  # the code Inductor generates: what each graph exposes
+                loss, codes = run_and_get_code(forward_backward)
+                exposures = [exposure.summary(exposure.of_code(code)) for code in codes]
+            else:
+                loss = forward_backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
     params = [p.detach().full_tensor().numpy() for p in model.parameters()]
     cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
     return {"losses": losses, "params": params, "graphs": graphs, "plans": [r.plan for r in reports],
-            "report": tide.compile.report(), "stats": tide.stats()["ops"], "fx_graph_cache": cache}
+            "report": tide.compile.report(), "stats": tide.stats()["ops"], "fx_graph_cache": cache,
+            "exposures": exposures}
 
 
 def compare(rank: int, world_size: int, backend: str = "aot_eager", cache_dir: str = "") -> dict:
@@ -252,3 +263,66 @@ def gathered_buffer_reuse(rank: int, world_size: int) -> list[str]:
     gathered = {m.group(1) for m in re.finditer(r"(buf\d+) = buf\d+\[0\]", code)}
     return [line.strip() for line in code.splitlines() if "# reuse" in line
             and any(re.search(rf"\b{name}\b", line) for name in gathered)]
+
+
+def independent_calls(rank: int, world_size: int, pin: bool) -> list[str]:
+    """The order in which Inductor's code issues three reduce-scatters that nothing orders (their gradients made
+    in FX order a, b, c, b's the largest), with TIDE's ordering dependencies (``pin``) or without."""
+    import re
+
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    from tide.compile import schedule
+
+    group = torch.distributed.group.WORLD.group_name
+    wait, scatter = torch.ops._c10d_functional.wait_tensor, torch.ops.tide.reduce_scatter_start
+
+    def fn(a, b, c):
+        shards = [scatter([g @ g], 1.0, None, world_size, group)[0] for g in (a, b, c)]
+        return sum(wait(s).sum() for s in shards)
+
+    class Pin(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            if pin:
+                schedule.pin(graph, [])
+
+        def uuid(self) -> None:
+            return None
+
+    torch._dynamo.reset()
+    with config.patch(post_grad_custom_post_pass=Pin()):
+        _, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), torch.randn(4, 4), torch.randn(64, 64),
+                                      torch.randn(8, 8))
+    inputs = dict(re.findall(r"extern_kernels\.mm\((\w+), \w+, out=(\w+)\)", code))
+    names = {v: k for k, v in inputs.items()}
+    return [names[b] for b in re.findall(r"tide\.reduce_scatter_start\.default\(\[(\w+)\]", code)]
+
+
+def out_of_step_compile(rank: int, world_size: int, fault: str) -> str:
+    """``fault``: ``"no_pass"``: rank 1 compiles without TIDE's pass; ``"recompile"``: after a step that every rank
+    compiled, rank 0 alone calls with another shape (a recompile of its own). Returns the error, if any."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tide.compile
+
+    torch._dynamo.reset()
+    model = simple_fsdp.build(init_device_mesh("cpu", (world_size,)))
+    rewrite = not (fault == "no_pass" and rank == 1)
+
+    def compiler(gm, example_inputs):
+        if rewrite:
+            tide.compile.rewrite(gm)
+        return make_boxed_func(gm)
+
+    step = torch.compile(lambda tokens, targets: simple_fsdp.loss_fn(model(tokens), targets), dynamic=False,
+                         backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler))
+    try:
+        step(*simple_fsdp.batch(0, rank)).backward()
+        if fault == "recompile":
+            step(*simple_fsdp.batch(1, rank, batch_size=3 if rank == 0 else 2)).backward()
+    except Exception as e:  # noqa: BLE001  (what each rank saw is the result)
+        return f"{type(e).__name__}: {e}"
+    return "no error"

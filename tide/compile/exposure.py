@@ -10,6 +10,9 @@ Two readings of one measure:
 - :func:`of_graph`: an FX graph that runs in its node order (make_fx, aot_eager, torchtitan's graph trainer
   outside its Inductor regions). Kernels: every ATen call that is not a view.
 
+Neither counts a kernel that only casts, pads or copies (a generated kernel whose name lists only such ops,
+``triton_poi_fused__to_copy_0``): those prepare the collectives' own inputs.
+
 A wait right after its call is "read at once" when the next kernel reads what it waited for (or the graph
 returns it): nothing could have gone between.
 """
@@ -51,6 +54,16 @@ _ITEM = re.compile(r"^\s*(\w+) = (\w+)\[\d+\]")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
 _KERNEL = re.compile(r"\.run\(|\bcpp_fused_\w+\(|\bextern_kernels\.\w+\(|\btorch\.ops\.aten\.")
 _OUT = re.compile(r"\bout=(\w+)")
+_FUSED = re.compile(r"\b(?:triton_\w+?_fused|cpp_fused)_(\w+?)_\d+(?:\.run)?\(")
+_DATA_OPS = re.compile(r"_to_copy|constant_pad_nd|convert_element_type|_unsafe_view|clone|copy|view|reshape|_")
+
+
+def _computes(line: str) -> bool:
+    """A kernel launch that does more than cast, pad or copy."""
+    if not _KERNEL.search(line):
+        return False
+    fused = _FUSED.search(line)
+    return fused is None or bool(_DATA_OPS.sub("", fused.group(1)))
 
 
 def of_code(code: str) -> list[Exposure]:
@@ -83,29 +96,20 @@ def of_code(code: str) -> list[Exposure]:
         if item and item.group(2) in root:
             root[item.group(1)] = root[item.group(2)]
             continue
-        if _KERNEL.search(line) or line.strip().startswith("return "):
+        if _computes(line) or line.strip().startswith("return "):
             if waited is not None:
                 names = {b for b, r in root.items() if r == waited}
                 calls[waited]["read_at_once"] = any(re.search(rf"\b{b}\b", line) for b in names)
                 waited = None
-            if _KERNEL.search(line):
+            if _computes(line):
                 for name in open_calls:
                     calls[name]["kernels"] += 1
     return [Exposure(c["op"], c["tide"], c["kernels"], c["read_at_once"]) for c in calls.values() if c["waited"]]
 
 
-def _is_kernel(node: Node) -> bool:
-    from tide.compile.schedule import is_collective, is_view
-
-    if node.op != "call_function" or is_view(node) or is_collective(node):
-        return False
-    name = getattr(getattr(node.target, "_schema", None), "name", "")
-    return name.startswith(("aten::", "prims::")) and name != "_c10d_functional::wait_tensor"
-
-
 def of_graph(graph: Graph) -> list[Exposure]:
     """The collective calls of an FX graph that runs in node order, in that order."""
-    from tide.compile.schedule import is_collective, is_view, tide_ops
+    from tide.compile.schedule import computes, is_collective, is_view, tide_ops
 
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -118,8 +122,8 @@ def of_graph(graph: Graph) -> list[Exposure]:
         if not waits:
             continue
         first = min(waits, key=order.__getitem__)
-        kernels = sum(1 for n in nodes[order[node] + 1:order[first]] if _is_kernel(n))
-        following = next((n for n in nodes[order[first] + 1:] if _is_kernel(n) or n.op == "output"), None)
+        kernels = sum(1 for n in nodes[order[node] + 1:order[first]] if computes(n))
+        following = next((n for n in nodes[order[first] + 1:] if computes(n) or n.op == "output"), None)
         read = following is not None and any(w in following.all_input_nodes or
                                              any(v in following.all_input_nodes for v in w.users if is_view(v))
                                              for w in waits)

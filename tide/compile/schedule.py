@@ -8,9 +8,10 @@
   prefetch; 0: right before its own first wait), or right after an input it cannot move before that (its
   shards' casts and pads move with it). In the backward, the recomputed gathers are ahead in backward order;
 - reduce-scatters: each call right after its last gradient is produced (the rewrite puts it there), its
-  waits right before the next reduce-scatter's call, or before the first read of its shards if that comes
-  first. Its transfer overlaps the backward of the block before it, and a call holds its gradients until
-  its wait (tide/ops/works.py), so at most two buckets' gradients outlive their last reader.
+  waits right before the first later reduce-scatter's call that compute separates from it, or before the
+  first read of its shards if that comes first. Its transfer overlaps the backward of the block before it,
+  and a call holds its gradients until its wait (tide/ops/works.py), so the gradients of at most two
+  blocks outlive their last reader.
 
 So when bucket k's call is issued, buckets k - depth .. k - 1 are still being read: depth + 1 buckets'
 gathered parameters are alive at once, as in FSDP2, and ``tide.compile.prepare`` makes depth + 1 slots.
@@ -44,8 +45,8 @@ from tide.compile import patterns
 from tide.compile.plan import MATMULS, Bucket
 
 aten = torch.ops.aten
-# Nodes that move with an all-gather's call: the cast and pad of its shard (and views of them).
-_LIGHT = patterns.CASTS | {aten.constant_pad_nd.default, aten.clone.default, aten.view.default,
+# What only casts, pads or copies: moves with an all-gather's call (its shard's cast and pad), and is no compute.
+LIGHT = patterns.CASTS | {aten.constant_pad_nd.default, aten.clone.default, aten.view.default,
                            aten._unsafe_view.default, aten.reshape.default}
 
 
@@ -56,6 +57,14 @@ def is_view(node: Node) -> bool:
     target = node.target
     return (target is operator.getitem or getattr(target, "is_view", False)
             or target in (aten._unsafe_view.default, aten.reshape.default, aten.alias.default))
+
+
+def computes(node: Node) -> bool:
+    """An ATen call that does more than view, cast, pad or copy (a collective and a wait do not count)."""
+    if node.op != "call_function" or is_view(node) or is_collective(node) or node.target in LIGHT:
+        return False
+    name = getattr(getattr(node.target, "_schema", None), "name", "")
+    return name.startswith(("aten::", "prims::"))
 
 
 def pinned_target(node: Node):
@@ -140,7 +149,7 @@ def _issue_at(start: Node, target: Node, order: dict[Node, int]) -> None:
         if x in seen or order[x] < order[target]:
             continue
         seen.add(x)
-        if x.op == "call_function" and x.target in _LIGHT:
+        if x.op == "call_function" and x.target in LIGHT:
             light.append(x)
             stack.extend(x.all_input_nodes)
         elif floor is None or order[x] > order[floor]:
@@ -175,12 +184,17 @@ def place(graph: Graph, calls: list[Call], depth: int) -> None:
         _issue_at(call.start, first_waits[max(0, k - depth)], order)
         order = _positions(graph)
     scatters = sorted((c for c in calls if c.kind == "reduce_scatter"), key=lambda c: order[c.start])
-    for call, following in zip(scatters, scatters[1:]):
+    nodes = list(graph.nodes)
+    computed = [0]  # computed[i]: compute nodes before nodes[i]
+    for node in nodes:
+        computed.append(computed[-1] + computes(node))
+    for k, call in enumerate(scatters):
+        following = next((c.start for c in scatters[k + 1:] if computed[order[c.start]] > computed[order[call.start]]),
+                         None)
         for wait in call.waits:
-            first = _first_read(wait, order)
-            target = following.start if first is None or order[following.start] < order[first] else first
-            _move_before(wait, target)
-        order = _positions(graph)
+            targets = [n for n in (following, _first_read(wait, order)) if n is not None]
+            if targets:
+                _move_before(wait, min(targets, key=order.__getitem__))
     stable_topological_sort(graph)
 
 
@@ -189,28 +203,39 @@ def issue_order(graph: Graph) -> list[Node]:
     return [n for n in graph.nodes if is_collective(n)]
 
 
+def _anchor(window: list[Node]) -> Node | None:
+    """What a call overlaps in ``window`` (the nodes between it and its first wait): the last matmul there, else
+    the last node that computes, else None."""
+    matmuls = [n for n in window if n.op == "call_function" and n.target in MATMULS]
+    computing = matmuls or [n for n in window if computes(n)]
+    return computing[-1] if computing else None
+
+
 def dependencies(graph: Graph, calls: list[Call]) -> dict[Node, set[Node]]:
     """The ordering dependencies that pin the placed graph's order (see the module doc): node -> the nodes it
     must follow, each standing before it."""
     deps: dict[Node, set[Node]] = defaultdict(set)
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
     last_collective = last_matmul = None
-    waits = {w for c in calls for w in c.waits}
-    starts = {c.start for c in calls}
-    for node in graph.nodes:
+    own = {w: c.start for c in calls for w in c.waits}
+    for node in nodes:
         if is_collective(node):
             if last_collective is not None:
                 deps[node].add(last_collective)
-            if node in starts and last_matmul is not None:
+            if node.target in tide_ops() and last_matmul is not None:
                 deps[node].add(last_matmul)
             last_collective = node
-        elif node in waits:
-            own = node.args[0].args[0]  # wait(getitem(call, i))
-            if last_collective is not None and last_collective is not own:
-                deps[node].add(last_collective)
-            if last_matmul is not None:
-                deps[node].add(last_matmul)
+        elif node in own and last_collective is not None and last_collective is not own[node]:
+            deps[node].add(last_collective)
         elif node.op == "call_function" and node.target in MATMULS:
             last_matmul = node
+    for call in calls:
+        anchor = _anchor(nodes[order[call.start] + 1:min(order[w] for w in call.waits)])
+        if anchor is not None:
+            deps[anchor].add(call.start)
+            for wait in call.waits:
+                deps[wait].add(anchor)
     return {node: before for node, before in deps.items() if before}
 
 
