@@ -21,23 +21,26 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.utils.checkpoint import CheckpointPolicy
 
 
-def replicate_compute(param, param_dtype, reduce_dtype) -> torch.Tensor:
+def replicate_compute(param, param_dtype, reduce_dtype, reduce_op="sum") -> torch.Tensor:
     return param.redistribute(placements=[Replicate()], forward_dtype=param_dtype,
-                              backward_dtype=reduce_dtype).to_local(grad_placements=[Partial()])
+                              backward_dtype=reduce_dtype).to_local(grad_placements=[Partial(reduce_op)])
 
 
-def _fsdp_class(cls, names, param_dtype, reduce_dtype):
+def _fsdp_class(cls, names, param_dtype, reduce_dtype, reduce_op):
     """A subclass of ``cls`` whose parameters, read by name, are gathered (the sharded ones stay in
     ``_parameters``, where the optimizer and ``state_dict`` find them)."""
-    props = {name: property(lambda self, n=name: replicate_compute(self._parameters[n], param_dtype, reduce_dtype))
+    props = {name: property(lambda self, n=name: replicate_compute(self._parameters[n], param_dtype, reduce_dtype,
+                                                                   reduce_op))
              for name in names}
     return type(f"SimpleFSDP{cls.__name__}", (cls,), props)
 
 
-def simple_fsdp(model: nn.Module, mesh, *, param_dtype=torch.bfloat16, reduce_dtype=torch.float32) -> nn.Module:
+def simple_fsdp(model: nn.Module, mesh, *, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                reduce_op: str = "sum") -> nn.Module:
     """Shard every parameter of ``model`` on dim 0 over ``mesh`` and gather it at each read (tied parameters stay
-    one). Every rank must hold the same full parameters (the same seed): each keeps its own shard of them, with
-    no communication (no scatter, which gloo cannot do with CUDA tensors)."""
+    one); gradients are reduced by ``reduce_op`` (``sum`` or ``avg``). Every rank must hold the same full
+    parameters (the same seed): each keeps its own shard of them, with no communication (no scatter, which gloo
+    cannot do with CUDA tensors)."""
     sharded = {}
     for module in model.modules():
         names = [n for n, p in module._parameters.items() if p is not None]
@@ -47,7 +50,7 @@ def simple_fsdp(model: nn.Module, mesh, *, param_dtype=torch.bfloat16, reduce_dt
                 sharded[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None))
             module._parameters[name] = sharded[id(p)]
         if names:
-            module.__class__ = _fsdp_class(type(module), names, param_dtype, reduce_dtype)
+            module.__class__ = _fsdp_class(type(module), names, param_dtype, reduce_dtype, reduce_op)
     return model
 
 

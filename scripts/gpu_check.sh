@@ -3,7 +3,8 @@
 # print a summary table last. Usage:
 #   bash scripts/gpu_check.sh [--quick] [--only STAGE,STAGE...]
 #     --quick: build and tests only; --only: just these stages (build always runs first). Stages:
-#     tests_transport tests_capture tests_fsdp_cuda tests_multinode tests_memory_model tests_faults fault_campaign kernels
+#     tests_transport tests_compiled tests_capture tests_fsdp_cuda tests_multinode tests_memory_model tests_faults
+#     fault_campaign kernels
 #     collectives
 #     collectives_multinode multinode_host timeline ce_patterns lease_probe (2+ GPUs) overlap sm_room rs_ctas (2+ GPUs)
 #     host_time train_step_8b train_step_multinode (2+ GPUs) train_step_moe train_step_compiled train_step_8b_graphs
@@ -81,7 +82,11 @@ overlap_args=(--reps 10)
 stage build 240 $PY -c "from tide import extension; extension.load(verbose=True); print('built')"
 stage tests_transport 260 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider --timeout=150 \
   --ignore=tests/cuda/test_fsdp_cuda.py --ignore=tests/cuda/test_memory_model.py --ignore=tests/cuda/test_faults.py \
-  --ignore=tests/cuda/test_multinode_cuda.py --ignore=tests/cuda/test_capture.py
+  --ignore=tests/cuda/test_multinode_cuda.py --ignore=tests/cuda/test_capture.py \
+  --ignore=tests/cuda/test_compiled_cuda.py --ignore=tests/cuda/test_compiled_order_cuda.py
+# compiled graphs: bit for bit against the reference backend, plain and captured; one issue order on every rank
+stage tests_compiled 420 $PY -m pytest tests/cuda/test_compiled_cuda.py tests/cuda/test_compiled_order_cuda.py -q -rfEs \
+  -p no:cacheprovider --timeout=400
 TIDE_TRACE=1 stage tests_capture 300 $PY -m pytest tests/cuda/test_capture.py -q -rfEs -p no:cacheprovider --timeout=200
 stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
 stage tests_multinode 300 $PY -m pytest tests/cuda/test_multinode_cuda.py -q -rfEs -p no:cacheprovider --timeout=290
@@ -138,7 +143,7 @@ tar -czf "$OUT/logs.tgz" -C "$WORK/logs" .
   echo "==================== environment"
   cat "$OUT/env.txt"
   echo "==================== tests (last lines)"
-  for t in tests_transport tests_capture tests_fsdp_cuda tests_multinode tests_memory_model tests_faults; do
+  for t in tests_transport tests_compiled tests_capture tests_fsdp_cuda tests_multinode tests_memory_model tests_faults; do
     [ -f "$WORK/logs/$t.log" ] && tail -n 12 "$WORK/logs/$t.log"
   done
   echo "==================== benchmark summaries"

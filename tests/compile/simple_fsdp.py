@@ -59,3 +59,50 @@ def batch(step: int, rank: int, batch_size: int = 2, seq: int = 5):
     g = torch.Generator().manual_seed(1000 * step + rank)
     tokens = torch.randint(0, VOCAB, (batch_size, seq), generator=g)
     return tokens, torch.randint(0, VOCAB, (batch_size, seq), generator=g)
+
+
+class NormBlock(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim_in)
+        self.linear = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x):
+        return F.gelu(self.linear(self.norm(x)))
+
+
+class Uneven(nn.Module):
+    """Three LayerNorm-Linear-GELU blocks between an input and an output Linear, every Linear's rows uneven on
+    3 and 4 ranks (19, 37, 21, 37, 11)."""
+
+    IN = 16
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(self.IN, 19)
+        self.blocks = nn.ModuleList([NormBlock(19, 37), NormBlock(37, 21), NormBlock(21, 37)])
+        self.out = nn.Linear(37, 11)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def build_uneven(mesh, seed: int = 0) -> Uneven:
+    """:class:`Uneven` sharded with bf16 parameters and an ``avg`` fp32 reduce."""
+    torch.manual_seed(seed)
+    with torch.device(mesh.device_type):
+        model = Uneven()
+    return simple_fsdp(model, mesh, reduce_op="avg")
+
+
+def uneven_batch(step: int, rank: int, device, batch_size: int = 6):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(batch_size, Uneven.IN, generator=g).to(device, torch.bfloat16)
+    return x, torch.randint(0, 11, (batch_size,), generator=g).to(device)
+
+
+def uneven_loss(logits, targets):
+    return F.cross_entropy(logits.float(), targets)

@@ -683,3 +683,22 @@ def mismatched_layout(rank: int, world_size: int) -> str:
     except RuntimeError as e:
         return str(e)
     return "enabled"
+
+
+def swapped_graph_calls(rank: int, world_size: int) -> str:
+    """Rank 0 issues two graph all-gathers in one order, its peers in the other (different layouts): the rank
+    that compares second refuses; a rank that issued waits for the refusing rank's part."""
+    import tide  # noqa: F401
+    from tide import transport
+
+    group = dist.group.WORLD
+    arena = transport.enable(group, slot_bytes=1 << 20)
+    dev = arena.device
+    calls = [[torch.randn(3, 5, device=dev).bfloat16()], [torch.randn(2, 7, device=dev)]]
+    if rank != 0:
+        calls.reverse()
+    for shards in calls:
+        for out in torch.ops.tide.all_gather_start(shards, world_size, group.group_name):
+            torch.ops._c10d_functional.wait_tensor(out)
+        torch.cuda.synchronize()
+    return "finished"

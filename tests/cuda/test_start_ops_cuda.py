@@ -155,6 +155,21 @@ def _check_compiled(rank, ws, seed, dev):
     return True
 
 
+def _check_inputs_held(ws, dev) -> dict:
+    """A call runs on a side stream and holds its inputs until its wait: an input its caller drops stays
+    allocated until then, and the caller's stream is unchanged."""
+    g = dist.group.WORLD.group_name
+    stream = torch.cuda.current_stream()
+    grads = [torch.randn(4096, 2048, device=dev).bfloat16()]  # 16 MiB
+    nbytes = grads[0].untyped_storage().nbytes()
+    (shard,) = torch.ops.tide.reduce_scatter_start(grads, 1.0, None, ws, g)
+    del grads
+    held = torch.cuda.memory_allocated()
+    torch.ops._c10d_functional.wait_tensor(shard)
+    freed = held - torch.cuda.memory_allocated()
+    return {"freed_at_wait": freed == nbytes, "same_stream": torch.cuda.current_stream() == stream}
+
+
 def start_ops_rank(rank: int, ws: int, seed: int) -> dict:
     from tide import transport
 
@@ -171,6 +186,7 @@ def start_ops_rank(rank: int, ws: int, seed: int) -> dict:
     out["side_stream"] = gathered.cpu().tolist()
     del gathered  # its slot is free again
     out["compiled"] = _check_compiled(rank, ws, seed + 3, dev)
+    out["inputs_held"] = _check_inputs_held(ws, dev)
     out["slot_reuse"] = _check_slot_reuse(rank, ws, seed + 5, dev)
     shards_by_rank, grads_by_rank = _inputs(ws, seed + 4)
     out["opcheck"] = {
@@ -210,5 +226,6 @@ def test_graph_ops_on_cuda(ext):
         assert slots["direct_uses"] == 2 and slots["captured"] == 2, (seed, slots)
         assert r["side_stream"] == [[float(q)] * 2 for q in range(ws) for _ in range(3)], (seed, r["side_stream"])
         assert r["compiled"] is True
+        assert r["inputs_held"] == {"freed_at_wait": True, "same_stream": True}, (seed, r["inputs_held"])
         for op, checks in r["opcheck"].items():
             assert tuple(checks) == OPCHECK_UTILS and all(v == "SUCCESS" for v in checks.values()), (seed, rank, op, checks)

@@ -25,9 +25,11 @@ KINDS = ("all_gather", "reduce_scatter")
 
 
 def _graph_facts(trainer) -> dict:
-    """What the traced step's graph holds after the pipeline's passes, and ``tide.compile.report()``."""
+    """What the traced step's graph holds after the pipeline's passes, what each collective of it exposes (the
+    graph runs in node order outside its Inductor regions), and ``tide.compile.report()``."""
     import tide.compile
     import tide.torchtitan
+    from tide.compile import exposure
 
     # Every collective op by name ("_c10d_functional::all_gather_into_tensor_out", "tide::all_gather_start", ...).
     nodes = Counter(n.target.name() for n in trainer._traced_step.gm.graph.nodes
@@ -35,6 +37,7 @@ def _graph_facts(trainer) -> dict:
                     and n.target is not torch.ops._c10d_functional.wait_tensor.default)
     config = getattr(tide.torchtitan, f"graph_trainer.llama3.{CONFIG}")()
     return {"nodes": dict(nodes), "report": tide.compile.report(), "pipeline": trainer.config.compile.pass_pipeline,
+            "exposure": exposure.summary(exposure.of_graph(trainer._traced_step.gm.graph)),
             "config_pipeline": config.compile.pass_pipeline, "layers": len(trainer.config.model_spec.model.layers)}
 
 
@@ -78,10 +81,10 @@ def test_every_fsdp_collective_on_tide(runs):
     for rank, (default, tide) in enumerate(zip(runs["default"], runs["tide"])):
         facts, control = tide["inspect"], default["inspect"]
         assert facts["pipeline"] == "tide" and control["pipeline"] == "default"
-        # One bucket per module below the root (embeddings, each block, norm, head) and phase: the forward's
-        # gathers, each block's again in the backward (resharded after forward), and the gradients.
+        # One bucket per block and phase (the forward's gathers, each block's again in the backward, resharded after
+        # forward, and the gradients), one for the embeddings, one for the final norm and the head.
         layers = facts["layers"]
-        buckets = {"all_gather": 2 * layers + 3, "reduce_scatter": layers + 3}
+        buckets = {"all_gather": 2 * layers + 2, "reduce_scatter": layers + 2}
         for kind in KINDS:
             counts = facts["report"][kind]
             assert counts["buckets"] == buckets[kind] and counts["tide"] > counts["buckets"], (rank, facts["report"])
@@ -94,6 +97,18 @@ def test_every_fsdp_collective_on_tide(runs):
         for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
             assert any(name.startswith(f"_c10d_functional::{op}") for name in control["nodes"]), (rank, control)
         assert control["report"]["graphs"] == 0, control["report"]
+
+
+def test_tide_exposes_no_more_transfers_than_the_default_pipeline(runs):
+    """Per collective, the compute between its call and its first wait in the traced graph (node order): with its
+    calls placed a block ahead, the ``tide`` pipeline exposes no more all-gathers or reduce-scatters than the
+    default pipeline, which buckets and reorders for prefetch (its ManualOverlapScheduler)."""
+    for default, tide in zip(runs["default"], runs["tide"]):
+        for kind in KINDS:
+            ours, theirs = tide["inspect"]["exposure"][f"tide:{kind}"], default["inspect"]["exposure"][f"stock:{kind}"]
+            assert ours["exposed"] <= theirs["exposed"], (kind, ours, theirs)
+            assert ours["exposed_unread"] == 0, (kind, ours)
+        assert tide["inspect"]["exposure"]["tide:all_gather"]["exposed"] == 1, tide["inspect"]["exposure"]
 
 
 def test_config_lookup_selects_the_tide_pipeline(runs):

@@ -7,8 +7,9 @@ reduce-scatter's unpadded gradient and output dtype), in graph order. A bucket i
 matches of one kind (the other kind's collectives may lie between) with the same block, phase, group and,
 for reduce-scatters, the same scale and output dtype. A block is what a user calls one: a container's child
 (``layers.3``, ``model.layers.3``: :func:`tide.compile.patterns.block_of`), whatever the nesting above it.
-Collectives of modules in no block (an embedding, a final norm and a head) bucket only with those that no
-matmul separates from them. An all-gather whose shard is produced after its bucket's first collective
+Collectives of modules in no block (an embedding, a final norm and a head) bucket with the same module's
+(a head read once per chunk of a chunked loss) and with those that no matmul separates from them (a final
+norm and a head). An all-gather whose shard is produced after its bucket's first collective
 starts a new bucket.
 """
 from __future__ import annotations
@@ -76,9 +77,10 @@ def buckets(matches: list[Match], position: dict) -> list[Bucket]:
         fits = run is not None and run[0] == key
         if fits and m.kind == "all_gather":
             fits = position[m.source] < position[run[1].members[0].collective]
-        if fits and not key[0]:  # in no block: a run of collectives between two matmuls
-            last = position[run[1].members[-1].collective]
-            fits = bisect.bisect(matmuls, last) == bisect.bisect(matmuls, position[m.collective])
+        if fits and not key[0]:  # in no block: the same module's, or a run of collectives between two matmuls
+            last = run[1].members[-1]
+            fits = (bool(m.module) and m.module == last.module
+                    or bisect.bisect(matmuls, position[last.collective]) == bisect.bisect(matmuls, position[m.collective]))
         if not fits:
             run = (key, Bucket(m.kind, key[0], m.phase, m.group_name, m.world_size))
             open_bucket[m.kind] = run

@@ -108,7 +108,6 @@ class Arena:
         self.plans: dict = {}  # the node leg's plans (tide/transport/node_leg.py); the collectives' are the extension's
         self.plans_agreed = 0  # plans agreed on so far, every kind (numbers their store keys)
         self.graph_calls = 0  # graph-op calls issued on the arena (numbers them: tide/transport/graph_calls.py)
-        self.graph_call_descs: dict[int, str] = {}  # digest -> description of each graph call issued
         self._bind_places: dict = {}  # (W, (numel, dtype) of each output) -> (slot offset, bytes) of each
 
     def _size(self, slot_bytes, num_slots, rs_ring_bytes, rs_piece_bytes, ring_depth, sum_ctas, cast_ctas) -> None:

@@ -23,8 +23,8 @@ read lease n: no slot is overwritten before every rank has read it. Plain stores
 program order only on x86-64 (:data:`ORDERED_STORES`); elsewhere the leases go through the store.
 
 Last, the graph calls (tide/transport/graph_calls.py): the number of the call this rank refused (0: none),
-then a ring of :data:`GRAPH_CALLS` entries ``(number, digest)``: graph call n in entry n % GRAPH_CALLS, its
-digest written first.
+then a ring of :data:`GRAPH_CALLS` entries of 18 words ``(number, digest, length, description bytes)``: graph
+call n in entry n % GRAPH_CALLS, its number written last.
 
 A rank that cannot open the file (a process on another host) has no board; the others' reports say its
 record is missing.
@@ -48,6 +48,8 @@ _LEASE_SLOT_WORDS = 64  # number, length, then the value's bytes
 _LEASE_VALUE_BYTES = 4 * (_LEASE_SLOT_WORDS - 2)
 LEASE_CHANNELS = 2  # the arena's data region (0) and its direct lane (1), each numbering its own leases
 GRAPH_CALLS = 512  # graph calls a rank's ring keeps: a peer this many calls ahead can no longer be compared
+_CALL_WORDS = 18  # number, digest, length, then the call's description (its first 60 bytes)
+_CALL_TEXT_BYTES = 4 * (_CALL_WORDS - 3)
 ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")
 
 
@@ -69,7 +71,7 @@ class IssuedBoard:
         self.path, self.rank, self.world, self.ag_lanes = path, rank, world, ag_lanes
         self.progress_words = _HEADER + ag_lanes + world
         self.graph_words = self.progress_words + LEASE_CHANNELS * 2 * _LEASE_SLOT_WORDS
-        self.record_words = self.graph_words + 1 + 2 * GRAPH_CALLS
+        self.record_words = self.graph_words + 1 + _CALL_WORDS * GRAPH_CALLS
         size = 4 * self.record_words * world
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
@@ -147,19 +149,25 @@ class IssuedBoard:
         return out
 
     def _call_entry(self, rank: int, n: int) -> int:
-        return 4 * (self.record_words * rank + self.graph_words + 1 + 2 * (n % GRAPH_CALLS))
+        return 4 * (self.record_words * rank + self.graph_words + 1 + _CALL_WORDS * (n % GRAPH_CALLS))
 
-    def publish_call(self, n: int, digest: int) -> None:
-        """This rank's graph call ``n`` (numbered from 1) has ``digest``; its number written last."""
+    def publish_call(self, n: int, digest: int, description: str) -> None:
+        """This rank's graph call ``n`` (numbered from 1): its ``digest`` and the start of its ``description``;
+        the number written last."""
         at = self._call_entry(self.rank, n)
-        struct.pack_into("<I", self._map, at + 4, digest)
+        text = description.encode()[:_CALL_TEXT_BYTES]
+        self._map[at + 12:at + 12 + len(text)] = text
+        struct.pack_into("<2I", self._map, at + 4, digest, len(text))
         struct.pack_into("<I", self._map, at, n)
 
-    def call_of(self, rank: int, n: int) -> int | None:
-        """``rank``'s digest of its graph call ``n``, or None while it has not published it (or when its ring
-        has moved past it)."""
-        number, digest = struct.unpack_from("<2I", self._map, self._call_entry(rank, n))
-        return digest if number == n else None
+    def call_of(self, rank: int, n: int) -> tuple[int, str] | None:
+        """``rank``'s (digest, start of the description) of its graph call ``n``, or None while it has not
+        published it (or when its ring has moved past it)."""
+        at = self._call_entry(rank, n)
+        number, digest, length = struct.unpack_from("<3I", self._map, at)
+        if number != n:
+            return None
+        return digest, bytes(self._map[at + 12:at + 12 + min(length, _CALL_TEXT_BYTES)]).decode(errors="replace")
 
     def refuse_call(self, n: int) -> None:
         """This rank refused its graph call ``n`` (for its peers' reports)."""
@@ -171,7 +179,7 @@ class IssuedBoard:
         for r in range(self.world):
             base = r * self.record_words
             w = words[base:base + self.progress_words]
-            ring = words[base + self.graph_words + 1:base + self.record_words:2]
+            ring = words[base + self.graph_words + 1:base + self.record_words:_CALL_WORDS]
             out.append(Record(pid=w[0], mapped=w[1] == 1, ag_uses=list(w[_HEADER:_HEADER + self.ag_lanes]),
                               rs_rounds=list(w[_HEADER + self.ag_lanes:]), graph_call=max(ring),
                               refused_call=words[base + self.graph_words]))

@@ -5,9 +5,9 @@ A compiled graph issues its calls in one order on every rank by construction (ti
 Should a rank still issue another call than its peers at the same point (a graph compiled differently on one
 rank, a call left out), its peers' pushes of one bucket would land where another bucket of the same size is
 expected: the sums would mix them, or the waits end only at the watchdog. So each call is numbered per arena
-(n = 1, 2, ...) and described by the digest of its op, shapes, dtypes and flags (the same on every rank:
-shards are padded, gradients unpadded). A rank publishes (n, digest) on the issued board (host memory its
-peers map, tide/transport/board.py), fences, and reads what the peers published for n:
+(n = 1, 2, ...) and described by its op, shapes, dtypes and flags (the same on every rank: shards are padded,
+gradients unpadded), compared by digest. A rank publishes (n, digest, the description's start) on the issued
+board (host memory its peers map, tide/transport/board.py), fences, and reads what the peers published for n:
 
 - a peer that has published n with another digest: this rank refuses the call (:class:`TideGraphCallError`,
   naming both calls, nothing issued) and marks the refusal on the board;
@@ -41,18 +41,15 @@ def check(arena, op: str, tensors, flags=()) -> None:
     digest = zlib.crc32(desc.encode())
     arena.graph_calls += 1
     n = arena.graph_calls
-    arena.graph_call_descs.setdefault(digest, desc)
-    board.publish_call(n, digest)
+    board.publish_call(n, digest, desc)
     arena.ext.memory_fence()
     for peer in range(arena.world_size):
         theirs = board.call_of(peer, n) if peer != arena.rank else None
-        if theirs is not None and theirs != digest:
+        if theirs is not None and theirs[0] != digest:
             board.refuse_call(n)
-            known = arena.graph_call_descs.get(theirs)
-            their_call = known if known is not None else f"a call of digest {theirs:08x} this rank has not issued"
             raise TideGraphCallError(
                 f"tide.{op}: ranks of group {arena.label} issued different graph calls at call {n}: this rank "
-                f"{arena.rank} issued {desc}, rank {peer} issued {their_call}. Nothing of it was issued here; the "
+                f"{arena.rank} issued {desc}, rank {peer} issued {theirs[1]}. Nothing of it was issued here; the "
                 "peers that issued it wait until TIDE_TIMEOUT_S. The ranks' compiled graphs issue their "
                 "collectives in different orders (a graph compiled on some ranks only, or without "
                 "tide.compile's pass on some)")

@@ -1,0 +1,149 @@
+"""One issue order on every rank in compiled training on CUDA (skipped without CUDA): the uneven SimpleFSDP model
+of tests/compile/simple_fsdp.py (three LayerNorm-Linear-GELU blocks, every Linear's rows uneven on 3 and 4 ranks,
+bf16 parameters, an ``avg`` fp32 reduce, AdamW) compiled by Inductor after ``tide.compile.enable()`` on the CUDA
+transport, ranks sharing one GPU over gloo; each run compiles afresh (a cache directory of its own per rank),
+since Inductor's choices differ from run to run.
+
+- Every rank's generated code issues TIDE's calls in the same order, in every run, at W = 3 and W = 4, and
+  the steps run on the transport (every graph call compared with the peers' on the issued board, which
+  refuses a call that differs).
+- With the ordering dependencies removed, the runs show what they guard against: where Inductor orders a
+  rank's calls otherwise, that rank's graph call is refused by name, never mixed into a peer's (the peers that
+  issued end through the watchdog).
+- Ranks that issue graph calls in different orders by hand: one refuses, naming both calls; the others end
+  in the watchdog's report, which names the refusal.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+
+import pytest
+import torch
+
+from tests.cuda import ranks
+from tide.launch import run_ranks_outcomes
+
+pytestmark = pytest.mark.cuda
+
+RUNS = 10
+STEPS = 3
+TIMEOUT_S = 20
+_CALL = re.compile(r"torch\.ops\.tide\.(all_gather_start|reduce_scatter_start)\.default\(")
+_SHAPE = re.compile(r"assert_size_stride\(\w+, \(([^)]*)\)")
+
+
+def issue_order(code: str) -> list[str]:
+    """TIDE's calls in one generated wrapper, in issue order, each with its outputs' shapes (the same on every
+    rank: gathered outputs are padded, reduced shards are the padded shard shape)."""
+    calls, lines = [], code.splitlines()
+    for i, line in enumerate(lines):
+        call = _CALL.search(line)
+        if call is None:
+            continue
+        shapes = []
+        for after in lines[i + 1:]:
+            if _CALL.search(after) or "wait_tensor" in after:
+                break
+            shape = _SHAPE.search(after)
+            if shape:
+                shapes.append(f"({shape.group(1)})")
+        calls.append(f"{call.group(1)}[{', '.join(shapes)}]")
+    return calls
+
+
+def order_run(rank: int, world_size: int, seed: int, cache_dir: str, pinned: bool) -> dict:
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tide
+    import tide.compile
+    from tests.compile import simple_fsdp
+    from tide.compile import schedule
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
+    if not pinned:
+        schedule.pin = lambda graph, calls: 0
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cuda", (world_size,))
+    model = simple_fsdp.build_uneven(mesh, seed)
+    tide.compile.prepare(model, param_dtype=torch.bfloat16)
+    tide.compile.enable()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(lambda x, y: simple_fsdp.uneven_loss(model(x), y), dynamic=False)
+    losses, codes = [], []
+    with config.patch(emulate_precision_casts=True):
+        for step in range(STEPS):
+            tide.compile.release()
+            batch = simple_fsdp.uneven_batch(seed + step, rank, "cuda")
+
+            def forward_backward():
+                loss = compiled(*batch)
+                loss.backward()
+                return loss
+
+            if step == 0:
+                loss, codes = run_and_get_code(forward_backward)
+            else:
+                loss = forward_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+    torch.cuda.synchronize()
+    return {"orders": [issue_order(code) for code in codes], "losses": losses, "stats": tide.stats()["ops"]}
+
+
+def _runs(world_size: int, pinned: bool, tmp_path, runs: int = RUNS, parallel: int = 4) -> list[list]:
+    """``runs`` fresh compiled runs (``parallel`` at a time), each rank's outcome."""
+    env = {**ranks.ENV, "TIDE_TIMEOUT_S": str(TIMEOUT_S), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+    def one(k):
+        return run_ranks_outcomes(order_run, world_size, 7919 * k + world_size, str(tmp_path / f"w{world_size}_{k}"),
+                                  pinned, device_type="cuda", env=env, timeout=240, pg_timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        return list(pool.map(one, range(runs)))
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_every_rank_issues_one_order_in_every_run(ext, world_size, tmp_path):
+    for k, outcomes in enumerate(_runs(world_size, True, tmp_path)):
+        assert all(o.status == "ok" for o in outcomes), (k, [(o.status, str(o.detail)[-2000:]) for o in outcomes])
+        orders = [o.detail["orders"] for o in outcomes]
+        assert all(order == orders[0] for order in orders), (k, orders)
+        assert sum(len(graph) for graph in orders[0]) > 0, (k, orders)
+        stats = outcomes[0].detail["stats"]
+        assert stats.get("all_gather_start:slot", 0) > 0 and stats.get("reduce_scatter_start:allocator", 0) > 0, stats
+        assert not any(":reference" in key for key in stats), stats
+
+
+def test_without_the_dependencies_a_misordered_call_is_refused_not_mixed(ext, tmp_path, capfd):
+    """What the ordering dependencies guard against: runs without them either agree, or a rank's call is refused
+    by name and its peers end (their watchdog), none hangs and none finishes with another order than a peer."""
+    refused = 0
+    for k, outcomes in enumerate(_runs(3, False, tmp_path, runs=6)):
+        assert not any(o.status == "hung" for o in outcomes), (k, outcomes)
+        if all(o.status == "ok" for o in outcomes):
+            orders = [o.detail["orders"] for o in outcomes]
+            assert all(order == orders[0] for order in orders), (k, orders)
+            continue
+        errors = [str(o.detail) for o in outcomes if o.status == "error"]
+        assert any("issued different graph calls at call" in e for e in errors), (k, outcomes)
+        refused += 1
+    print(f"unpinned runs at W = 3: {refused} of 6 refused a misordered call")
+
+
+def test_graph_calls_in_different_orders_are_refused_and_reported(ext, capfd):
+    outcomes = run_ranks_outcomes(ranks.swapped_graph_calls, 3, device_type="cuda",
+                                  env={**ranks.ENV, "TIDE_TIMEOUT_S": "5"}, timeout=90, pg_timeout=60)
+    errors = [o for o in outcomes if o.status == "error"]
+    assert errors and all(o.status in ("error", "exited") for o in outcomes), outcomes
+    message = str(errors[0].detail)
+    assert "ranks of group" in message and "issued different graph calls at call 1" in message, message
+    assert "all_gather_start((3, 5) bfloat16" in message and "all_gather_start((2, 7) float32" in message, message
+    exited = [o for o in outcomes if o.status == "exited"]
+    if exited:  # a peer that issued its call waits for the refusing rank's part until the watchdog ends it
+        err = capfd.readouterr().err
+        assert "refused its graph call 1" in err, err[-3000:]
