@@ -29,7 +29,7 @@ pytestmark = pytest.mark.cuda
 
 RUNS = 10
 STEPS = 3
-TIMEOUT_S = 20
+TIMEOUT_S = 60  # above the ranks' compile-time skew with several runs compiling at once
 _CALL = re.compile(r"torch\.ops\.tide\.(all_gather_start|reduce_scatter_start)\.default\(")
 _SHAPE = re.compile(r"assert_size_stride\(\w+, \(([^)]*)\)")
 
@@ -90,7 +90,7 @@ def order_run(rank: int, world_size: int, seed: int, cache_dir: str, pinned: boo
                 loss = forward_backward()
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     torch.cuda.synchronize()
     return {"orders": [issue_order(code) for code in codes], "losses": losses, "stats": tide.stats()["ops"]}
 
@@ -101,7 +101,7 @@ def _runs(world_size: int, pinned: bool, tmp_path, runs: int = RUNS, parallel: i
 
     def one(k):
         return run_ranks_outcomes(order_run, world_size, 7919 * k + world_size, str(tmp_path / f"w{world_size}_{k}"),
-                                  pinned, device_type="cuda", env=env, timeout=240, pg_timeout=120)
+                                  pinned, device_type="cuda", env=env, timeout=400, pg_timeout=180)
 
     with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
         return list(pool.map(one, range(runs)))
@@ -123,7 +123,7 @@ def test_without_the_dependencies_a_misordered_call_is_refused_not_mixed(ext, tm
     """What the ordering dependencies guard against: runs without them either agree, or a rank's call is refused
     by name and its peers end (their watchdog), none hangs and none finishes with another order than a peer."""
     refused = 0
-    for k, outcomes in enumerate(_runs(3, False, tmp_path, runs=6)):
+    for k, outcomes in enumerate(_runs(3, False, tmp_path, runs=6, parallel=3)):
         assert not any(o.status == "hung" for o in outcomes), (k, outcomes)
         if all(o.status == "ok" for o in outcomes):
             orders = [o.detail["orders"] for o in outcomes]
