@@ -95,6 +95,11 @@ def order_run(rank: int, world_size: int, seed: int, cache_dir: str, pinned: boo
     return {"orders": [issue_order(code) for code in codes], "losses": losses, "stats": tide.stats()["ops"]}
 
 
+def _failed(k: int, outcomes) -> str:
+    """Every rank's end in words, for the message of a run that did not end well."""
+    return f"run {k}:\n" + "\n".join(f"rank {o.rank}: {o.status}: {str(o.detail)[-3000:]}" for o in outcomes)
+
+
 def _runs(world_size: int, pinned: bool, tmp_path, runs: int = RUNS, parallel: int = 4) -> list[list]:
     """``runs`` fresh compiled runs (``parallel`` at a time), each rank's outcome."""
     env = {**ranks.ENV, "TIDE_TIMEOUT_S": str(TIMEOUT_S), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
@@ -110,7 +115,7 @@ def _runs(world_size: int, pinned: bool, tmp_path, runs: int = RUNS, parallel: i
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_every_rank_issues_one_order_in_every_run(ext, world_size, tmp_path):
     for k, outcomes in enumerate(_runs(world_size, True, tmp_path)):
-        assert all(o.status == "ok" for o in outcomes), (k, [(o.status, str(o.detail)[-2000:]) for o in outcomes])
+        assert all(o.status == "ok" for o in outcomes), _failed(k, outcomes)
         orders = [o.detail["orders"] for o in outcomes]
         assert all(order == orders[0] for order in orders), (k, orders)
         assert sum(len(graph) for graph in orders[0]) > 0, (k, orders)
@@ -124,13 +129,13 @@ def test_without_the_dependencies_a_misordered_call_is_refused_not_mixed(ext, tm
     by name and its peers end (their watchdog), none hangs and none finishes with another order than a peer."""
     refused = 0
     for k, outcomes in enumerate(_runs(3, False, tmp_path, runs=6, parallel=3)):
-        assert not any(o.status == "hung" for o in outcomes), (k, outcomes)
+        assert not any(o.status == "hung" for o in outcomes), _failed(k, outcomes)
         if all(o.status == "ok" for o in outcomes):
             orders = [o.detail["orders"] for o in outcomes]
             assert all(order == orders[0] for order in orders), (k, orders)
             continue
         errors = [str(o.detail) for o in outcomes if o.status == "error"]
-        assert any("issued different graph calls at call" in e for e in errors), (k, outcomes)
+        assert any("issued different graph calls at call" in e for e in errors), _failed(k, outcomes)
         refused += 1
     print(f"unpinned runs at W = 3: {refused} of 6 refused a misordered call")
 

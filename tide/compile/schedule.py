@@ -245,7 +245,15 @@ def pin(graph: Graph, calls: list[Call]) -> int:
     from torch.utils._ordered_set import OrderedSet
 
     order = _positions(graph)
-    deps = {node: OrderedSet(sorted(before, key=order.__getitem__))
+    deps = {node: OrderedSet(sorted(map(_one_tensor, before), key=order.__getitem__))
             for node, before in dependencies(graph, calls).items()}
     preserve_node_ordering(graph, deps)
     return sum(len(before) for before in deps.values())
+
+
+def _one_tensor(node: Node) -> Node:
+    """A dependency as one tensor: for a call that returns a list, its first output (torch 2.11's lowering of
+    ``control_deps`` skips a dependency that is not one tensor; the outputs follow the call)."""
+    if isinstance(node.meta.get("val"), (list, tuple)):
+        return min((u for u in node.users if u.target is operator.getitem), key=lambda u: u.args[1])
+    return node
