@@ -263,6 +263,9 @@ def _measure(variant, tokens, step, graph, steps, warmup, device) -> dict:
         free, total = torch.cuda.mem_get_info(device)  # what the allocator cannot see: NCCL's communicators too
         used = total - free
     stats = tide.stats()
+    gathers = stats["ops"]  # the graph all-gathers of compiled_tide: in a slot, or on the direct lane
+    direct = sum(n for k, n in gathers.items() if k.startswith("all_gather_start:allocator:"))
+    ran = warmup + steps + (device.type == "cuda")  # the profiled step of graph_instantiations too
     return {"variant": variant, "tokens_per_gpu": tokens, "median_step_ms": statistics.median(times) * 1e3,
             "peak_mib": (allocated + arena_bytes) / 2**20, "peak_reserved_mib": (reserved + arena_bytes) / 2**20,
             "device_used_mib": used / 2**20,
@@ -271,6 +274,7 @@ def _measure(variant, tokens, step, graph, steps, warmup, device) -> dict:
             "arena_mib": arena_bytes / 2**20, "first_loss": first_loss, "final_loss": float(loss),
             "stats": str(stats["fsdp"]), "arena_stats": str(stats["wiring"]),
             "ops_stats": str(stats["ops"]),  # the tide ops' backends: the graph ops' of the compiled variants
+            "ag_slot_per_step": gathers.get("all_gather_start:slot", 0) / ran, "ag_direct_per_step": direct / ran,
             "multinode_stats": str(stats["multinode"]),  # rail rounds by implementation
             # cumulative over this process's steps: about 2 leases a step, and maps only while the
             # allocator moves a lease to new segments
@@ -322,7 +326,9 @@ def _print_row(r: dict) -> None:
     stats = r["ops_stats"] if r["variant"] in COMPILED_VARIANTS else r["arena_stats"]
     print(f"{r['variant']:16s} {r['tokens_per_gpu']:6d} tok/GPU  median {r['median_step_ms']:8.2f} ms"
           f"  host {r['host_issue_ms']:7.2f} ms  peak {r['peak_mib']:9.1f} MiB (arena {r['arena_mib']:.0f})"
-          f"  graphs/step {r['graphs_built_per_step']}  loss {r['final_loss']:.4f}  {stats}", flush=True)
+          f"  graphs/step {r['graphs_built_per_step']}  loss {r['final_loss']:.4f}"
+          + (f"  gathers/step {r['ag_slot_per_step']:.0f} in slots, {r['ag_direct_per_step']:.0f} direct lane"
+             if r["variant"] == "compiled_tide" else "") + f"  {stats}", flush=True)
 
 
 def _check_graph_ops(rows: list[dict]) -> None:

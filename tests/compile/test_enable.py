@@ -28,7 +28,7 @@ def test_enable_appends_and_disable_restores(previous):
             if previous is None:
                 assert now is tide_pass
             else:
-                assert now == (list(previous) if isinstance(previous, list) else [previous]) + [tide_pass]
+                assert now.passes == (list(previous) if isinstance(previous, list) else [previous]) + [tide_pass]
         finally:
             tide.compile.disable()
         assert config.post_grad_custom_post_pass is previous and not tide.compile.enabled()
@@ -39,7 +39,7 @@ def test_enable_twice_keeps_one_pass():
         first = tide.compile.enable()
         try:
             assert tide.compile.enable() is first
-            assert sum(isinstance(p, tide.compile.TidePass) for p in config.post_grad_custom_post_pass) == 1
+            assert sum(isinstance(p, tide.compile.TidePass) for p in config.post_grad_custom_post_pass.passes) == 1
         finally:
             tide.compile.disable()
         assert not tide.compile.enabled()
@@ -53,6 +53,21 @@ def test_enable_after_a_graph_was_compiled_warns(monkeypatch):
         with pytest.warns(UserWarning, match="2 graph\\(s\\) were compiled before TIDE's pass was enabled"):
             tide.compile.enable()
         tide.compile.disable()
+
+
+def test_a_chain_of_passes_runs_each_and_has_a_key_only_when_each_has_one():
+    from tide.compile.inductor import PassChain
+
+    ran = []
+
+    class Named(UserPass):
+        def __call__(self, graph):
+            ran.append(graph)
+
+    assert PassChain([Named(), UserPass()]).uuid() is not None
+    assert PassChain([Named(), tide.compile.TidePass()]).uuid() is None
+    PassChain([Named(), Named()])("g")
+    assert ran == ["g", "g"]
 
 
 def test_disable_without_enable_raises():

@@ -53,12 +53,14 @@ def _inductor(rewrite: bool, graphs: list):
 
     import tide.compile
 
+    from tide.compile.inductor import PassChain
+
     if rewrite:
         tide.compile.enable()
-    passes = config.post_grad_custom_post_pass
-    passes = list(passes) if isinstance(passes, list) else [p for p in (passes,) if p is not None]
+    passes = [p for p in (config.post_grad_custom_post_pass,) if p is not None]
     try:
-        with config.patch(post_grad_custom_post_pass=passes + [Recorder(graphs)], emulate_precision_casts=True):
+        with config.patch(post_grad_custom_post_pass=PassChain(passes + [Recorder(graphs)]),
+                          emulate_precision_casts=True):
             yield
     finally:
         if rewrite:

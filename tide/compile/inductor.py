@@ -1,7 +1,8 @@
 """``enable()`` / ``disable()``: TIDE's rewrite as an Inductor post-grad pass, so that a model compiled by
 ``torch.compile`` after ``enable()`` gets TIDE's collectives. The pass runs in
 ``torch._inductor.config.post_grad_custom_post_pass``, before Inductor's own bucketing and overlap passes
-(they then find no FSDP collective to bucket). A pass already set there is kept: both run, the user's first.
+(they then find no FSDP collective to bucket). A pass already set there is kept: both run, the user's first
+(in a :class:`PassChain`: torch 2.11 takes one pass there, not a list).
 On Inductor's graphs the pass also pins the order it placed (tide/compile/schedule.py), so Inductor's
 scheduler issues TIDE's calls and the collectives beside them in that order on every rank, and its
 ``simple_overlap`` (torch 2.14+) may sink a wait but never move a collective past another: it stays on.
@@ -69,9 +70,26 @@ class TidePass(CustomGraphPass):
         return None
 
 
+class PassChain(CustomGraphPass):
+    """Several post-grad passes as one, run in order (torch 2.11 takes one pass there, not a list)."""
+
+    def __init__(self, passes) -> None:
+        self.passes = list(passes)
+
+    def __call__(self, graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self):
+        keys = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        return None if any(k is None for k in keys) else repr(keys).encode()
+
+
 def _as_tuple(value) -> tuple:
     if value is None:
         return ()
+    if isinstance(value, PassChain):
+        return tuple(value.passes)
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
@@ -82,8 +100,8 @@ def _compiled_graphs() -> int:
 
 
 def enable() -> TidePass:
-    """Append TIDE's pass to ``post_grad_custom_post_pass`` (a list of passes when one was set) and return it;
-    when it is there already, return that one. Graphs compiled before (Dynamo's count of unique graphs is not
+    """Append TIDE's pass to ``post_grad_custom_post_pass`` (a :class:`PassChain` after the passes set there) and
+    return it; when it is there already, return that one. Graphs compiled before (Dynamo's count of unique graphs is not
     zero) keep stock's collectives until they are compiled again (``torch._dynamo.reset()``): warned."""
     current = next((p for p in _as_tuple(config.post_grad_custom_post_pass) if isinstance(p, TidePass)), None)
     if current is not None:
@@ -96,7 +114,7 @@ def enable() -> TidePass:
     previous = config.post_grad_custom_post_pass
     _previous.append(previous)
     passes = _as_tuple(previous) + (tide_pass,)
-    config.post_grad_custom_post_pass = passes[0] if len(passes) == 1 else list(passes)
+    config.post_grad_custom_post_pass = passes[0] if len(passes) == 1 else PassChain(passes)
     log.info("tide.compile.enable: TIDE's pass joins Inductor's post-grad passes (%d in all)", len(passes))
     return tide_pass
 
