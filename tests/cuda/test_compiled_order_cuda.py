@@ -4,9 +4,9 @@ bf16 parameters, an ``avg`` fp32 reduce, AdamW) compiled by Inductor after ``tid
 transport, ranks sharing one GPU over gloo; each run compiles afresh (a cache directory of its own per rank),
 since Inductor's choices differ from run to run.
 
-- Every rank's generated code issues TIDE's calls in the same order, in every run, at W = 3 and W = 4, and
-  the steps run on the transport (every graph call compared with the peers' on the issued board, which
-  refuses a call that differs).
+- Every rank's generated code holds TIDE's ops in the same order, and every rank issues the same calls (op,
+  shapes, flags) in the same order, as published call by call on the issued board, in every run, at W = 3
+  and W = 4, on the transport (the board refuses a call that differs from a peer's).
 - With the ordering dependencies removed, the runs show what they guard against: where Inductor orders a
   rank's calls otherwise, that rank's graph call is refused by name, never mixed into a peer's (the peers that
   issued end through the watchdog).
@@ -31,26 +31,18 @@ RUNS = 10
 STEPS = 3
 TIMEOUT_S = 60  # above the ranks' compile-time skew with several runs compiling at once
 _CALL = re.compile(r"torch\.ops\.tide\.(all_gather_start|reduce_scatter_start)\.default\(")
-_SHAPE = re.compile(r"assert_size_stride\(\w+, \(([^)]*)\)")
 
 
-def issue_order(code: str) -> list[str]:
-    """TIDE's calls in one generated wrapper, in issue order, each with its outputs' shapes (the same on every
-    rank: gathered outputs are padded, reduced shards are the padded shard shape)."""
-    calls, lines = [], code.splitlines()
-    for i, line in enumerate(lines):
-        call = _CALL.search(line)
-        if call is None:
-            continue
-        shapes = []
-        for after in lines[i + 1:]:
-            if _CALL.search(after) or "wait_tensor" in after:
-                break
-            shape = _SHAPE.search(after)
-            if shape:
-                shapes.append(f"({shape.group(1)})")
-        calls.append(f"{call.group(1)}[{', '.join(shapes)}]")
-    return calls
+def code_order(code: str) -> list[str]:
+    """TIDE's ops in one generated wrapper, in issue order."""
+    return [m.group(1) for m in map(_CALL.search, code.splitlines()) if m]
+
+
+def issued_calls(arena) -> list[str]:
+    """The graph calls this rank issued on ``arena``, in order, as it published them on the issued board (op,
+    shapes, dtypes and flags: the same on every rank for the same call)."""
+    board = arena.board
+    return [board.call_of(arena.rank, n)[1] for n in range(1, arena.graph_calls + 1)]
 
 
 def order_run(rank: int, world_size: int, seed: int, cache_dir: str, pinned: bool) -> dict:
@@ -92,7 +84,11 @@ def order_run(rank: int, world_size: int, seed: int, cache_dir: str, pinned: boo
             optimizer.zero_grad()
             losses.append(float(loss.detach()))
     torch.cuda.synchronize()
-    return {"orders": [issue_order(code) for code in codes], "losses": losses, "stats": tide.stats()["ops"]}
+    from tide import transport
+
+    (arena,) = transport.arenas()
+    return {"orders": [code_order(code) for code in codes], "calls": issued_calls(arena), "losses": losses,
+            "stats": tide.stats()["ops"]}
 
 
 def _failed(k: int, outcomes) -> str:
@@ -116,9 +112,10 @@ def _runs(world_size: int, pinned: bool, tmp_path, runs: int = RUNS, parallel: i
 def test_every_rank_issues_one_order_in_every_run(ext, world_size, tmp_path):
     for k, outcomes in enumerate(_runs(world_size, True, tmp_path)):
         assert all(o.status == "ok" for o in outcomes), _failed(k, outcomes)
-        orders = [o.detail["orders"] for o in outcomes]
+        orders = [o.detail["orders"] for o in outcomes]  # TIDE's ops in each rank's generated code
         assert all(order == orders[0] for order in orders), (k, orders)
-        assert sum(len(graph) for graph in orders[0]) > 0, (k, orders)
+        calls = [o.detail["calls"] for o in outcomes]  # what each rank issued, call by call, with its layout
+        assert all(c == calls[0] for c in calls) and len(calls[0]) == STEPS * sum(map(len, orders[0])), (k, calls)
         stats = outcomes[0].detail["stats"]
         assert stats.get("all_gather_start:slot", 0) > 0 and stats.get("reduce_scatter_start:allocator", 0) > 0, stats
         assert not any(":reference" in key for key in stats), stats
