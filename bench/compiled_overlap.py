@@ -1,6 +1,6 @@
 """How much of its transfers a compiled TIDE step hides behind compute, at all-gather prefetch depth 0 and 1.
 
-The decoder of ``tide.models`` (``--preset``, ``--blocks`` blocks) sharded SimpleFSDP-style (bench/simple_fsdp.py:
+The decoder of ``tide.models`` (``--preset``, ``--blocks`` blocks) sharded SimpleFSDP-style (tide/compile/simple_fsdp.py:
 bf16 gathers, fp32 reduce-scatters, the parameters gathered again in the backward), its forward and loss compiled
 by Inductor after ``tide.compile.enable()`` on the CUDA transport, ``--ranks`` ranks (one GPU each with NCCL, else
 sharing one GPU over gloo: there every peer copy is a same-GPU copy, so the figures show where transfers sit
@@ -88,7 +88,7 @@ def _events(prof) -> list[dict]:
 
 
 def depth_rank(rank, world_size, preset, blocks, tokens, batch_size, steps, warmup, cache):
-    import simple_fsdp
+    from tide.compile import simple_fsdp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 

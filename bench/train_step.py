@@ -34,11 +34,12 @@ over gloo (ranks sharing a GPU) only TIDE's collectives can be captured, and ``s
 there. With graphs, ``peak_reserved_mib`` is the figure to compare: a graph's pool keeps its segments.
 
 ``compiled_stock`` and ``compiled_tide`` (named in ``--variants``; dense presets): the same model sharded
-SimpleFSDP-style (``bench/simple_fsdp.py``: every parameter a ``Shard(0)`` DTensor gathered in bf16 at each read,
+SimpleFSDP-style (``tide/compile/simple_fsdp.py``: every parameter a ``Shard(0)`` DTensor gathered in bf16 at each read,
 its gradient reduce-scattered in fp32, the parameters gathered again in the backward) with its forward and loss
 compiled by Inductor (one graph, static shapes), stock collectives; ``compiled_tide`` compiled after
 ``tide.compile.enable()``, its arenas made by ``tide.compile.prepare`` before the first step and released after
-each. Their rows join the same CSV and PNG (``ops_stats``: ``tide.stats()["ops"]``, which backend TIDE's graph ops
+each; ``compiled_stock`` with Inductor's best FSDP bucketing and overlap scheduling on the torch it runs on
+(``tide.compile.simple_fsdp.best_stock_options``). Their rows join the same CSV and PNG (``ops_stats``: ``tide.stats()["ops"]``, which backend TIDE's graph ops
 took), and compiled_tide is compared with compiled_stock. compiled_stock needs NCCL (stock's functional collectives
 over gloo with CUDA tensors crash the rank): where ranks share a GPU it is left out. ``--device cpu`` runs the
 compiled variants on gloo CPU ranks (a smoke run). Every row also has ``first_loss``, the first step's loss, before
@@ -175,21 +176,24 @@ def _fsdp2_model(variant, cfg, rank, world_size, device, batch_size, prefetch, g
 
 @contextlib.contextmanager
 def _compiled_model(variant, cfg, rank, world_size, device, batch_size, inductor_cache):
-    """A compiled variant's ``make_step``: the model sharded SimpleFSDP-style (bench/simple_fsdp.py: bf16 gathers,
+    """A compiled variant's ``make_step``: the model sharded SimpleFSDP-style (tide/compile/simple_fsdp.py: bf16 gathers,
     fp32 reduce-scatters, the parameters gathered again in the backward), its forward and loss compiled by
-    Inductor; ``compiled_tide`` after ``tide.compile.enable()``, its arenas made by ``tide.compile.prepare``
-    before the first step and their regions released after each. Inductor caches in ``inductor_cache``/rank<r>
-    (see :func:`main`)."""
-    import simple_fsdp
+    Inductor; ``compiled_stock`` with Inductor's best FSDP bucketing and overlap of this torch
+    (``simple_fsdp.best_stock_options``), ``compiled_tide`` after ``tide.compile.enable()``, its arenas made by
+    ``tide.compile.prepare`` before the first step and their regions released after each. Inductor caches in
+    ``inductor_cache``/rank<r> (see :func:`main`)."""
+    from torch._inductor import config
     from torch.distributed.device_mesh import init_device_mesh
 
     import tide.compile
     from tide import transport
+    from tide.compile import simple_fsdp
     from tide.models import Llama, batch, loss_fn
 
     tide_run = variant == "compiled_tide"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(inductor_cache, f"rank{rank}")
-    with simple_fsdp.reshard_after_forward():
+    stock_options = {} if tide_run else simple_fsdp.best_stock_options(device.type)
+    with simple_fsdp.reshard_after_forward(), config.patch(stock_options):
         torch.manual_seed(0)
         with torch.device(device):  # built where it trains, as tide.train.fsdp_model builds it
             model = Llama(cfg)

@@ -7,7 +7,8 @@
 #     fault_campaign kernels
 #     collectives
 #     collectives_multinode multinode_host timeline ce_patterns lease_probe (2+ GPUs) overlap sm_room rs_ctas (2+ GPUs)
-#     host_time train_step_8b train_step_multinode (2+ GPUs) train_step_moe train_step_compiled train_step_8b_graphs
+#     host_time train_step_8b train_step_multinode (2+ GPUs) train_step_moe train_step_compiled compiled_overlap
+#     train_step_8b_graphs
 #     train_step_moe_graphs train_step_8b_float8 (needs torchao) memory layout_conversion
 # Wheels in .whl/ (carried to a machine without a registry: torchao for the float8 test and benchmark) are
 # installed into a folder of their own first and put on PYTHONPATH.
@@ -118,6 +119,8 @@ stage train_step_moe 220 $PY bench/train_step.py --preset moe --steps 10 --out "
 # compiled SimpleFSDP (compiled_stock needs NCCL: left out, with a message, where ranks share one GPU)
 stage train_step_compiled 280 $PY bench/train_step.py --preset llama8b --blocks 2 --tokens 1024 \
   --variants compiled_stock,compiled_tide,tide_in_place --steps 8 --warmup 3 --out "$WORK/results"
+# compiled TIDE at all-gather prefetch depth 0 and 1: step time and the share of transfer time beside compute
+stage compiled_overlap 240 $PY bench/compiled_overlap.py --steps 6 --warmup 2 --out "$WORK/results"
 stage train_step_8b_graphs 280 $PY bench/train_step.py --preset llama8b --cuda-graphs --tokens 1024,4096 \
   --variants stock,tide_in_place,tide_slot_reuse --steps 10 --out "$WORK/results"
 stage train_step_moe_graphs 220 $PY bench/train_step.py --preset moe --cuda-graphs --tokens 1024,4096 \

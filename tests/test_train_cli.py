@@ -42,3 +42,15 @@ def test_one_rank_reports_that_tide_did_not_run():
     assert out.returncode == 0, out.stderr
     assert "layout conversion removed  0 (no collective took the TIDE path" in out.stdout, out.stdout
     assert "stock:world_size_1" in out.stdout
+
+
+def test_compiled_stock_against_compiled_tide_on_cpu():
+    """``--compile``: the same losses bit for bit (2 ranks: TIDE's rank-order sum of two values rounds as gloo's),
+    what TIDE replaced, and every graph's collectives with how many are exposed, from the generated code."""
+    out = _train("--compile", "--model", "tiny", "--steps", "2", "--device", "cpu", timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line[:5].strip() in ("1", "2")]
+    assert len(rows) == 2 and all(row[1] == row[2] and float(row[3]) == 0 for row in rows), out.stdout
+    assert "replaced by TIDE            all_gather: " in out.stdout, out.stdout
+    assert "compiled tide  forward   tide:all_gather " in out.stdout, out.stdout
+    assert "compiled stock backward  stock:all_gather " in out.stdout, out.stdout

@@ -1,7 +1,17 @@
 """Main command: train the Llama-like model with stock FSDP2 and with TIDE, then compare.
 
     python -m tide.train [--ranks 4] [--steps 10] [--model tiny] [--device auto] [--backend auto]
+    python -m tide.train --compile [--model small] ...
     torchrun --nproc-per-node 4 -m tide.train ...
+
+``--compile``: the model sharded SimpleFSDP-style (tide/compile/simple_fsdp.py: DTensor ``Shard(0)`` parameters
+gathered at each read, resharded after forward) with its forward and loss compiled by Inductor, compiled stock
+(Inductor's best FSDP bucketing and overlap of this torch) against compiled TIDE (``tide.compile.enable()``);
+the table adds, per compiled graph, the collectives TIDE replaced and, from each variant's generated code,
+how many of its collectives are exposed (no compute between the call and its wait). Stock's functional
+collectives over gloo cannot take CUDA tensors: with ranks sharing a GPU only compiled TIDE runs. Inductor's
+kernels are cached per rank between runs (under the temporary directory): the first run compiles them all
+(minutes on a 2-core CPU), later runs reuse them.
 
 Without torchrun it spawns ``--ranks`` local ranks (CPU + gloo without a GPU; one rank per GPU with
 NCCL when GPUs exist), the stock run and the TIDE run each in processes of their own. Under torchrun
@@ -156,6 +166,114 @@ def _run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device:
             "peak_kind": peak_kind, "stats": stats, "removed": removed_bytes_per_step(model) if ran_tide else 0}
 
 
+def _compiled_run(label: str, args, cfg: LlamaConfig, rank: int, world_size: int, device: torch.device) -> dict:
+    """One compiled run: ``compiled_stock`` or ``compiled_tide`` (see the module doc); step 0's generated code
+    gives each graph's exposure."""
+    import tempfile
+
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tide.compile
+    from tide.compile import exposure, simple_fsdp
+
+    use_tide = label == "compiled_tide"
+    # A cache of Inductor's kernels per rank (the ranks' graphs differ where shards are uneven), kept between runs
+    # and shared by the two variants: the first run compiles every kernel, later ones reuse them.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"tide_train_inductor_{os.getuid()}",
+                                                         f"rank{rank}_of_{world_size}")
+    torch._dynamo.reset()
+    tide.compile.reset_report()
+    # Intermediates rounded to their dtype as in eager: else Inductor fuses stock's fp32 cast of a bf16 gradient
+    # into the kernel that made it and never rounds it, while TIDE's op reads it rounded (docs/compile.md).
+    options = {"emulate_precision_casts": True, **({} if use_tide else simple_fsdp.best_stock_options(device.type))}
+    with simple_fsdp.reshard_after_forward(), config.patch(options):
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = Llama(cfg)
+        simple_fsdp.simple_fsdp(model, init_device_mesh(device.type, (world_size,)),
+                                param_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if use_tide:
+            tide.compile.enable()
+            tide.compile.prepare(model, param_dtype=torch.bfloat16 if args.bf16 else None)
+        loss_of = torch.compile(lambda tokens, targets: loss_fn(model(tokens), targets), fullgraph=True, dynamic=False)
+        tide.reset_stats()
+        losses, times, graphs = [], [], []
+        try:
+            for step in range(args.steps):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                if use_tide:
+                    tide.compile.release()
+
+                def forward_backward():
+                    loss = loss_of(*batch(cfg, step, rank, device=device))
+                    loss.backward()
+                    return loss
+
+                if step == 0:
+                    loss, codes = run_and_get_code(forward_backward)
+                    graphs = [exposure.summary(exposure.of_code(code)) for code in codes]
+                else:
+                    loss = forward_backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                loss = loss.detach()
+                dist.all_reduce(loss)
+                loss = loss.item() / world_size
+                times.append(time.perf_counter() - t0)
+                losses.append(loss)
+                if rank == 0:
+                    print(f"[{label}] step {step + 1}/{args.steps}  loss {loss:.6f}  {times[-1] * 1e3:8.1f} ms",
+                          flush=True)
+        finally:
+            if use_tide:
+                tide.compile.disable()
+    peak, peak_kind = _peak_memory(device)
+    return {"losses": losses, "median_step_s": statistics.median(times[1:] or times), "peak": peak,
+            "peak_kind": peak_kind, "graphs": graphs, "report": tide.compile.report(), "ops": tide.stats()["ops"]}
+
+
+def _graph_lines(name: str, graphs: list[dict]) -> list[str]:
+    lines = []
+    for i, graph in enumerate(graphs):
+        what = "forward" if i == 0 else "backward" if i == 1 else f"graph {i}"
+        cells = [f"{kind} {c['calls']} calls, {c['exposed']} exposed ({c['exposed_unread']} waited before a read)"
+                 for kind, c in graph.items()]
+        lines.append(f"  {name:14s} {what:9s} " + ("; ".join(cells) or "no collective"))
+    return lines
+
+
+def _compiled_table(stock: dict | None, tide_: dict, args, world_size: int, device_type: str) -> str:
+    lines = [f"\ncompiled TIDE vs compiled stock (SimpleFSDP, Inductor): model={args.model} ranks={world_size} "
+             f"device={device_type} backend={args.backend} torch={torch.__version__}"]
+    if stock is None:
+        lines.append("compiled stock: not run (its functional collectives over gloo cannot take CUDA tensors)")
+        lines += [f"{'step':>5} {'tide loss':>12}"] + [f"{i + 1:>5} {b:>12.6f}" for i, b in enumerate(tide_["losses"])]
+    else:
+        lines.append(f"{'step':>5} {'stock loss':>12} {'tide loss':>12} {'|diff|':>10}")
+        lines += [f"{i + 1:>5} {a:>12.6f} {b:>12.6f} {abs(a - b):>10.2e}"
+                  for i, (a, b) in enumerate(zip(stock["losses"], tide_["losses"]))]
+        lines.append(f"median step time           stock {stock['median_step_s'] * 1e3:.1f} ms   "
+                     f"tide {tide_['median_step_s'] * 1e3:.1f} ms")
+    if stock is None:
+        lines.append(f"median step time           tide {tide_['median_step_s'] * 1e3:.1f} ms")
+    report = tide_["report"]
+    replaced = "; ".join(f"{kind}: {c.get('tide', 0)} collectives in {c.get('buckets', 0)} TIDE calls"
+                         + "".join(f", {n} left to stock ({r})" for r, n in c.items() if r.startswith("stock:"))
+                         for kind, c in report.items() if isinstance(c, dict))
+    lines += [f"replaced by TIDE            {replaced} ({report['graphs']} graphs)",
+              "collectives per graph, from the generated code (exposed: no compute between a call and its wait)"]
+    if stock is not None:
+        lines += _graph_lines("compiled stock", stock["graphs"])
+    lines += _graph_lines("compiled tide", tide_["graphs"])
+    lines.append(f"tide graph ops             {tide_['ops']}")
+    return "\n".join(lines)
+
+
 def _table(stock: dict, tide_: dict, args, world_size: int, device_type: str, shared_process: bool) -> str:
     lines = [f"\nTIDE vs stock FSDP2: model={args.model} ranks={world_size} device={device_type} "
              f"backend={args.backend} torch={torch.__version__} params={'bf16/fp32 reduce' if args.bf16 else 'fp32'}",
@@ -185,11 +303,21 @@ def _table(stock: dict, tide_: dict, args, world_size: int, device_type: str, sh
 
 
 def run(rank: int, world_size: int, args, label: str) -> dict:
-    """One training run (``label``: ``"stock"`` or ``"tide"``) on this rank."""
+    """One training run (``label``: ``"stock"``, ``"tide"``, ``"compiled_stock"`` or ``"compiled_tide"``) on
+    this rank."""
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    return _run(label, args, PRESETS[args.model], rank, world_size, device)
+    runner = _compiled_run if label.startswith("compiled_") else _run
+    return runner(label, args, PRESETS[args.model], rank, world_size, device)
+
+
+def labels(args) -> tuple[str, ...]:
+    """The runs to compare: eager stock and TIDE, or (``--compile``) compiled stock where it can run, and TIDE."""
+    if not args.compile:
+        return "stock", "tide"
+    return ("compiled_tide",) if args.device == "cuda" and args.backend == "gloo" else ("compiled_stock",
+                                                                                          "compiled_tide")
 
 
 def parse_args(argv=None):
@@ -203,6 +331,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--fp32", dest="bf16", action="store_false", help="no mixed precision (default: bf16 params, fp32 reduce)")
+    p.add_argument("--compile", action="store_true",
+                   help="SimpleFSDP compiled by Inductor: compiled stock against compiled TIDE (tide.compile)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are killed")
     args = p.parse_args(argv)
     if args.device == "auto":
@@ -219,7 +349,9 @@ def parse_args(argv=None):
                     "set the rank count with torchrun's --nproc-per-node")
         args.ranks = int(os.environ["WORLD_SIZE"])
     if args.ranks is None:
-        args.ranks = torch.cuda.device_count() if args.device == "cuda" else 4
+        args.ranks = torch.cuda.device_count() if args.device == "cuda" else 2 if args.compile else 4
+    if args.compile and PRESETS[args.model].n_experts:
+        p.error(f"--compile needs a dense --model (the MoE routing breaks the compiled graph), got {args.model}")
     if args.ranks < 1 or args.steps < 1:
         p.error("--ranks and --steps must be >= 1")
     if args.timeout <= 0:
@@ -239,22 +371,29 @@ def main(argv=None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
         try:
-            stock, tide_ = run(rank, world_size, args, "stock"), run(rank, world_size, args, "tide")
+            results = [run(rank, world_size, args, label) for label in labels(args)]
             if rank == 0:
-                print(_table(stock, tide_, args, world_size, args.device, shared_process=True), flush=True)
+                print(_report(results, args, world_size, shared_process=True), flush=True)
         finally:
             dist.destroy_process_group()
         exit_cleanly()  # torch 2.13's gloo teardown aborts now and then after a clean run
     print(f"tide.train: spawning {args.ranks} ranks ({args.device}, {args.backend}), model={args.model}, "
-          f"steps={args.steps}", flush=True)
+          f"steps={args.steps}{', compiled' if args.compile else ''}", flush=True)
     try:
-        stock, tide_ = (run_ranks(run, args.ranks, args, label, backend=args.backend, device_type=args.device,
-                                  timeout=args.timeout)[0] for label in ("stock", "tide"))
+        results = [run_ranks(run, args.ranks, args, label, backend=args.backend, device_type=args.device,
+                             timeout=args.timeout)[0] for label in labels(args)]
     except (RankError, TimeoutError) as e:
         print(f"tide.train: {e}", file=sys.stderr, flush=True)
         return 1
-    print(_table(stock, tide_, args, args.ranks, args.device, shared_process=False), flush=True)
+    print(_report(results, args, args.ranks, shared_process=False), flush=True)
     return 0
+
+
+def _report(results: list[dict], args, world_size: int, shared_process: bool) -> str:
+    if args.compile:
+        stock = results[0] if len(results) == 2 else None
+        return _compiled_table(stock, results[-1], args, world_size, args.device)
+    return _table(*results, args, world_size, args.device, shared_process=shared_process)
 
 
 if __name__ == "__main__":

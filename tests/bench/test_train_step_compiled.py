@@ -1,5 +1,5 @@
 """bench/train_step.py's compiled variants on 2 CPU ranks (``--device cpu``, Inductor): the tiny preset's model
-sharded SimpleFSDP-style (bench/simple_fsdp.py), compiled without TIDE's pass (``compiled_stock``) and after
+sharded SimpleFSDP-style (tide/compile/simple_fsdp.py), compiled without TIDE's pass (``compiled_stock``) and after
 ``tide.compile.enable()`` (``compiled_tide``). Both rows are written; TIDE's graph ops ran (on the reference
 backend, CPU); the first step's loss (before any update) is the same bit for bit, and so, to rounding, is the
 last; the backward gathers the parameters again (reshard after forward). The GPU runs are the lead's."""

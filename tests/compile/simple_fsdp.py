@@ -1,4 +1,4 @@
-"""The SimpleFSDP toy of the compile tests, sharded by bench/simple_fsdp.py (every parameter a ``Shard(0)``
+"""The SimpleFSDP toy of the compile tests, sharded by tide/compile/simple_fsdp.py (every parameter a ``Shard(0)``
 DTensor, all-gathered to ``param_dtype`` at each read, its gradient reduce-scattered in ``reduce_dtype``), so a
 compiled step holds DTensor's functional c10d collectives.
 
@@ -6,16 +6,12 @@ The model has an uneven Linear (7 rows on 2 and 3 ranks), a one-row parameter pe
 row of it: its shard is empty), tied embedding/head weights and an activation-checkpointed block."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from simple_fsdp import simple_fsdp  # noqa: E402,F401  (bench/simple_fsdp.py; the rank functions use it here)
+from tide.compile.simple_fsdp import simple_fsdp
 
 VOCAB, DIM, HIDDEN = 16, 8, 7
 

@@ -137,3 +137,35 @@ def test_a_bad_depth_is_refused(monkeypatch, depth):
     monkeypatch.setenv("TIDE_COMPILE_PREFETCH", depth)
     with pytest.raises(ValueError, match="TIDE_COMPILE_PREFETCH must be an integer >= 0"):
         rewriter.rewrite(_blocks_step(), agree=False)
+
+
+def test_stock_collectives_beside_tide_calls_are_in_the_issue_order_and_pinned(monkeypatch):
+    """A Shard(1) parameter's gather (chunked and concatenated after the wait: left to stock) and an HSDP-style
+    all-reduce of a gradient between TIDE's calls, with prefetch on: both stay c10d collectives, stand in the
+    issue order the ranks agree on, and each is pinned after the collective before it and before the next."""
+    monkeypatch.setenv("TIDE_COMPILE_PREFETCH", "1")
+    c10d = torch.ops._c10d_functional
+
+    def fn(p0, p1, p2, x):
+        y = x @ _gather(p0).t()
+        w1 = c10d.wait_tensor(c10d.all_gather_into_tensor(p1.to(BF16), 2, "0"))
+        w1 = torch.cat(torch.chunk(w1, 2), dim=1)  # Shard(1): gathered on dim 0, then moved to dim 1
+        y = y @ w1
+        y = y @ _gather(p2).t()
+        grad = y.t() @ y
+        reduced = c10d.wait_tensor(c10d.all_reduce(_scatter(grad), "sum", "1"))  # the replicate dim
+        return y, reduced
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.zeros(4, 8), torch.zeros(8, 1), torch.zeros(1, 2),
+                                          torch.zeros(5, 8, dtype=BF16))
+    for node, block in zip([n for n in gm.graph.nodes if schedule.is_collective(n)],
+                           ["layers.0", "layers.1", "layers.2", "layers.2", "layers.2"]):
+        node.meta["custom"] = {"module_fqn": f"{block}.linear"}
+    report = rewriter.rewrite(gm, agree=False)
+    assert report.plan.splitlines() == [  # layers.2's gather prefetched past layers.1's stock one
+        "all_gather forward layers.0 on 0/2: [(4, 8) bfloat16]", "all_gather forward layers.2 on 0/2: [(1, 2) bfloat16]",
+        "all_gather stock:shard_dim",
+        "reduce_scatter forward layers.2 on 0/2: [(2, 2) bfloat16->float32 x1]", "all_reduce stock:all_reduce"], report.plan
+    chain = schedule.issue_order(gm.graph)
+    deps = schedule.dependencies(gm.graph, [])
+    assert all(before in deps[after] for before, after in zip(chain, chain[1:])), (chain, deps)

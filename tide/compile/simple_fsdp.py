@@ -1,12 +1,14 @@
-"""SimpleFSDP (torchtitan's compile-first FSDP, arXiv 2411.00284) in its smallest form, for the compiled variants
-of bench/train_step.py and the tests of ``tide.compile``.
+"""SimpleFSDP (torchtitan's compile-first FSDP, arXiv 2411.00284) in its smallest form, for ``python -m tide.train
+--compile``, the compiled variants of bench/train_step.py and the tests of ``tide.compile``.
 
 - :func:`simple_fsdp`: every parameter becomes a ``Shard(0)`` DTensor over a 1-D mesh, and each read of it
   all-gathers it to a plain tensor in ``param_dtype`` whose gradient is reduce-scattered in ``reduce_dtype``
   (torchtitan's ``replicate_compute``), so a compiled step holds DTensor's functional c10d collectives;
 - :func:`reshard_after_forward`: Inductor's joint-graph pass that makes the backward gather the parameters
   again instead of keeping the forward's gathered copies alive until then (torchtitan's
-  ``reshard_after_forward``; without it the compiled step holds every gathered parameter at once).
+  ``reshard_after_forward``; without it the compiled step holds every gathered parameter at once);
+- :func:`best_stock_options`: the Inductor settings that give compiled stock FSDP its best bucketing and overlap on
+  the torch it runs on, what TIDE's compiled steps are compared with.
 """
 from __future__ import annotations
 
@@ -98,3 +100,13 @@ def reshard_after_forward():
                            f"already set ({config.joint_custom_post_pass!r})")
     with config.patch(joint_custom_post_pass=_RecomputeGathers()):
         yield
+
+
+def best_stock_options(device_type: str) -> dict:
+    """Inductor's settings for compiled stock SimpleFSDP at its best on this torch and device (for
+    ``config.patch``). CUDA: its overlap scheduling, which buckets the FSDP collectives and moves them for
+    overlap by estimated runtimes (``aten_distributed_optimizations.enable_overlap_scheduling``; torch 2.14+
+    also runs ``simple_overlap`` by default). CPU, where those estimates need a GPU: its FSDP bucketing."""
+    if device_type == "cuda" and hasattr(config, "aten_distributed_optimizations"):
+        return {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    return {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "only_fsdp"}
