@@ -23,13 +23,14 @@ compares it between the ranks (tide/compile/plan.py).
 
 **Pinning** (:func:`pin`, Inductor only): Inductor's scheduler treats TIDE's calls as ordinary kernels and
 reorders independent ones (for peak memory, fusion, locality), differently on ranks whose graphs differ.
-Explicit dependencies make the order above the only one it may issue: each collective of the issue order
-after the one before it; each wait after the last call issued before it (a prefetched call stays ahead of
-the compute that precedes its own use) and after the last matmul before it (a wait stays late); each call
-after the last matmul before it (a prefetched call is not hoisted further, where it would need another
-slot). They are ``control_deps`` (torch._inductor.fx_passes.control_dependencies, Inductor's own way to keep
-an FX order through its scheduler), which every scheduler pass honours, ``simple_overlap`` included: it may
-still sink a wait later, never move a collective past another.
+Explicit dependencies (:func:`dependencies`) make the order above the only one it may issue: each
+collective of the issue order after the one before it; each wait after the last call issued before it (a
+prefetched call stays ahead of the compute that precedes its own use); each call after the last matmul
+before it (a prefetched call is not hoisted further, where it would need another slot); and what a call
+overlaps, the last matmul (else the last computing node) between it and its first wait, after the call and
+before its waits. They are ``control_deps`` (torch._inductor.fx_passes.control_dependencies, Inductor's own
+way to keep an FX order through its scheduler), which every scheduler pass honours, ``simple_overlap``
+included: it may still sink a wait later, never move a collective past another.
 """
 from __future__ import annotations
 
