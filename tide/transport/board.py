@@ -24,7 +24,7 @@ program order only on x86-64 (:data:`ORDERED_STORES`); elsewhere the leases go t
 
 Last, the graph calls (tide/transport/graph_calls.py): the number of the call this rank refused (0: none),
 then a ring of :data:`GRAPH_CALLS` entries of 18 words ``(number, digest, length, description bytes)``: graph
-call n in entry n % GRAPH_CALLS, its number written last.
+call n in entry n % GRAPH_CALLS, its number cleared first and written last.
 
 A rank that cannot open the file (a process on another host) has no board; the others' reports say its
 record is missing.
@@ -156,6 +156,7 @@ class IssuedBoard:
         the number written last."""
         at = self._call_entry(self.rank, n)
         text = description.encode()[:_CALL_TEXT_BYTES]
+        struct.pack_into("<I", self._map, at, 0)  # the entry's old call (n - GRAPH_CALLS) is gone first
         self._map[at + 12:at + 12 + len(text)] = text
         struct.pack_into("<2I", self._map, at + 4, digest, len(text))
         struct.pack_into("<I", self._map, at, n)
