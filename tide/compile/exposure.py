@@ -22,7 +22,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from torch.fx import Graph, Node
+from torch.fx import Graph
 
 KINDS = {"all_gather_start": "all_gather", "all_gather_into_tensor": "all_gather",
          "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tide import agreement, timeouts
-from tide.compile.patterns import Match, Stock, block_of
+from tide.compile.patterns import Match, block_of
 from tide.ops import call_groups
 from tide.ops.calls import resolve_group
 
