@@ -2,6 +2,7 @@
 user's, ``disable()`` restores exactly what was set, and the pass has no uuid (Inductor bypasses its FX graph cache)."""
 
 import pytest
+import torch
 from torch._inductor import config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -45,12 +46,19 @@ def test_enable_twice_keeps_one_pass():
         assert not tide.compile.enabled()
 
 
-def test_enable_after_a_graph_was_compiled_warns(monkeypatch):
-    from torch._dynamo.utils import counters
+def test_enable_warns_of_frames_compiled_before_and_not_after_a_reset():
+    import warnings
 
-    monkeypatch.setitem(counters["stats"], "unique_graphs", 2)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x.sin() + 1, backend="eager")
+    compiled(torch.randn(3))
     with config.patch(post_grad_custom_post_pass=None):
-        with pytest.warns(UserWarning, match="2 graph\\(s\\) were compiled before TIDE's pass was enabled"):
+        with pytest.warns(UserWarning, match="1 frame\\(s\\) were compiled before TIDE's pass was enabled"):
+            tide.compile.enable()
+        tide.compile.disable()
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             tide.compile.enable()
         tide.compile.disable()
 

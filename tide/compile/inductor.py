@@ -93,21 +93,23 @@ def _as_tuple(value) -> tuple:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def _compiled_graphs() -> int:
-    from torch._dynamo.utils import counters
+def _compiled_frames() -> int:
+    """Frames Dynamo has compiled and still holds (``torch._dynamo.reset()`` drops them; Dynamo's graph counters
+    are never reset, so they cannot tell)."""
+    from torch._dynamo import convert_frame
 
-    return counters["stats"]["unique_graphs"]
+    return len(convert_frame.output_codes.seen_ids)
 
 
 def enable() -> TidePass:
     """Append TIDE's pass to ``post_grad_custom_post_pass`` (a :class:`PassChain` after the passes set there) and
-    return it; when it is there already, return that one. Graphs compiled before (Dynamo's count of unique graphs is not
-    zero) keep stock's collectives until they are compiled again (``torch._dynamo.reset()``): warned."""
+    return it; when it is there already, return that one. Frames compiled before (and not dropped by
+    ``torch._dynamo.reset()``) keep stock's collectives until they are compiled again: warned."""
     current = next((p for p in _as_tuple(config.post_grad_custom_post_pass) if isinstance(p, TidePass)), None)
     if current is not None:
         return current
-    if _compiled_graphs():
-        warnings.warn(f"tide.compile.enable: {_compiled_graphs()} graph(s) were compiled before TIDE's pass was "
+    if _compiled_frames():
+        warnings.warn(f"tide.compile.enable: {_compiled_frames()} frame(s) were compiled before TIDE's pass was "
                       "enabled; they keep stock's collectives until compiled again (torch._dynamo.reset(), then "
                       "compile)", stacklevel=2)
     tide_pass = TidePass()
