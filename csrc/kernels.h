@@ -12,6 +12,15 @@
 
 #include <cuda_runtime_api.h>
 
+#include <c10/util/Exception.h>
+
+// A CUDA runtime call that must succeed, else a named error.
+#define TIDE_CUDA(expr)                                                                                 \
+  do {                                                                                                  \
+    const cudaError_t err_ = (expr);                                                                    \
+    TORCH_CHECK(err_ == cudaSuccess, "tide.transport: ", #expr, " failed: ", cudaGetErrorString(err_)); \
+  } while (0)
+
 namespace tide {
 
 // Wire dtypes of the tide ops (tide.meta.checks.FLOAT_DTYPES), and the all-gather's bytes (kU8: copied,

@@ -85,3 +85,35 @@ def test_the_design_docs_module_map_names_every_module():
     sources += sorted(p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cpp", ".cu", ".h"))
     unnamed = [str(p.relative_to(ROOT)) for p in sources if not re.search(rf"\b{re.escape(p.stem)}\b", table)]
     assert not unnamed, unnamed
+
+
+def _includes(path: Path) -> list[Path]:
+    """The files of csrc/ that ``path`` includes (quoted includes, relative to csrc/)."""
+    names = re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.M)
+    return [ROOT / "csrc" / name for name in names]
+
+
+def _reaches(start: Path) -> set[Path]:
+    seen, todo = set(), [start]
+    while todo:
+        for included in _includes(todo.pop()):
+            if included not in seen:
+                seen.add(included)
+                todo.append(included)
+    return seen
+
+
+def test_no_csrc_source_includes_a_header_above_its_own():
+    """The extension's includes point down only: no .cpp/.cu includes a header that (directly or not) includes
+    the source's own header, which would make the lower file depend on one built on it."""
+    upward = []
+    for source in _sources("csrc"):
+        own = source.with_suffix(".h")
+        if source.suffix in (".cpp", ".cu") and own.exists():
+            upward += [f"{source.relative_to(ROOT)} -> {h.relative_to(ROOT)}" for h in _includes(source)
+                       if h != own and own in _reaches(h)]
+    assert not upward, upward
+
+
+def test_an_include_back_up_is_caught():
+    assert (ROOT / "csrc/transport/steady.h") in _reaches(ROOT / "csrc/transport/arena.h")

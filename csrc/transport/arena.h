@@ -21,12 +21,6 @@
 #include "transport/flags.h"
 #include "transport/steady.h"
 
-#define TIDE_CUDA(expr)                                                                                 \
-  do {                                                                                                  \
-    const cudaError_t err_ = (expr);                                                                    \
-    TORCH_CHECK(err_ == cudaSuccess, "tide.transport: ", #expr, " failed: ", cudaGetErrorString(err_)); \
-  } while (0)
-
 namespace tide {
 
 // Host nanoseconds inside the ops' C++ part, by kind of call (Arena::counters).

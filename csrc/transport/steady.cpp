@@ -6,8 +6,6 @@
 
 #include <algorithm>
 
-#include "transport/arena.h"
-
 namespace tide {
 namespace {
 
