@@ -73,15 +73,12 @@ def all_gather_into_outputs(shards, outs, world_size: int, group: dist.ProcessGr
 
 
 def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: bool, world_size: int,
-                               group: dist.ProcessGroup, arena=None) -> None:
+                               group: dist.ProcessGroup) -> None:
     """Reduce the unsharded ``grads`` into this rank's padded fp32 ``shard_grads`` (on the reduce-scatter
     stream, which has waited for the compute stream). The op reads every gradient where it lies: where
     autograd left it (In-Place), or at its parameter's place in the group's slot, where the Slot-Reuse
-    hooks moved it; with an arena, ``tide.stats()["wiring"]`` counts which."""
+    hooks moved it."""
     torch.ops.tide.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group.group_name)
-    if arena is not None:
-        from_slot = any(arena.slot_of(g) is not None for g in grads)
-        counters.count_wiring("rs:slot_reuse" if from_slot else "rs:in_place")
 
 
 # ---------------------------------------------------------------------------------------------- TIDE paths
@@ -138,7 +135,7 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
 
 
 def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes, device, divide_factor, arena=None,
-                 across: replicate.Across = replicate.NONE):
+                 across: replicate.Across = replicate.NONE, from_slot: bool = False):
     handle = _get_device_handle(device.type)
     world_size = rs_group.size()
     # Stock's divide factors for an fp32 reduce; TIDE-RS applies the reduce-scatter's as one fp32 scale.
@@ -149,13 +146,15 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
     unsharded_grads.clear()
     if arena is not None:  # leased (if it is not) on the compute stream, as for the all-gather
         arena.region()
+        # Where the op reads the gradients: the Slot-Reuse hooks moved them into the slot, or autograd's own.
+        counters.count_wiring("rs:slot_reuse" if from_slot else "rs:in_place")
     rs_stream.wait_stream(handle.current_stream())
     in_place = (None if across.needs_buffer or f.divides_after
                 else reduce_output.accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size))
     with handle.stream(rs_stream):
         if in_place is not None:
             reduce_scatter_into_shards(*shard_dims.reduce_scatter_args(fsdp_params, grads, in_place, world_size),
-                                       f.scale, True, world_size, rs_group, arena)
+                                       f.scale, True, world_size, rs_group)
             rs_event = rs_stream.record_event()
             reduce_output.post_accumulate_hooks(fsdp_params)
             return compat.reduce_result(grads, rs_event, rs_stream, rs_stream.record_event())
@@ -170,7 +169,7 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
         shards = [as_strided(p.padded_sharded_param_size, p.contiguous_sharded_stride, o)
                   for p, o in zip(fsdp_params, offsets)]
         reduce_scatter_into_shards(*shard_dims.reduce_scatter_args(fsdp_params, grads, shards, world_size),
-                                   f.scale, False, world_size, rs_group, arena)
+                                   f.scale, False, world_size, rs_group)
         rs_event = rs_stream.record_event()
     after = replicate.finish(flat, across, f, rs_stream, handle)
     if after.partial is not None:  # no all-reduce this step: stock assigns nothing either
@@ -301,6 +300,7 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, de
     WATCHDOG.check()
     enabled = comms.of_params(fsdp_params)
     comm = enabled[1] if enabled is not None else None
+    from_slot = comm is not None and comm.take_grads_moved_into_slot()
     reason = reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device, custom_input_fn)
     route = routes.of(group) if reason is None else None
     counters.count_fsdp("reduce_scatter", reason, route is not None and route.multinode)
@@ -316,7 +316,7 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, de
     comm_debug.register_if_loaded()
     with _identity(comm.param_group, "reduce_scatter", "backward"):
         return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena,
-                            across)
+                            across, from_slot)
 
 
 @torch.no_grad()
@@ -346,7 +346,8 @@ def foreach_reduce_per_param_dtype(fsdp_params, unsharded_grads, reduce_scatter_
                               all_reduce_hook, force_sum_reduction_for_comms)
     return _reduce(stock, fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
                    reduce_dtype, device, gradient_divide_factor, across,
-                   [p.sharded_grad_dtype for p in fsdp_params], prepare_reduce_scatter_inputs is not _DEFAULT_RS_INPUT_FN)
+                   [p.sharded_grad_dtype for p in fsdp_params],
+                   prepare_reduce_scatter_inputs is not _DEFAULT_RS_INPUT_FN)
 
 
 SHAPES = {
