@@ -49,15 +49,16 @@ R call_python(Kernel k, Args&&... args) {
   if constexpr (!std::is_void_v<R>) return result.cast<R>();
 }
 
-// Runs the collective the gate let through; "refused" when it refused the arguments.
-Verdict run(AgGate& g, at::TensorList shards, at::TensorList outs) {
+// Run the collective the gate let through; "refused" when it refused the arguments.
+Verdict run_all_gather(AgGate& g, at::TensorList shards, at::TensorList outs) {
   g.arena->steady().use_region_on(g.stream);
   if (all_gather(*g.arena, *g.plan, shards, outs, g.slot, -1) != Ran::kTide) return Verdict::kRefused;
   ++steady_calls[kAgParams];
   return Verdict::kTransport;
 }
 
-Verdict run(RsGate& g, at::TensorList grads, at::TensorList shard_grads, double scale, bool accumulate) {
+Verdict run_reduce_scatter(RsGate& g, at::TensorList grads, at::TensorList shard_grads, double scale,
+                           bool accumulate) {
   Arena& a = *g.arena;
   a.steady().use_region_on(g.stream);
   if (reduce_scatter(a, *g.plan, grads, shard_grads, scale, accumulate, -1) != Ran::kTide) return Verdict::kRefused;
@@ -75,7 +76,7 @@ Verdict run(RsGate& g, at::TensorList grads, at::TensorList shard_grads, double 
 void all_gather_into_params(at::TensorList shards, at::TensorList outs, int64_t world, c10::string_view group) {
   AgGate g = gate_all_gather(shards, outs, world, group);
   const bool here = g.verdict == Verdict::kTransport && steady_on.load(std::memory_order_relaxed);
-  if (!here || (g.verdict = run(g, shards, outs)) != Verdict::kTransport)
+  if (!here || (g.verdict = run_all_gather(g, shards, outs)) != Verdict::kTransport)
     call_python<void>(kAgParams, shards.vec(), outs.vec(), world, std::string(group), verdict_name(g.verdict));
 }
 
@@ -83,7 +84,7 @@ void reduce_scatter_params(at::TensorList grads, at::TensorList shard_grads, dou
                            int64_t world, c10::string_view group) {
   RsGate g = gate_reduce_scatter(grads, shard_grads, world, group);
   const bool here = g.verdict == Verdict::kTransport && steady_on.load(std::memory_order_relaxed);
-  if (!here || (g.verdict = run(g, grads, shard_grads, scale, accumulate)) != Verdict::kTransport)
+  if (!here || (g.verdict = run_reduce_scatter(g, grads, shard_grads, scale, accumulate)) != Verdict::kTransport)
     call_python<void>(kRsParams, grads.vec(), shard_grads.vec(), scale, accumulate, world, std::string(group),
                       verdict_name(g.verdict));
 }
@@ -113,8 +114,9 @@ std::vector<at::Tensor> functional_all_gather(at::TensorList shards, int64_t wor
   return outs;
 }
 
-std::vector<at::Tensor> functional_reduce_scatter(at::TensorList inputs, double scale, std::optional<at::ScalarType> out_dtype,
-                                                  int64_t world, c10::string_view group) {
+std::vector<at::Tensor> functional_reduce_scatter(at::TensorList inputs, double scale,
+                                                  std::optional<at::ScalarType> out_dtype, int64_t world,
+                                                  c10::string_view group) {
   if (!functional_ok(inputs, world, true) || (out_dtype.has_value() && dtype_code(*out_dtype) < 0))
     return call_python<std::vector<at::Tensor>>(kRs, inputs.vec(), scale, out_dtype, world, std::string(group));
   std::vector<at::Tensor> ins, shards;
