@@ -16,9 +16,9 @@ gate's verdict, which the C++ kernel hands it, it asks the gate once per call), 
 calls the Python driver ``all_gather.all_gather_into_params`` (the kernel's watchdog check, capture
 check and counter left out).
 ``dispatch_only`` calls an operator of this bench with the all-gather's schema whose CUDA kernel does
-nothing: what the ``torch.ops`` dispatcher itself costs for these arguments. Timed on rank 0 from the Python call to its return (the GPU is synchronised between
-iterations, outside the timed region); the arena's counters split the C++ part of a call by kind
-(kernel launches, stream memops, copy-API calls, events); the rest is Python and op dispatch.
+nothing: what the ``torch.ops`` dispatcher itself costs for these arguments. Timed on rank 0 from the Python call to its
+return (the GPU is synchronised between iterations, outside the timed region); the arena's counters split the C++ part
+of a call by kind (kernel launches, stream memops, copy-API calls, events); the rest is Python and op dispatch.
 
 Stock: FSDP2's tensor ops for the same group, issued the way ``foreach_all_gather`` /
 ``foreach_all_gather_copy_out`` / ``foreach_reduce`` issue them (the copy-in ``_foreach_copy_`` into the
@@ -122,13 +122,14 @@ def tide_times(world_size: int, iters: int) -> dict:
         calls[0] += 1
         rs(fresh[calls[0] % FRESH_SETS])
 
-    fns = {"ag_bind": ag_bind, "ag_op_only": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size,
-                                                                                            name),
+    fns = {"ag_bind": ag_bind,
+           "ag_op_only": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name),
            "ag_op_via_python": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name),
            "ag_python": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name),
            "ag_arena": lambda: all_gather.all_gather_into_params(arena, shards, views[0]),
            "dispatch_only": lambda: no_op(shards, views[0], world_size, name),
-           "rs_in_place": rs, "rs_in_place_via_python": rs, "rs_in_place_fresh": rs_fresh, "rs_slot_reuse": lambda: rs(in_slot)}
+           "rs_in_place": rs, "rs_in_place_via_python": rs, "rs_in_place_fresh": rs_fresh,
+           "rs_slot_reuse": lambda: rs(in_slot)}
     res = {}
     for variant in VARIANTS:
         arena.ext.steady_enable(on=variant not in VIA_PYTHON)

@@ -41,7 +41,8 @@ def sum_rows(ext, k: int, n: int, ctas_list, reps: int) -> list[dict]:
         for ctas in ctas_list:
             ms = _median_ms(lambda: ext.sum_rows(outs=[out], rows=base.view(k, n), owns=[], own_row=-1, scale=1.0,
                                                  accumulate=accumulate, ctas=ctas), reps)
-            rows.append({"kernel": "sum_contributions", "case": f"K={k} bf16->fp32 {'accumulate' if accumulate else 'write'}",
+            rows.append({"kernel": "sum_contributions",
+                         "case": f"K={k} bf16->fp32 {'accumulate' if accumulate else 'write'}",
                          "ctas": ctas, "bytes": nbytes, "ms": ms, "tb_per_s": nbytes / (ms * 1e-3) / 1e12})
             print(f"sum  {rows[-1]['case']:28s} ctas={ctas:4d}  {rows[-1]['tb_per_s']:.3f} TB/s", flush=True)
     return rows
@@ -113,7 +114,8 @@ def main(argv=None):
     by = {(r["kernel"], r["case"], r["ctas"]): r["tb_per_s"] for r in rows}
     acc = "K=8 bf16->fp32 accumulate"
     w2 = "K=2 bf16->fp32 write"
-    casts = ", ".join(f"{r['kernel']} {r['case']} {r['tb_per_s']:.2f} TB/s" for r in rows if r["kernel"] != "sum_contributions")
+    casts = ", ".join(f"{r['kernel']} {r['case']} {r['tb_per_s']:.2f} TB/s" for r in rows
+                      if r["kernel"] != "sum_contributions")
     print(f"SUMMARY kernels: sum 8 CTAs {by.get(('sum_contributions', acc, 8), float('nan')):.2f} TB/s, "
           f"16 CTAs {by.get(('sum_contributions', acc, 16), float('nan')):.2f} TB/s (accumulate); K=2 16 CTAs "
           f"{by.get(('sum_contributions', w2, 16), float('nan')):.2f} TB/s (write); {casts}")

@@ -135,7 +135,8 @@ def _measure(rank: int, world_size: int, dim: int, layers: int, name: str, rs_mo
         "live_ns": (peak + symmetric) / ns, "alloc_ns": (peak - leased) / ns, "arena_ns": arena_bytes / ns,
         "grad_shard_ns": grad_shard / ns,
         "live_ns_arena_amortized": (peak - leased + arena_bytes / groups_sharing) / ns,
-        "unsharded_blocks_at_start": unsharded_blocks, "window_end": window_end, "fsdp_stats": str(stats), "arena_stats": str(arena_stats),
+        "unsharded_blocks_at_start": unsharded_blocks, "window_end": window_end, "fsdp_stats": str(stats),
+        "arena_stats": str(arena_stats),
         "grads_into_slot": arena_stats.get("rs:grad_into_slot", 0),
         "target_ns": TARGETS[name],
     }
@@ -202,7 +203,8 @@ def main(argv=None) -> None:
     p.add_argument("--dims", default="1024,2048,4096", help="comma-separated model dims (one block size each)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--stock-max-dim", type=int, default=4096,
-                   help="stock FSDP2 only up to this dim (ranks sharing a GPU run stock over gloo, slow for large blocks)")
+                   help="stock FSDP2 only up to this dim (ranks sharing a GPU run stock over gloo, "
+                        "slow for large blocks)")
     p.add_argument("--ranks", type=int, default=8, help="ranks (8: one NVLink domain of 8 GPUs)")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args(argv)
@@ -212,8 +214,8 @@ def main(argv=None) -> None:
     dims = [int(d) for d in args.dims.split(",")]
     gpus = torch.cuda.device_count()
     backend = "nccl" if gpus >= args.ranks else "gloo"
-    per_rank = run_ranks(_rank, args.ranks, dims, args.layers, args.stock_max_dim, backend=backend, device_type="cuda", env=CUDA_RANK_ENV,
-                         timeout=540)
+    per_rank = run_ranks(_rank, args.ranks, dims, args.layers, args.stock_max_dim, backend=backend, device_type="cuda",
+                         env=CUDA_RANK_ENV, timeout=540)
     meta = run_meta(gpus=gpus, ranks=args.ranks, backend=backend)
     rows = [{**r, **meta} for pr in per_rank for r in pr]
     out = Path(args.out)

@@ -33,10 +33,10 @@ and the reduce-scatter's input bytes per rank (bf16 grads; the fp32 variants mov
 same S). t is the time per call of ``inner`` calls back to back, as nccl-tests times a collective: 50
 calls at 1 MiB down to 8 from 32 MiB, so the ranks' skew after a barrier and the first call's start are
 amortised. With 2 calls from 256 MiB the first call would weigh half: on 2 x H200, bench/timeline.py's
-TIDE-AG took 419 us per call over 3 calls after a barrier, and 371 us from one call's start to the next. t is the slowest rank's median over ``--reps``. SM time: the summed duration of non-memcpy/memset GPU kernels
-one call launches (torch.profiler). Host time (``host_us``): the slowest rank's median time to issue one
-call in those loops; where it reaches t, the host sets the pace, not the GPU. Writes ``collectives.csv``
-and ``.png`` under ``--out``.
+TIDE-AG took 419 us per call over 3 calls after a barrier, and 371 us from one call's start to the next. t is the
+slowest rank's median over ``--reps``. SM time: the summed duration of non-memcpy/memset GPU kernels one call launches
+(torch.profiler). Host time (``host_us``): the slowest rank's median time to issue one call in those loops; where it
+reaches t, the host sets the pace, not the GPU. Writes ``collectives.csv`` and ``.png`` under ``--out``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """How much of its transfers a compiled TIDE step hides behind compute, at all-gather prefetch depth 0 and 1.
 
-The decoder of ``tide.models`` (``--preset``, ``--blocks`` blocks) sharded SimpleFSDP-style (tide/compile/simple_fsdp.py:
-bf16 gathers, fp32 reduce-scatters, the parameters gathered again in the backward), its forward and loss compiled
-by Inductor after ``tide.compile.enable()`` on the CUDA transport, ``--ranks`` ranks (one GPU each with NCCL, else
-sharing one GPU over gloo: there every peer copy is a same-GPU copy, so the figures show where transfers sit
-against compute, not NVLink speed). Per depth (``TIDE_COMPILE_PREFETCH``, each in processes of its own): the
-median step time over ``--steps`` steps after ``--warmup``, the all-gathers in slots and on the direct lane per
+The decoder of ``tide.models`` (``--preset``, ``--blocks`` blocks) sharded SimpleFSDP-style
+(tide/compile/simple_fsdp.py: bf16 gathers, fp32 reduce-scatters, the parameters gathered again in the backward), its
+forward and loss compiled by Inductor after ``tide.compile.enable()`` on the CUDA transport, ``--ranks`` ranks (one GPU
+each with NCCL, else sharing one GPU over gloo: there every peer copy is a same-GPU copy, so the figures show where
+transfers sit against compute, not NVLink speed). Per depth (``TIDE_COMPILE_PREFETCH``, each in processes of its own):
+the median step time over ``--steps`` steps after ``--warmup``, the all-gathers in slots and on the direct lane per
 step, peak memory, and one profiled step of rank 0 (torch.profiler): on the compute stream (the one that runs the
 most kernel time) its kernels; elsewhere TIDE's transfers (copies, and the kernels of the transport's own
 streams). ``hidden_share``: the part of the transfers' busy time during which the compute stream ran a kernel.
@@ -134,7 +134,8 @@ def depth_rank(rank, world_size, preset, blocks, tokens, batch_size, steps, warm
             step(warmup + steps)
             torch.cuda.synchronize()
     direct = sum(n for k, n in ops.items() if k.startswith("all_gather_start:allocator:"))
-    return {"median_step_ms": statistics.median(times) * 1e3, "ag_slot_per_step": ops.get("all_gather_start:slot", 0) / steps,
+    return {"median_step_ms": statistics.median(times) * 1e3,
+            "ag_slot_per_step": ops.get("all_gather_start:slot", 0) / steps,
             "ag_direct_per_step": direct / steps, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
             "ops": str(ops), "events": _events(prof) if rank == 0 else []}
 
@@ -184,7 +185,8 @@ def main(argv=None):
         busy, covered = hidden(events)
         row = {"depth": depth, "median_step_ms": max(r["median_step_ms"] for r in results),
                "transfer_busy_us": busy, "hidden_us": covered, "hidden_share": covered / busy if busy else 0.0,
-               "ag_slot_per_step": results[0]["ag_slot_per_step"], "ag_direct_per_step": results[0]["ag_direct_per_step"],
+               "ag_slot_per_step": results[0]["ag_slot_per_step"],
+               "ag_direct_per_step": results[0]["ag_direct_per_step"],
                "peak_mib": results[0]["peak_mib"], "ranks": ranks, "backend": backend, "preset": args.preset,
                "blocks": args.blocks, "tokens_per_gpu": args.tokens, "ops": results[0]["ops"], **run_meta()}
         rows.append(row)

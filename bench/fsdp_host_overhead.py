@@ -179,7 +179,8 @@ def main(argv=None) -> int:
     cols = ("host_cpu_us", "host_wall_us", "collective_wall_us", "total_wall_us")
     rows = [(op, path, *(r[op][c] for c in cols)) for op in ("unshard", "reduce") for path, r in result.items()]
     meta = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d')}, 2 ranks gloo, 60 params of {args.dim}x{args.dim}/{args.dim}, {args.reps} reps")
+            f"{time.strftime('%Y-%m-%d')}, 2 ranks gloo, 60 params of {args.dim}x{args.dim}/{args.dim}, "
+            f"{args.reps} reps")
     with open(out / "fsdp_host_overhead.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["op", "path", *cols, "setup"])

@@ -24,7 +24,8 @@ def merged(sides: dict[str, list[str]]) -> list[dict]:
     for commit, paths in sides.items():
         for run, path in enumerate(paths, 1):
             with open(path, newline="") as f:
-                rows += [{"commit": commit, "run": run, **r} for r in csv.DictReader(f) if r["path"].startswith("tide_")]
+                rows += [{"commit": commit, "run": run, **r} for r in csv.DictReader(f)
+                         if r["path"].startswith("tide_")]
     return rows
 
 
@@ -50,7 +51,8 @@ def main() -> None:
         return
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for k, (commit, marker) in enumerate(zip(sides, ("o", "s"))):
-        xs = [i + (k - 0.5) * 0.3 for i, path in enumerate(paths) for r in rows if r["path"] == path and r["commit"] == commit]
+        xs = [i + (k - 0.5) * 0.3 for i, path in enumerate(paths)
+              for r in rows if r["path"] == path and r["commit"] == commit]
         ys = [float(r["median_us"]) for path in paths for r in rows if r["path"] == path and r["commit"] == commit]
         ax.scatter(xs, ys, marker=marker, label=f"{commit} ({len(sides[commit])} runs)")
     ax.set_xticks(range(len(paths)), [p.removeprefix("tide_") for p in paths], rotation=30, ha="right")

@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     print(f"wrote {dest.with_suffix('.csv')} and .png")
     big = [r for r in rows if r["world_size"] == max(args.world_sizes)]
     print("SUMMARY layout_conversion (removed per step, W=%d): " % max(args.world_sizes) +
-          ", ".join(f"{r['model']} {r['removed_ms_per_step']:.1f} ms ({r['removed_MiB_per_layer'] * r['layers'] / 1024:.1f} GiB)"
+          ", ".join(f"{r['model']} {r['removed_ms_per_step']:.1f} ms "
+                    f"({r['removed_MiB_per_layer'] * r['layers'] / 1024:.1f} GiB)"
                     for r in big))
     return 0
 

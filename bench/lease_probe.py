@@ -12,7 +12,8 @@ the slot and allocates an "activation" of the same size. One row per rank and ph
 
 - ``same_address`` / ``same_handle``: the allocator handed back the previous phase's block, in the same
   segment, so the peer's mapping still holds and nothing is mapped again;
-- ``peer_map_ms``: the host time of ``cudaIpcOpenMemHandle`` (``ipc_open``) when the peer's handle is new (0 when mapped);
+- ``peer_map_ms``: the host time of ``cudaIpcOpenMemHandle`` (``ipc_open``) when the peer's handle is new
+  (0 when mapped);
 - ``push_gbps``: the push into the mapped lease, both ranks at once (a W = 2 all-gather's busbw);
 - ``landed``: the peer's bytes are in this rank's slot, and the rest of the slot is untouched;
 - ``activation_reuses_block`` / ``reserved_growth_mib``: the freed slot serves the activation without
@@ -130,7 +131,8 @@ def _rank(rank: int, world: int, slot_mib: int, push_mib: int, phases: int, reps
     dist.barrier()
     free2 = torch.cuda.mem_get_info(dev)[0]
     rows.append({"rank": rank, "phase": "empty_cache", "empty_cache_ms": empty_ms,
-                 "freed_by_empty_cache_mib": (free1 - free0) / MiB, "freed_after_peer_close_mib": (free2 - free1) / MiB})
+                 "freed_by_empty_cache_mib": (free1 - free0) / MiB,
+                 "freed_after_peer_close_mib": (free2 - free1) / MiB})
     return [{c: r.get(c) for c in COLUMNS} for r in rows]
 
 

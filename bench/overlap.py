@@ -14,8 +14,8 @@ G CTAs, in one of two modes that span the whole foreground run:
 
 Both modes are run for every G. Not included: network time (the preprint's 6.75 ms RS is dominated by
 it) and NCCL's own kernels; reductions here read local HBM only. ``--xgpu`` runs the cross-GPU
-experiment instead (``bench/overlap_xgpu.py``: real reduce-scatters over NVLink beside the GEMM). Reported per (foreground, mode, G):
-foreground median time alone and concurrent (slowdown %), and the time of one 32 MiB reduction.
+experiment instead (``bench/overlap_xgpu.py``: real reduce-scatters over NVLink beside the GEMM). Reported per
+(foreground, mode, G): foreground median time alone and concurrent (slowdown %), and the time of one 32 MiB reduction.
 Writes under ``--out`` (default bench/out/): overlap.csv and .png.
 """
 from __future__ import annotations

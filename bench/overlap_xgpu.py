@@ -176,5 +176,6 @@ def main(args) -> None:
         fig.tight_layout()
         fig.savefig(out / "overlap_xgpu.png", dpi=120)
     print("SUMMARY overlap_xgpu: " + ", ".join(
-        f"{r['variant']} GEMM {r['gemm_slowdown_pct']:+.1f}% RS {r['rs_ms_alone'] * 1e3:.0f}/{r['rs_ms_beside'] * 1e3:.0f} us"
+        f"{r['variant']} GEMM {r['gemm_slowdown_pct']:+.1f}% "
+        f"RS {r['rs_ms_alone'] * 1e3:.0f}/{r['rs_ms_beside'] * 1e3:.0f} us"
         for r in rows))

@@ -1,9 +1,9 @@
 """TIDE-RS's summing grid, one CTA per SM (the default) against 16: the evidence its targets ask for.
 
 TIDE-RS's SM time must stay at most a quarter of NCCL bf16's at 256 MiB with busbw at or above it, and it
-must slow a one-wave GEMM by <= 3 % while its time beside the GEMM stays <= 1.5x NCCL bf16's time alone. A one-wave GEMM holds every SM, so a
-summing grid waits for its wave to end and then delays the next GEMM's CTAs on the SMs it takes: the
-shortest burst over every SM delays it least (``sm_room.py``). This script measures both settings of
+must slow a one-wave GEMM by <= 3 % while its time beside the GEMM stays <= 1.5x NCCL bf16's time alone. A one-wave GEMM
+holds every SM, so a summing grid waits for its wave to end and then delays the next GEMM's CTAs on the SMs it takes:
+the shortest burst over every SM delays it least (``sm_room.py``). This script measures both settings of
 ``TIDE_RS_CTAS`` in one run, alternated ``--rounds`` times so that the machine's drift falls on both:
 
 - the cross-GPU overlap (``overlap.py --xgpu``): the GEMM's slowdown beside TIDE-RS and beside NCCL bf16,
@@ -46,7 +46,8 @@ def _overlap_rows(ctas: int, rnd: int, reps: int) -> list[dict]:
     rows = {r["variant"]: r for r in _measure(["overlap.py", "--xgpu", "--reps", str(reps)], ctas, "overlap_xgpu.csv")}
     nccl_alone = float(rows["nccl_rs_bf16"]["rs_ms_alone"])
     return [{"rs_ctas": ctas, "round": rnd, "measure": "overlap", "variant": v, "size_mib": 32,
-             "gemm_slowdown_pct": float(rows[v]["gemm_slowdown_pct"]), "rs_us_alone": 1e3 * float(rows[v]["rs_ms_alone"]),
+             "gemm_slowdown_pct": float(rows[v]["gemm_slowdown_pct"]),
+             "rs_us_alone": 1e3 * float(rows[v]["rs_ms_alone"]),
              "rs_us_beside": 1e3 * float(rows[v]["rs_ms_beside"]),
              "beside_over_nccl_alone": float(rows[v]["rs_ms_beside"]) / nccl_alone, "busbw_GBps": "", "sm_us": ""}
             for v in RS_VARIANTS]
@@ -71,7 +72,8 @@ def _plot(rows: list[dict], settings: list[int], out: Path, meta: dict) -> None:
     for c in settings:
         ov = [r for r in tide if r["rs_ctas"] == c and r["measure"] == "overlap"]
         axes[0].plot([r["round"] for r in ov], [r["gemm_slowdown_pct"] for r in ov], "o-", label=f"TIDE-RS, {c} CTAs")
-        axes[1].plot([r["round"] for r in ov], [r["beside_over_nccl_alone"] for r in ov], "o-", label=f"TIDE-RS, {c} CTAs")
+        axes[1].plot([r["round"] for r in ov], [r["beside_over_nccl_alone"] for r in ov], "o-",
+                     label=f"TIDE-RS, {c} CTAs")
         co = [r for r in tide if r["rs_ctas"] == c and r["measure"] == "collectives"]
         axes[2].plot([f"{r['size_mib']} MiB r{r['round']}" for r in co], [r["busbw_GBps"] for r in co], "o",
                      label=f"TIDE-RS, {c} CTAs")
@@ -99,7 +101,8 @@ def _plot(rows: list[dict], settings: list[int], out: Path, meta: dict) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--settings", default=None, help="TIDE_RS_CTAS values, comma-separated (default: 16 and the SM count)")
+    p.add_argument("--settings", default=None,
+                   help="TIDE_RS_CTAS values, comma-separated (default: 16 and the SM count)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=10, help="overlap repetitions per measurement")
     p.add_argument("--sizes", default="256,1024", help="reduce-scatter sizes in MiB")

@@ -64,7 +64,8 @@ sum2(const uint2* __restrict__ a, const uint2* __restrict__ b, float4* __restric
 }
 
 template <int T, int R, int U>
-std::vector<int64_t> run(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, int64_t ctas, bool launch) {
+std::vector<int64_t> run(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, int64_t ctas,
+                         bool launch) {
   auto* k = sum2<T, R, U>;
   if (launch) {
     k<<<ctas, T, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -130,8 +131,8 @@ def main() -> None:
     require_cuda("sm_room.py")
     from torch.utils.cpp_extension import load_inline
 
-    declaration = ("std::vector<int64_t> sum2_shape(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, "
-                   "int64_t threads, int64_t regs, int64_t unroll, int64_t ctas, bool launch);")
+    declaration = ("std::vector<int64_t> sum2_shape(const torch::Tensor& a, const torch::Tensor& b, "
+                   "torch::Tensor& out, int64_t threads, int64_t regs, int64_t unroll, int64_t ctas, bool launch);")
     ext = load_inline("tide_sm_room", cpp_sources=declaration, cuda_sources=KERNEL, functions=["sum2_shape"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"], verbose=False)
     dev = torch.device("cuda", 0)
@@ -185,7 +186,8 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(out_dir / "sm_room.png", dpi=120)
     print("SUMMARY sm_room: " + ", ".join(
-        f"{r['threads']}x{r['ctas']} {r['sum_us_alone']:.0f}/{r['sum_us_beside']:.0f}/{r['sum_us_mid_gemm']:.0f} us GEMM {r['gemm_slowdown_pct']:+.1f}%"
+        f"{r['threads']}x{r['ctas']} {r['sum_us_alone']:.0f}/{r['sum_us_beside']:.0f}/{r['sum_us_mid_gemm']:.0f} us "
+        f"GEMM {r['gemm_slowdown_pct']:+.1f}%"
         for r in rows))
 
 

@@ -174,7 +174,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=256, help="message size in MiB (as bench/collectives.py)")
     p.add_argument("--rings", default="64x2,64x4", help="MIBxDEPTH ring settings, comma-separated")
-    p.add_argument("--cast-ctas", default="0", help="TIDE-AG own-shard kernel CTA caps to sweep (0: the arena's default)")
+    p.add_argument("--cast-ctas", default="0",
+                   help="TIDE-AG own-shard kernel CTA caps to sweep (0: the arena's default)")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup-s", type=float, default=0.0,
@@ -211,12 +212,13 @@ def main(argv=None):
     _plot(events, out, f"{meta['device']} x{gpus}, {args.size} MiB, {meta['date']}")
     for r in rows:
         if r["rank"] == 0:
-            print(f"SUMMARY timeline {r['op']} setting {r['setting']} ring {r['ring']} (entry {r['entry_mib']:.0f} MiB, "
-                  f"cast CTAs "
+            print(f"SUMMARY timeline {r['op']} setting {r['setting']} ring {r['ring']} "
+                  f"(entry {r['entry_mib']:.0f} MiB, cast CTAs "
                   f"{r['cast_ctas']}) stream {r['stream']}: "
                   f"{r['unprofiled_ms'] * 1e3:.0f} us/call unprofiled, {r['call_us']:.0f} profiled, busy "
                   f"{r['busy_us']:.0f} idle {r['idle_us']:.0f}, {r['kernels']} kernels "
-                  f"(mean {r['mean_kernel_us']:.1f} us, median gap {r['median_kernel_gap_us']:.1f}), {r['copies']} copies")
+                  f"(mean {r['mean_kernel_us']:.1f} us, median gap {r['median_kernel_gap_us']:.1f}), "
+                  f"{r['copies']} copies")
 
 
 if __name__ == "__main__":

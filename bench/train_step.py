@@ -15,15 +15,14 @@ Variants, each in processes of its own (a clean allocator and one symmetric-memo
 (the slowest rank's), peak memory of rank 0 (``max_memory_allocated`` plus TIDE's symmetric arena,
 which the allocator does not count; ``device_used_mib``: the device's used memory after the steps, which
 also holds what the allocator never sees, such as NCCL's communicators), and the CUDA graphs
-instantiated per step after warm-up (``cudaGraphInstantiate`` calls in a profiled step). Writes ``train_step_8b.csv`` / ``train_step_moe.csv``
-(``train_step_<preset>.csv`` for the small presets; ``_compiled`` added with a compiled variant) and a PNG under
-``--out``. With fewer GPUs than
-ranks the ranks share a GPU over gloo: a smoke run, not NVLink numbers. ``--local-world-size L``
-emulates nodes of L ranks (``TIDE_CUDA_MULTINODE=1``: TIDE's variants run the multi-node schedule, every
-round point-to-point; stock is unchanged) and writes ``<name>_multinode.csv``: the schedule's cost on
-these GPUs, not what it gains across real nodes. ``--segments`` records the caching allocator's history on
-rank 0 (slower) and writes ``<name>_segments.csv``: per variant, the segments the allocator created, summed by
-the Python frame that asked for each (where reserved memory goes; it found three causes of the multi-node step's reserved memory).
+instantiated per step after warm-up (``cudaGraphInstantiate`` calls in a profiled step). Writes ``train_step_8b.csv`` /
+``train_step_moe.csv`` (``train_step_<preset>.csv`` for the small presets; ``_compiled`` added with a compiled variant)
+and a PNG under ``--out``. With fewer GPUs than ranks the ranks share a GPU over gloo: a smoke run, not NVLink numbers.
+``--local-world-size L`` emulates nodes of L ranks (``TIDE_CUDA_MULTINODE=1``: TIDE's variants run the multi-node
+schedule, every round point-to-point; stock is unchanged) and writes ``<name>_multinode.csv``: the schedule's cost on
+these GPUs, not what it gains across real nodes. ``--segments`` records the caching allocator's history on rank 0
+(slower) and writes ``<name>_segments.csv``: per variant, the segments the allocator created, summed by the Python frame
+that asked for each (where reserved memory goes; it found three causes of the multi-node step's reserved memory).
 
 ``--cuda-graphs`` adds the captured variants ``stock_graph``, ``tide_in_place_graph`` and
 ``tide_slot_reuse_graph``: forward and backward captured in one CUDA graph as torchtitan captures them
@@ -39,11 +38,11 @@ its gradient reduce-scattered in fp32, the parameters gathered again in the back
 compiled by Inductor (one graph, static shapes), stock collectives; ``compiled_tide`` compiled after
 ``tide.compile.enable()``, its arenas made by ``tide.compile.prepare`` before the first step and released after
 each; ``compiled_stock`` with Inductor's best FSDP bucketing and overlap scheduling on the torch it runs on
-(``tide.compile.simple_fsdp.best_stock_options``). Their rows join the same CSV and PNG (``ops_stats``: ``tide.stats()["ops"]``, which backend TIDE's graph ops
-took), and compiled_tide is compared with compiled_stock. compiled_stock needs NCCL (stock's functional collectives
-over gloo with CUDA tensors crash the rank): where ranks share a GPU it is left out. ``--device cpu`` runs the
-compiled variants on gloo CPU ranks (a smoke run). Every row also has ``first_loss``, the first step's loss, before
-any update: the same model and data in every variant.
+(``tide.compile.simple_fsdp.best_stock_options``). Their rows join the same CSV and PNG (``ops_stats``:
+``tide.stats()["ops"]``, which backend TIDE's graph ops took), and compiled_tide is compared with compiled_stock.
+compiled_stock needs NCCL (stock's functional collectives over gloo with CUDA tensors crash the rank): where ranks share
+a GPU it is left out. ``--device cpu`` runs the compiled variants on gloo CPU ranks (a smoke run). Every row also has
+``first_loss``, the first step's loss, before any update: the same model and data in every variant.
 
 ``--hsdp R`` trains on a (R, ranks / R) replicate x shard mesh (``_hsdp<R>.csv``); ``--shard-experts`` places the
 MoE preset's 3-D expert weights with ``Shard(1)`` through ``shard_placement_fn`` (``_shard1.csv``); ``--float8``
@@ -151,7 +150,8 @@ def _fsdp2_model(variant, cfg, rank, world_size, device, batch_size, prefetch, g
     tide_mode = {"tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}.get(variant.removesuffix("_graph"))
     model = fsdp_model(cfg, device=device, mp_policy=mp, use_tide=tide_mode is not None,
                        rs_mode=tide_mode or "in_place", prefetch=prefetch, seed=0, outer_units=graphs_run,
-                       before_shard=float8_blocks if float8 else None, **_layout_kwargs(world_size, hsdp, shard_experts))
+                       before_shard=float8_blocks if float8 else None,
+                       **_layout_kwargs(world_size, hsdp, shard_experts))
     if variant == "stock_nccl_ce":
         import nccl_ce
 
@@ -176,8 +176,8 @@ def _fsdp2_model(variant, cfg, rank, world_size, device, batch_size, prefetch, g
 
 @contextlib.contextmanager
 def _compiled_model(variant, cfg, rank, world_size, device, batch_size, inductor_cache):
-    """A compiled variant's ``make_step``: the model sharded SimpleFSDP-style (tide/compile/simple_fsdp.py: bf16 gathers,
-    fp32 reduce-scatters, the parameters gathered again in the backward), its forward and loss compiled by
+    """A compiled variant's ``make_step``: the model sharded SimpleFSDP-style (tide/compile/simple_fsdp.py: bf16
+    gathers, fp32 reduce-scatters, the parameters gathered again in the backward), its forward and loss compiled by
     Inductor; ``compiled_stock`` with Inductor's best FSDP bucketing and overlap of this torch
     (``simple_fsdp.best_stock_options``), ``compiled_tide`` after ``tide.compile.enable()``, its arenas made by
     ``tide.compile.prepare`` before the first step and their regions released after each. Inductor caches in
@@ -388,7 +388,8 @@ def main(argv=None):
     p.add_argument("--shard-experts", action="store_true",
                    help="Shard(1) for the MoE preset's 3-D expert weights (writes <name>_shard1.csv)")
     p.add_argument("--float8", action="store_true",
-                   help="torchao float8 linears in the blocks with FSDP2's float8 all-gather (writes <name>_float8.csv)")
+                   help="torchao float8 linears in the blocks with FSDP2's float8 all-gather "
+                        "(writes <name>_float8.csv)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="add the captured variants (" + ", ".join(GRAPH_VARIANTS) + "); writes <name>_graphs.csv")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -428,7 +429,8 @@ def main(argv=None):
             print(f"train_step.py: no stock_nccl_ce variant: {why_not}")
             variants.remove("stock_nccl_ce")
     if "stock_graph" in variants and backend != "nccl":
-        print("train_step.py: no stock_graph variant: ranks share a GPU, and stock's gloo collectives cannot be captured")
+        print("train_step.py: no stock_graph variant: ranks share a GPU, "
+              "and stock's gloo collectives cannot be captured")
         variants.remove("stock_graph")
     if args.hsdp is not None and not (1 <= args.hsdp <= ranks and ranks % args.hsdp == 0):
         p.error(f"--hsdp must divide the ranks ({ranks}), got {args.hsdp}")
@@ -480,7 +482,8 @@ def main(argv=None):
     name = (CSV_NAMES.get(args.preset, f"train_step_{args.preset}") + ("_multinode" if L is not None else "")
             + ("_implicit" if args.implicit_prefetch else "") + ("_graphs" if args.cuda_graphs else "")
             + (f"_hsdp{args.hsdp}" if args.hsdp else "") + ("_shard1" if args.shard_experts else "")
-            + ("_float8" if args.float8 else "") + ("_compiled" if any(v.startswith("compiled") for v in variants) else ""))
+            + ("_float8" if args.float8 else "")
+            + ("_compiled" if any(v.startswith("compiled") for v in variants) else ""))
     out = Path(args.out)
     write_csv(out / f"{name}.csv", rows)
     if args.segments:

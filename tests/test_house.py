@@ -1,5 +1,6 @@
 """House limits on the sources, so that each file and function stays readable in one sitting: every file
-under tide/ below 400 lines and under csrc/ below 450, every function (Python or C++) below 80 lines.
+under tide/ below 400 lines and under csrc/ below 450, every function (Python or C++) below 80 lines, every line
+within the line length pyproject.toml sets, every csrc/ include pointing down.
 This test reads the sources; it imports nothing of TIDE."""
 import ast
 import re
@@ -117,3 +118,25 @@ def test_no_csrc_source_includes_a_header_above_its_own():
 
 def test_an_include_back_up_is_caught():
     assert (ROOT / "csrc/transport/steady.h") in _reaches(ROOT / "csrc/transport/arena.h")
+
+
+def _line_length() -> int:
+    """``[tool.ruff] line-length`` of pyproject.toml (read by pattern: Python 3.10 has no tomllib)."""
+    return int(re.search(r"^\[tool\.ruff\]\nline-length = (\d+)", (ROOT / "pyproject.toml").read_text(), re.M).group(1))
+
+
+def test_python_lines_hold_the_projects_line_length():
+    """ruff, configured in pyproject.toml, over every Python file of the checkout."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_csrc_lines_hold_the_projects_line_length():
+    limit = _line_length()
+    long = [f"{p.relative_to(ROOT)}:{n}" for p in _sources("csrc")
+            for n, line in enumerate(p.read_text().splitlines(), 1) if len(line) > limit]
+    assert not long, long

@@ -207,7 +207,8 @@ def _knob_reads(path: pathlib.Path, names: dict[str, str]) -> list[tuple[str, st
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "flag")
                 and ast.unparse(node.func.value) == "knobs"):
             key = node.args[0]
-            name = key.value if isinstance(key, ast.Constant) else names.get(getattr(key, "attr", getattr(key, "id", "")))
+            name = key.value if isinstance(key, ast.Constant) \
+                else names.get(getattr(key, "attr", getattr(key, "id", "")))
             found.append((f"{path.relative_to(TIDE.parent)}:{node.lineno}: {ast.unparse(node)}", name))
     return found
 

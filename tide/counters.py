@@ -7,10 +7,10 @@
   ``rs:in_place`` / ``rs:slot_reuse`` (reduce-scatters; Slot-Reuse when the group's gradients were read
   from its slot), ``rs:grad_into_slot`` (gradients the Slot-Reuse hooks moved), ``arena:created``;
 - ``ops``: calls of the mutating ``torch.ops.tide`` ops (the functional pair calls them), ``"<op>:tide"``
-  (the CUDA transport, counted in C++ for the calls that stayed there: tide/ops/cuda.py), ``"<op>:tide_multinode"`` (the multi-node schedule) or ``"<op>:stock:<reason>"``
-  (a CUDA call on the reference backend), ``"<op>:reference"`` (a CPU call); and calls of the graph ops
-  (``all_gather_start``, ``reduce_scatter_start``: :func:`count_graph_op`), which call the mutating ops (an
-  all-gather on the direct lane enters the transport itself: counted only as the graph op's);
+  (the CUDA transport, counted in C++ for the calls that stayed there: tide/ops/cuda.py), ``"<op>:tide_multinode"`` (the
+  multi-node schedule) or ``"<op>:stock:<reason>"`` (a CUDA call on the reference backend), ``"<op>:reference"`` (a CPU
+  call); and calls of the graph ops (``all_gather_start``, ``reduce_scatter_start``: :func:`count_graph_op`), which call
+  the mutating ops (an all-gather on the direct lane enters the transport itself: counted only as the graph op's);
 - ``multinode``: point-to-point rounds of the multi-node schedule per leg and implementation
   (``"rail:p2p"``, ``"intra:p2p_host_staged"``, ...: ``tide/multinode/rails.py``), and its sums by
   implementation (``"sum:kernel"``, ``"sum:torch"``: ``tide/sums.py``);

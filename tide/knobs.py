@@ -1,8 +1,8 @@
 """The one reader of TIDE's environment variables, each declared once in :data:`KNOBS`.
 
-A knob is a positive integer, a count (an integer >= 0), a positive number, one of its choices, or a flag (``0`` or ``1``).
-:func:`get` reads one by name: an unset or empty variable gives its declared default (None for a number:
-its reader's own default, a tuning constant beside the code it tunes or worked out from the device or the
+A knob is a positive integer, a count (an integer >= 0), a positive number, one of its choices,
+or a flag (``0`` or ``1``). :func:`get` reads one by name: an unset or empty variable gives its declared default (None
+for a number: its reader's own default, a tuning constant beside the code it tunes or worked out from the device or the
 group); any other value must parse as its kind or the read raises ``ValueError`` naming the variable, its
 value and what is accepted. :func:`validate_all` reads every knob, and TIDE's first use in a process
 (``tide.fsdp.enable``, the first call of an op kernel) runs it through :func:`validate_once`: a bad value

@@ -199,8 +199,8 @@ def run_ranks(
     per-rank results.
 
     ``fn`` must be importable by module path (it is pickled by name) and return something
-    picklable. CUDA ranks get :data:`CUDA_RANK_ENV` (multicast off; ``env`` may add to it). Raises :class:`RankError` if any rank raised, :class:`TimeoutError` after ``timeout``
-    seconds (all ranks are killed either way).
+    picklable. CUDA ranks get :data:`CUDA_RANK_ENV` (multicast off; ``env`` may add to it). Raises :class:`RankError` if
+    any rank raised, :class:`TimeoutError` after ``timeout`` seconds (all ranks are killed either way).
     """
     if world_size < 1:
         raise ValueError(f"run_ranks: world_size must be >= 1, got {world_size}")

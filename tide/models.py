@@ -99,9 +99,11 @@ class MoE(nn.Module):
         self.top_k = cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         bound_in, bound_out = cfg.dim ** -0.5, cfg.expert_ffn_dim ** -0.5
-        self.w_gate = nn.Parameter(torch.empty(cfg.n_experts, cfg.expert_ffn_dim, cfg.dim).uniform_(-bound_in, bound_in))
+        self.w_gate = nn.Parameter(torch.empty(cfg.n_experts, cfg.expert_ffn_dim, cfg.dim)
+                                   .uniform_(-bound_in, bound_in))
         self.w_up = nn.Parameter(torch.empty(cfg.n_experts, cfg.expert_ffn_dim, cfg.dim).uniform_(-bound_in, bound_in))
-        self.w_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim).uniform_(-bound_out, bound_out))
+        self.w_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)
+                                   .uniform_(-bound_out, bound_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape

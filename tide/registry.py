@@ -23,7 +23,8 @@ op_call_sources: list = []  # (calls, reset) of op calls counted outside Python 
 extension_load_hooks: list = []  # called with the CUDA extension when it loads (tide.ops.cuda.hand_over)
 
 # ---- tide.topology
-topologies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> {local world size: Topology | None}
+# ProcessGroup -> {local world size: Topology | None}
+topologies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # ---- tide.routes: each group's route, resolved once
 routes: dict = {}  # process-group name -> (weakref(group), (generation, ranks per node), Route)

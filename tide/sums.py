@@ -29,8 +29,8 @@ from tide import counters, knobs
 log = logging.getLogger("tide")
 
 
-def sum_rows_reference(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[torch.Tensor] = (), own_row: int = -1,
-              scale: float = 1.0, accumulate: bool = False) -> None:
+def sum_rows_reference(outs: Sequence[torch.Tensor], rows: torch.Tensor, owns: Sequence[torch.Tensor] = (),
+                       own_row: int = -1, scale: float = 1.0, accumulate: bool = False) -> None:
     """The reference of the sum above (torch ops): ``outs`` are fp32, ``rows`` is R x n with n the outs'
     numels summed; with ``owns`` the terms are K = R + 1, ``owns`` standing at ``own_row``."""
     k = rows.shape[0] + (1 if owns else 0)

@@ -183,7 +183,8 @@ def _table(stock: dict, tide_: dict, args, world_size: int, device_type: str, sh
                else "0 (no collective took the TIDE path: see the path counts)")
     lines += [
         f"max |loss diff|            {max(diffs):.3e}",
-        f"median step time           stock {stock['median_step_s'] * 1e3:.1f} ms   tide {tide_['median_step_s'] * 1e3:.1f} ms",
+        (f"median step time           stock {stock['median_step_s'] * 1e3:.1f} ms   "
+         f"tide {tide_['median_step_s'] * 1e3:.1f} ms"),
         f"peak memory, rank 0        {peak}",
         f"layout conversion removed  {removed}",
         f"tide path counts           {tide_['stats']}",
@@ -227,7 +228,8 @@ def parse_args(argv=None):
     p.add_argument("--rs-mode", choices=tide.fsdp.RS_MODES, default="in_place")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--fp32", dest="bf16", action="store_false", help="no mixed precision (default: bf16 params, fp32 reduce)")
+    p.add_argument("--fp32", dest="bf16", action="store_false",
+                   help="no mixed precision (default: bf16 params, fp32 reduce)")
     p.add_argument("--compile", action="store_true",
                    help="SimpleFSDP compiled by Inductor: compiled stock against compiled TIDE (tide.compile)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are killed")

@@ -115,8 +115,8 @@ def table(stock: dict | None, tide_: dict, args, world_size: int, device_type: s
         lines.append(f"median step time           tide {tide_['median_step_s'] * 1e3:.1f} ms")
         lines.append(f"peak memory, rank 0        tide {tide_['peak'] / mib:.1f} MiB ({tide_['peak_kind']})")
     else:
-        lines.append(f"peak memory, rank 0        stock {stock['peak'] / mib:.1f} MiB   tide {tide_['peak'] / mib:.1f} MiB "
-                     f"({tide_['peak_kind']})")
+        lines.append(f"peak memory, rank 0        stock {stock['peak'] / mib:.1f} MiB   "
+                     f"tide {tide_['peak'] / mib:.1f} MiB ({tide_['peak_kind']})")
     report = tide_["report"]
     replaced = "; ".join(f"{kind}: {c.get('tide', 0)} collectives in {c.get('buckets', 0)} TIDE calls"
                          + "".join(f", {n} left to stock ({r})" for r, n in c.items() if r.startswith("stock:"))

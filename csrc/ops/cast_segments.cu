@@ -12,8 +12,8 @@
 // The dtype pair is resolved once per segment, never per element. Segments whose two pointers are
 // 16-B aligned move 8 elements per thread and step (fp32: two 16-B vectors, bf16/fp16: one); the rest,
 // and the tail of fewer than 8 elements, go element by element. Same-dtype segments are copied bit for
-// bit (bytes, kU8, only so); conversions round to nearest even like torch's copy_ (NaN payloads may differ: cvt gives the
-// canonical NaN). The launcher sizes the grid to the elements (up to max_ctas): a short burst that
+// bit (bytes, kU8, only so); conversions round to nearest even like torch's copy_ (NaN payloads may differ: cvt gives
+// the canonical NaN). The launcher sizes the grid to the elements (up to max_ctas): a short burst that
 // reads and writes at HBM speed, not a resident grid.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -141,7 +141,8 @@ __device__ void copy_segment(const CastSegment& s, int64_t tid, int64_t nthreads
       reinterpret_cast<uint4*>(dst)[v] = __ldg(reinterpret_cast<const uint4*>(src) + v);
     done = nvec * 16 / static_cast<int64_t>(sizeof(W));
   }
-  for (int64_t i = done + tid; i < s.n; i += nthreads) reinterpret_cast<W*>(dst)[i] = reinterpret_cast<const W*>(src)[i];
+  for (int64_t i = done + tid; i < s.n; i += nthreads)
+    reinterpret_cast<W*>(dst)[i] = reinterpret_cast<const W*>(src)[i];
 }
 
 template <typename S>

@@ -226,7 +226,8 @@ template <typename T, int K, bool kAccumulate>
 __device__ void sum_segment(const Common& a, const SumSegment& s) {
   constexpr uintptr_t kSourceAlign = sizeof(typename Vec4<T>::type);
   bool aligned = (reinterpret_cast<uintptr_t>(s.out) & 15) == 0;
-  for (int k = 0; k < a.k; ++k) aligned = aligned && (reinterpret_cast<uintptr_t>(source(a, s, k)) & (kSourceAlign - 1)) == 0;
+  for (int k = 0; k < a.k; ++k)
+    aligned = aligned && (reinterpret_cast<uintptr_t>(source(a, s, k)) & (kSourceAlign - 1)) == 0;
   if (!aligned) {
     sum_scalar<T>(a, s, 0);
     return;

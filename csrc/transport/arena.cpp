@@ -15,7 +15,8 @@
 
 namespace tide {
 namespace {
-constexpr const char* kHostNames[] = {"host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_copy", "host_ns_event"};
+constexpr const char* kHostNames[] = {"host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_copy",
+                                      "host_ns_event"};
 }  // namespace
 
 Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64_t device, int64_t num_slots,
@@ -26,7 +27,8 @@ Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tide.Arena: rank ", num(rank), " not in [0, ", num(world), ")");
   TORCH_CHECK(static_cast<int64_t>(flag_bases.size()) == world, "tide.Arena: need one flag base pointer per rank");
   TORCH_CHECK(num_slots >= 0 && ring_depth >= 1, "tide.Arena: num_slots must be >= 0 and ring_depth >= 1");
-  TORCH_CHECK(entry_bytes % 16 == 0 && slot_bytes % 16 == 0, "tide.Arena: entry_bytes and slot_bytes must be multiples of 16");
+  TORCH_CHECK(entry_bytes % 16 == 0 && slot_bytes % 16 == 0,
+              "tide.Arena: entry_bytes and slot_bytes must be multiples of 16");
   TORCH_CHECK(sum_ctas >= 1 && cast_ctas >= 1, "tide.Arena: sum_ctas and cast_ctas must be >= 1");
   TORCH_CHECK(driver::available(), "tide.Arena: the CUDA driver lacks stream memory operations (cuStreamBatchMemOp)");
   for (auto b : flag_bases) flag_bases_.push_back(static_cast<uint64_t>(b));
@@ -61,7 +63,8 @@ Arena::~Arena() {
 }
 
 std::string Arena::read_flags(const at::Tensor& host, double wait_s) {
-  TORCH_CHECK(host.is_pinned() && host.is_contiguous() && host.nbytes() >= static_cast<size_t>(4 * layout_.flags.words()),
+  TORCH_CHECK(host.is_pinned() && host.is_contiguous() &&
+                  host.nbytes() >= static_cast<size_t>(4 * layout_.flags.words()),
               "tide.Arena.read_flags: host must be pinned and hold the flag words");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
@@ -150,7 +153,8 @@ void Arena::finish(const Issue& is) {
   last_op_ = write.value;
 }
 
-void Arena::memops(cudaStream_t stream, const std::vector<driver::MemOp>& writes, const std::vector<driver::MemOp>& waits) {
+void Arena::memops(cudaStream_t stream, const std::vector<driver::MemOp>& writes,
+                   const std::vector<driver::MemOp>& waits) {
   if (writes.empty() && waits.empty()) return;
   HostTimer t(host_ns_[kMemop]);
   memop_calls_ += driver::batch(stream, writes, waits);

@@ -83,8 +83,8 @@ AgPlan make_ag_plan(std::vector<int64_t> own_offset, std::vector<int64_t> out_of
   const size_t n = own_offset.size();
   TORCH_CHECK(out_offset.size() == n && out_numel.size() == n && out_dtype.size() == n,
               "tide.AgPlan: one own_offset, out_offset, out_numel and out_dtype per param");
-  AgPlan p{std::move(own_offset), std::move(out_offset), std::move(out_numel), dtype_codes(out_dtype, gather_code, "AgPlan"),
-           std::move(chunks), slot_bytes};
+  AgPlan p{std::move(own_offset), std::move(out_offset), std::move(out_numel),
+           dtype_codes(out_dtype, gather_code, "AgPlan"), std::move(chunks), slot_bytes};
   for (const auto& chunk : p.chunks)
     for (const ShardRange& r : chunk)
       TORCH_CHECK(r.param >= 0 && static_cast<size_t>(r.param) < n, "tide.AgPlan: a chunk names no param");
@@ -133,7 +133,8 @@ void sum_rows(const std::vector<at::Tensor>& outs, const at::Tensor& rows, const
   int64_t n = 0;
   for (size_t j = 0; j < outs.size(); ++j) {
     const at::Tensor& o = outs[j];
-    TORCH_CHECK(o.is_cuda() && o.get_device() == rows.get_device() && o.scalar_type() == at::kFloat && o.is_contiguous(),
+    TORCH_CHECK(o.is_cuda() && o.get_device() == rows.get_device() && o.scalar_type() == at::kFloat &&
+                    o.is_contiguous(),
                 "tide.sum_rows: outs[", num(j), "] must be a contiguous fp32 tensor on rows' device");
     if (has_own)
       TORCH_CHECK(owns[j].is_cuda() && owns[j].get_device() == rows.get_device() && owns[j].is_contiguous() &&
@@ -209,7 +210,8 @@ bool bind_storages(const std::vector<at::Tensor>& outs, int64_t device, const at
     auto* impl = outs[i].storage().unsafeGetStorageImpl();
     auto* keep = new c10::Storage(region.storage());  // dropped with this data pointer
     impl->set_data_ptr_noswap(c10::DataPtr(reinterpret_cast<void*>(base + offsets[i]), keep,
-                                           [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, outs[i].device()));
+                                           [](void* ctx) { delete static_cast<c10::Storage*>(ctx); },
+                                           outs[i].device()));
     impl->set_nbytes(static_cast<size_t>(nbytes[i]));
   }
   return true;
@@ -233,7 +235,8 @@ void bind_plans(pybind11::module_& m) {
   py::class_<RsChunk>(m, "RsChunk")
       .def(py::init([](int64_t param, int64_t grad_offset, int64_t shard_offset, int64_t numel, int64_t entry_offset) {
              return RsChunk{param, grad_offset, shard_offset, numel, entry_offset};
-           }), py::arg("param"), py::arg("grad_offset"), py::arg("shard_offset"), py::arg("numel"), py::arg("entry_offset"))
+           }), py::arg("param"), py::arg("grad_offset"), py::arg("shard_offset"), py::arg("numel"),
+           py::arg("entry_offset"))
       .def_readonly("param", &RsChunk::param)
       .def_readonly("grad_offset", &RsChunk::grad_offset)
       .def_readonly("shard_offset", &RsChunk::shard_offset)
@@ -294,9 +297,11 @@ void bind_arena(pybind11::module_& m) {
   py::class_<Arena, std::shared_ptr<Arena>> arena(m, "Arena");
   bind_steady(arena);
   arena
-      .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
+      .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    int64_t>(),
            py::arg("rank"), py::arg("world"), py::arg("flag_bases"), py::arg("device"), py::arg("num_slots"),
-           py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"), py::arg("cast_ctas"))
+           py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"),
+           py::arg("cast_ctas"))
       // The collectives (collectives.h) return (what ran, the op's id for tide.transport's watchdog:
       // completions.h); each is handed its plan, the all-gather its lane (a slot, or the direct lane: flags.h).
       .def("all_gather", [](Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
@@ -306,7 +311,8 @@ void bind_arena(pybind11::module_& m) {
            }, py::arg("plan"), py::arg("shards"), py::arg("outs"), py::arg("lane"), py::arg("mark") = -1,
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", [](Arena& a, const RsPlan& plan, const std::vector<at::Tensor>& grads,
-                                const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate, int64_t mark) {
+                                const std::vector<at::Tensor>& shard_grads, double scale, bool accumulate,
+                                int64_t mark) {
              const Ran ran = reduce_scatter(a, plan, grads, shard_grads, scale, accumulate, mark);
              return std::make_pair(std::string(ran_name(ran)), a.last_op());
            }, py::arg("plan"), py::arg("grads"), py::arg("shard_grads"), py::arg("scale"), py::arg("accumulate"),
@@ -323,7 +329,8 @@ void bind_arena(pybind11::module_& m) {
              reduce_partials(a, plan, grads, out);
              return std::make_pair(std::string(ran_name(Ran::kTide)), a.last_op());
            }, py::arg("plan"), py::arg("grads"), py::arg("out"), py::call_guard<py::gil_scoped_release>())
-      .def("read_flags", &Arena::read_flags, py::arg("host"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>())
+      .def("read_flags", &Arena::read_flags, py::arg("host"), py::arg("wait_s"),
+           py::call_guard<py::gil_scoped_release>())
       .def("publish_progress_to", &Arena::publish_progress_to, py::arg("address"))
       .def("set_region", [](Arena& a, std::optional<at::Tensor> region, const std::vector<int64_t>& bases,
                             uint64_t context) { a.set_region(region.value_or(at::Tensor()), bases, context); },
@@ -383,7 +390,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::string&, int64_t, int64_t, int64_t>(), py::arg("id"), py::arg("world"), py::arg("rank"),
            py::arg("device"), py::call_guard<py::gil_scoped_release>())  // blocks until every rank has joined
       .def("exchange", &nccl_p2p::Comm::exchange, py::arg("peers"), py::arg("tensors"), py::arg("starts"),
-           py::arg("counts"), py::arg("sends"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());  // may wait for peers
+           py::arg("counts"), py::arg("sends"), py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>());  // may wait for peers
   // A completion word for work just issued on the current stream (completions.h): its op id.
   m.def("mark_completion", [](int64_t device) {
           c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -392,8 +400,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return write.value;
         }, py::arg("device"), py::call_guard<py::gil_scoped_release>());  // a full queue can block the launch
   // A full fence: this thread's stores before it are visible to other processes before its loads after it
-  // are made (the issued board's graph-call check publishes, then reads its peers': tide/transport/graph_calls.py).
+  // are made (the issued board's graph-call check publishes, then reads its peers':
+  // tide/transport/graph_calls.py).
   m.def("memory_fence", [] { std::atomic_thread_fence(std::memory_order_seq_cst); });
-  m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("region"), py::arg("base"), py::arg("offsets"),
-        py::arg("nbytes"));
+  m.def("bind_storages", &bind_storages, py::arg("outs"), py::arg("device"), py::arg("region"), py::arg("base"),
+        py::arg("offsets"), py::arg("nbytes"));
 }

@@ -44,7 +44,8 @@ Export export_segment(const at::Tensor& t) {
 
 int64_t open_segment(const std::string& handle, int64_t device) {
   TORCH_CHECK(handle.size() == sizeof(cudaIpcMemHandle_t), "tide.transport.ipc: a handle has ",
-              num(static_cast<int64_t>(sizeof(cudaIpcMemHandle_t))), " bytes, got ", num(static_cast<int64_t>(handle.size())));
+              num(static_cast<int64_t>(sizeof(cudaIpcMemHandle_t))), " bytes, got ",
+              num(static_cast<int64_t>(handle.size())));
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));

@@ -162,7 +162,8 @@ struct RsRun {
     // Written by a stream memop straight into the producers' flags: the sum has read the entries when
     // the stream reaches it (a write-after-read order, so no data has to land first). Captured, only for
     // a round of this op.
-    if (!captured || j + f().R < static_cast<int64_t>(plan.rounds[rank].size())) permit(g + static_cast<uint32_t>(f().R));
+    if (!captured || j + f().R < static_cast<int64_t>(plan.rounds[rank].size()))
+      permit(g + static_cast<uint32_t>(f().R));
   }
 };
 

@@ -31,7 +31,8 @@ __global__ void close_replay(uint32_t* pair) {
 int64_t claim(int64_t device) {
   marks.on(device);  // allocated before any capture needs it
   const int64_t mark = claimed[device].fetch_add(1);
-  TORCH_CHECK(mark < kMarks, "tide: more than ", num(kMarks), " TIDE ops were captured into CUDA graphs in this process");
+  TORCH_CHECK(mark < kMarks, "tide: more than ", num(kMarks),
+              " TIDE ops were captured into CUDA graphs in this process");
   return mark;
 }
 

@@ -3,8 +3,8 @@
 // in, the streams recorded as its users), the plans by call shape, and the slots' busy events. Python
 // writes it where it decides (tide/transport/lease.py at each lease, all_gather.py and reduce_scatter.py
 // at a new plan, tide/transport/slots.py for the slots); the gate (gate.h) reads it for every call and
-// hands any call it does not cover to Python. One thread issues an arena's ops at a time (FSDP2: the training thread, or the
-// autograd thread in backward): nothing here is locked but the plans.
+// hands any call it does not cover to Python. One thread issues an arena's ops at a time (FSDP2: the training thread,
+// or the autograd thread in backward): nothing here is locked but the plans.
 #pragma once
 
 #include <torch/extension.h>

@@ -37,6 +37,7 @@ def test_report_plots_and_summarizes_the_variants_that_ran(variants_by_dim, tmp_
     bench_memory.report(_rows(variants_by_dim), list(variants_by_dim), 8, "gloo", meta, tmp_path)
     assert (tmp_path / "memory.png").stat().st_size > 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
-    expected = "; ".join(f"dim {dim}: " + " ".join(f"{v.removeprefix('tide_')} {live:.2f}" for v, live in variants.items())
+    expected = "; ".join(f"dim {dim}: " + " ".join(f"{v.removeprefix('tide_')} {live:.2f}"
+                                                   for v, live in variants.items())
                          for dim, variants in variants_by_dim.items())
     assert summary.endswith(expected), summary

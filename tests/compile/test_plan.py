@@ -136,7 +136,8 @@ def test_a_collective_waited_on_twice_is_served_once():
     def fn(p):
         x = p.to(BF16)
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(x, 2, "0")
-        return torch.ops._c10d_functional.wait_tensor(gathered) * 2, torch.ops._c10d_functional.wait_tensor(gathered) + 1
+        return torch.ops._c10d_functional.wait_tensor(gathered) * 2, \
+            torch.ops._c10d_functional.wait_tensor(gathered) + 1
 
     gm = make_fx(fn, tracing_mode="fake")(torch.zeros(4, 8))
     (waits,) = [list(n.users) for n in gm.graph.nodes if n.target is patterns.ALL_GATHER]

@@ -88,7 +88,8 @@ def test_every_gather_wait_stands_right_before_its_first_reader(monkeypatch):
         following = wait.next
         while schedule.is_view(following) or following.target is torch.ops._c10d_functional.wait_tensor.default:
             following = following.next
-        assert any(x is wait or schedule.is_view(x) for x in following.all_input_nodes) or following.op == "output", wait
+        assert any(x is wait or schedule.is_view(x) for x in following.all_input_nodes) \
+            or following.op == "output", wait
 
 
 def test_the_dependencies_pin_the_issue_order_and_the_placement(monkeypatch):
@@ -163,9 +164,11 @@ def test_stock_collectives_beside_tide_calls_are_in_the_issue_order_and_pinned(m
         node.meta["custom"] = {"module_fqn": f"{block}.linear"}
     report = rewriter.rewrite(gm, agree=False)
     assert report.plan.splitlines() == [  # layers.2's gather prefetched past layers.1's stock one
-        "all_gather forward layers.0 on 0/2: [(4, 8) bfloat16]", "all_gather forward layers.2 on 0/2: [(1, 2) bfloat16]",
+        "all_gather forward layers.0 on 0/2: [(4, 8) bfloat16]",
+        "all_gather forward layers.2 on 0/2: [(1, 2) bfloat16]",
         "all_gather stock:shard_dim",
-        "reduce_scatter forward layers.2 on 0/2: [(2, 2) bfloat16->float32 x1]", "all_reduce stock:all_reduce"], report.plan
+        "reduce_scatter forward layers.2 on 0/2: [(2, 2) bfloat16->float32 x1]",
+        "all_reduce stock:all_reduce"], report.plan
     chain = schedule.issue_order(gm.graph)
     deps = schedule.dependencies(gm.graph, [])
     assert all(before in deps[after] for before, after in zip(chain, chain[1:])), (chain, deps)

@@ -73,7 +73,8 @@ class _Sequence:
     def refill(self, seed: int) -> list:
         """Fresh random inputs (copied into the static buffers, outputs poisoned); their CPU copies."""
         gen = torch.Generator().manual_seed(seed * 1000 + self.rank)
-        fresh = {"shards": [[torch.randn(s.shape, generator=gen).to(s.dtype) for s in shards] for shards in self.shards],
+        fresh = {"shards": [[torch.randn(s.shape, generator=gen).to(s.dtype) for s in shards]
+                            for shards in self.shards],
                  "grads": [[torch.randn(g.shape, generator=gen).to(g.dtype) for g in grads] for grads in self.grads],
                  "init": [[torch.randn(o.shape, generator=gen) for o in outs] for outs in self.shard_grads]}
         for dst, src in zip(self.shards + self.grads, fresh["shards"] + fresh["grads"]):

@@ -39,7 +39,8 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
+    return a.dtype == b.dtype and a.shape == b.shape \
+        and torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
 
 
 def assert_bits(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -48,7 +49,8 @@ def assert_bits(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
         bad = ~((g == w) | (g.isnan() & w.isnan()))
         raise AssertionError(f"{what}: {int(bad.sum())} of {g.numel()} elements differ "
                              f"(first at {bad.flatten().nonzero()[:5].flatten().tolist()}; "
-                             f"got {g.flatten()[bad.flatten()][:5].tolist()}, want {w.flatten()[bad.flatten()][:5].tolist()})")
+                             f"got {g.flatten()[bad.flatten()][:5].tolist()}, "
+                             f"want {w.flatten()[bad.flatten()][:5].tolist()})")
 
 
 def random_shapes(rng: random.Random, world_size: int, n_params: int, allow_0d: bool) -> list[tuple]:
@@ -218,7 +220,8 @@ def stress(rank: int, world_size: int, seed: int, steps: int) -> dict:
             grads, init, scale, acc = rs_case(case_rng, W, r, seed * 7 + step, n_params)
             where = "slot" if flavour < 0.5 else "autograd"
             got = cuda_reduce_scatter(arena, grads, init, scale, acc, W, name, where)
-            pending.append((f"step {step} rs group {gi} grads in {where}", got, (grads, init, scale, acc, W, name), "rs"))
+            pending.append((f"step {step} rs group {gi} grads in {where}", got, (grads, init, scale, acc, W, name),
+                            "rs"))
     torch.cuda.synchronize()
     # References in issue order (each group's ranks issue the same sequence of reference collectives).
     for what, got, args, op in pending:
@@ -391,7 +394,8 @@ def bad_input(rank: int, world_size: int) -> dict:
     outs = [torch.empty(2 * W, 3, device=dev), torch.empty(4 * W, device=dev, dtype=torch.bfloat16)]
     rs, ag = torch.ops.tide.reduce_scatter_params_, torch.ops.tide.all_gather_into_params_
     cases = {
-        "rs_int_grad": (lambda: rs([grads[0].int(), grads[1]], shard_grads, 1.0, False, W, name), TypeError, "grads[0]"),
+        "rs_int_grad": (lambda: rs([grads[0].int(), grads[1]], shard_grads, 1.0, False, W, name),
+                        TypeError, "grads[0]"),
         "rs_bf16_shard": (lambda: rs(grads, [shard_grads[0].bfloat16(), shard_grads[1]], 1.0, False, W, name),
                           TypeError, "shard_grads[0]"),
         "rs_noncontiguous": (lambda: rs([grads[0], grads[1]], [shard_grads[0].t(), shard_grads[1]], 1.0, False, W,
@@ -409,8 +413,8 @@ def bad_input(rank: int, world_size: int) -> dict:
     # An error raised inside the extension (TORCH_CHECK, a number in its message) reaches Python as a
     # RuntimeError instead of crashing the process (see num() in csrc/kernels.h).
     ext = transport.get(name).ext
-    cases["extension_error"] = (lambda: ext.Arena(rank=5, world=2, flag_bases=[0, 0], device=0, num_slots=0, slot_bytes=0,
-                                                  ring_depth=1, entry_bytes=16, sum_ctas=1, cast_ctas=1),
+    cases["extension_error"] = (lambda: ext.Arena(rank=5, world=2, flag_bases=[0, 0], device=0, num_slots=0,
+                                                  slot_bytes=0, ring_depth=1, entry_bytes=16, sum_ctas=1, cast_ctas=1),
                                 RuntimeError, "rank 5 not in [0, 2)")
     # bind_outputs checks every output in its one extension call before binding any.
     arena = transport.get(name)
@@ -486,7 +490,8 @@ def profile_zero_sm(rank: int, world_size: int, trace_dir: str) -> dict:
     for case, dtype in (("ag_bf16", torch.bfloat16), ("ag_fp32_to_bf16", torch.float32)):
         shards_d = [s.to(dev, dtype) for s in shards]
         for _ in range(2):  # warm-up: extension, plans, first-use driver work
-            torch.ops.tide.all_gather_into_params_(shards_d, arena.slot_views(layout, out_dtypes, arena.slots.acquire()),
+            torch.ops.tide.all_gather_into_params_(shards_d,
+                                                   arena.slot_views(layout, out_dtypes, arena.slots.acquire()),
                                                    world_size, name)
         outs = arena.slot_views(layout, out_dtypes, arena.slots.acquire())
         torch.cuda.synchronize()

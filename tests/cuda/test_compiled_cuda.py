@@ -6,7 +6,8 @@ Three runs from the same seed and data, each returning per step the loss and eve
 shard: TIDE's reference backend (no arena), the CUDA transport (``tide.compile.prepare``), and the transport
 with forward and backward captured into one CUDA graph and replayed. The transport runs must equal the
 reference bit for bit, and ``tide.stats()`` must show the copy-engine paths (``all_gather_start:slot``, or
-``all_gather_start:allocator:<why>`` on the direct lane, and ``*:tide``), not the reference backend. Data is fresh per run (the seed is in every message).
+``all_gather_start:allocator:<why>`` on the direct lane, and ``*:tide``), not the reference backend. Data is fresh per
+run (the seed is in every message).
 """
 from __future__ import annotations
 

@@ -166,7 +166,8 @@ def _assert_parity(name: str, r: dict) -> None:
 def _assert_transport_ran(name: str, t: dict, rs_mode: str, raf: bool, ag_tide: bool = True) -> None:
     calls = t["transport"]
     direct = "all_gather_into_params_:stock:outputs_not_in_slot"
-    assert not any(":stock" in k for k in calls if k != direct), f"{name}: a tide op took the reference backend: {calls}"
+    assert not any(":stock" in k for k in calls if k != direct), \
+        f"{name}: a tide op took the reference backend: {calls}"
     assert calls.get("reduce_scatter_params_:tide", 0) == t["stats"]["reduce_scatter"].get("tide", 0) > 0, (name, calls)
     assert t["stats"]["reduce_scatter"] == {"tide": t["stats"]["reduce_scatter"].get("tide", 0)}, (name, t["stats"])
     assert t["stats"]["reduce_scatter"]["tide"] > 0, (name, t["stats"])

@@ -58,7 +58,8 @@ def _check_calls(rank, ws, seed, dev, what):
     assert _registry_size() == before + len(outs), (seed, what)
     for i, out in enumerate(outs):
         assert wait(out) is out
-        ranks.assert_bits(f"seed {seed} {what} all_gather_start param {i}", out, torch.cat([s[i] for s in shards_by_rank]))
+        ranks.assert_bits(f"seed {seed} {what} all_gather_start param {i}", out,
+                          torch.cat([s[i] for s in shards_by_rank]))
     for out_dtype in (None, torch.bfloat16):
         got = torch.ops.tide.reduce_scatter_start([x.to(dev) for x in grads_by_rank[rank]], 0.37, out_dtype, ws, g)
         for i, shard in enumerate(got):
@@ -198,7 +199,8 @@ def start_ops_rank(rank: int, ws: int, seed: int) -> dict:
         "reduce_scatter_start": torch.library.opcheck(torch.ops.tide.reduce_scatter_start.default,
                                                       ([x.to(dev) for x in grads_by_rank[rank]], 0.5, None, ws, g),
                                                       test_utils=OPCHECK_UTILS, raise_exception=False)}
-    out["opcheck"] = {op: {k: str(v) if v != "SUCCESS" else v for k, v in r.items()} for op, r in out["opcheck"].items()}
+    out["opcheck"] = {op: {k: str(v) if v != "SUCCESS" else v for k, v in r.items()}
+                      for op, r in out["opcheck"].items()}
     torch.cuda.synchronize()
     transport.disable(g)
     return out
@@ -230,4 +232,5 @@ def test_graph_ops_on_cuda(ext):
         assert r["compiled"] is True
         assert r["inputs_held"] == {"freed_at_wait": True, "same_stream": True}, (seed, r["inputs_held"])
         for op, checks in r["opcheck"].items():
-            assert tuple(checks) == OPCHECK_UTILS and all(v == "SUCCESS" for v in checks.values()), (seed, rank, op, checks)
+            assert tuple(checks) == OPCHECK_UTILS and all(v == "SUCCESS" for v in checks.values()), \
+                (seed, rank, op, checks)

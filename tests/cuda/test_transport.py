@@ -112,7 +112,8 @@ def test_tide_ag_launches_no_kernel_but_the_own_shard_cast(ext, tmp_path, world_
             return [k for k in names if not (shared_gpu and ("copy" in k.lower() or "memcpy" in k.lower()))]
 
         for case in ("ag_bf16", "ag_fp32_to_bf16"):
-            assert any(e["cat"] in ("kernel", "gpu_memcpy") for e in r[case]), f"rank {rank}: no GPU activity: {r[case]}"
+            assert any(e["cat"] in ("kernel", "gpu_memcpy") for e in r[case]), \
+                f"rank {rank}: no GPU activity: {r[case]}"
         # One kernel writes this rank's own shard into its slot (a copy or the cast): the peers' pieces
         # move by copy engine only.
         for case in ("ag_bf16", "ag_fp32_to_bf16"):

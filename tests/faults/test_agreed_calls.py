@@ -158,7 +158,8 @@ def _out_of_step(rank, W, marker):
         time.sleep(0.05)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     res["recreated_name"] = (name, dist.group.WORLD.group_name)
-    res["after_recreate"] = [attempt(lambda: _call(k, rank, W, dist.group.WORLD.group_name)) for k in ("ag", "rs", "ag")]
+    res["after_recreate"] = [attempt(lambda: _call(k, rank, W, dist.group.WORLD.group_name))
+                             for k in ("ag", "rs", "ag")]
     res["error_types"] = [calls.TidePeerError.__name__, calls.TideConcurrentCallError.__name__]
     return res
 

@@ -62,7 +62,8 @@ def _good_call(rank: int, W: int, group) -> bool:
 def _two_params(W: int):
     import torch
 
-    return [torch.randn(2, 3), torch.randn(1, 4)], [torch.full((2 * W, 3), float("nan")), torch.full((W, 4), float("nan"))]
+    return [torch.randn(2, 3), torch.randn(1, 4)], [torch.full((2 * W, 3), float("nan")),
+                                                    torch.full((W, 4), float("nan"))]
 
 
 def local_refusal(rank: int, W: int, case: str) -> dict:
@@ -147,7 +148,8 @@ def test_a_group_no_rank_knows_raises_at_once(how):
     for o in outcomes:
         assert o.status == "ok", o
         bad = o.detail["bad"]
-        assert not bad["ok"] and bad["s"] < LOCAL_BOUND_S and "does not name a registered process group" in bad["msg"], bad
+        assert not bad["ok"] and bad["s"] < LOCAL_BOUND_S \
+            and "does not name a registered process group" in bad["msg"], bad
         assert o.detail["after"], o
 
 

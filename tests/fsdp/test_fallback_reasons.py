@@ -143,7 +143,8 @@ CASES = {
     "post_forward_mesh": (lambda: _ag(params=[_param(sharded_state=ShardedState.SHARDED_POST_FORWARD)]), None),
     "keep_unsharded_storage": (lambda: _ag(params=[_param(), _param(keep_unsharded_storage=True)]), None),
     "all_gather_output_fn": (lambda: _ag(output_fn=lambda params, result, world_size: None), None),
-    "cpu_offload": (lambda: _ag(params=[_param(offload_to_cpu=True)]), lambda: _rs(params=[_param(offload_to_cpu=True)])),
+    "cpu_offload": (lambda: _ag(params=[_param(offload_to_cpu=True)]),
+                    lambda: _rs(params=[_param(offload_to_cpu=True)])),
     "dtensor_param": (lambda: _ag(params=[_param(is_dtensor=True)]), lambda: _rs(params=[_param(is_dtensor=True)])),
     "extension_shard_dim": (lambda: _ag(params=[_param(), _param(_sharded_local_tensor=_extension(),
                                                                  fsdp_placement=types.SimpleNamespace(dim=1))]),
@@ -172,7 +173,8 @@ def test_an_extension_giving_a_subclass_input_takes_stock():
 
 
 def test_every_reason_has_a_case():
-    assert set(CASES) | {"capture_before_arena", "capture_multinode", "compiling", "functorch"} == set(fallbacks.REASONS)
+    assert set(CASES) | {"capture_before_arena", "capture_multinode", "compiling",
+                         "functorch"} == set(fallbacks.REASONS)
 
 
 @pytest.mark.parametrize("reason", sorted(CASES))

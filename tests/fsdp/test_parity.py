@@ -11,7 +11,8 @@ def assert_parity(result: dict, loss_atol: float, grad_atol: float = workers.GRA
     torch.testing.assert_close(torch.tensor(tide_["losses"]), torch.tensor(stock["losses"]), atol=loss_atol, rtol=0)
     assert len(stock["params"]) == len(tide_["params"])
     for a, b in zip(tide_["params"], stock["params"]):
-        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=workers.PARAM_ATOL, rtol=workers.PARAM_RTOL)
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=workers.PARAM_ATOL,
+                                   rtol=workers.PARAM_RTOL)
     assert len(stock["grads"]) == len(tide_["grads"]) > 0
     for a, b in zip(tide_["grads"], stock["grads"]):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=grad_atol, rtol=workers.GRAD_RTOL)

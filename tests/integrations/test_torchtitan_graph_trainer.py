@@ -33,7 +33,8 @@ def _graph_facts(trainer) -> dict:
 
     # Every collective op by name ("_c10d_functional::all_gather_into_tensor_out", "tide::all_gather_start", ...).
     nodes = Counter(n.target.name() for n in trainer._traced_step.gm.graph.nodes
-                    if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in ("_c10d_functional", "tide")
+                    if isinstance(n.target, torch._ops.OpOverload)
+                    and n.target.namespace in ("_c10d_functional", "tide")
                     and n.target is not torch.ops._c10d_functional.wait_tensor.default)
     config = getattr(tide.torchtitan, f"graph_trainer.llama3.{CONFIG}")()
     return {"nodes": dict(nodes), "report": tide.compile.report(), "pipeline": trainer.config.compile.pass_pipeline,

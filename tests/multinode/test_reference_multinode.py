@@ -74,7 +74,8 @@ def _check(rank, world_size, seed, trials, expect_nodes, device_type="cpu"):
             want = torch.cat([every[r][i].to(dt) for r in range(W)])
             assert torch.equal(o.cpu(), want), f"seed {seed} trial {t} rank {rank}: all-gather param {i} differs"
         # Reduce-scatter: unpadded grads, bf16/fp16/fp32 (uneven rows, ranks holding only padding).
-        gshapes = [(rng.randint(0, 3 * W + 2), rng.randint(1, 5)) for _ in range(rng.randint(1, 4))] + [(rng.randint(1, W),)]
+        gshapes = [(rng.randint(0, 3 * W + 2), rng.randint(1, 5))
+                   for _ in range(rng.randint(1, 4))] + [(rng.randint(1, W),)]
         gdt = [rng.choice(DTYPES + (torch.float16,)) for _ in gshapes]
         grads_all = [_inputs(s + 7, W, r, gshapes, gdt) for r in range(W)]
         scale = rng.choice([1.0, 1.0 / W, rng.uniform(0.1, 2.0)])

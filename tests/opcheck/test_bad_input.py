@@ -92,7 +92,8 @@ EMPTY_CALLS = {
     "rs_empty": (ops.reduce_scatter_params_, lambda g: ([], [], 1.0, False, 1, g),
                  r"tide\.reduce_scatter_params_: grads is empty"),
     "ag_functional_empty": (ops.all_gather, lambda g: ([], 1, g), r"tide\.all_gather: shards is empty"),
-    "rs_functional_empty": (ops.reduce_scatter, lambda g: ([], 1.0, None, 1, g), r"tide\.reduce_scatter: inputs is empty"),
+    "rs_functional_empty": (ops.reduce_scatter, lambda g: ([], 1.0, None, 1, g),
+                            r"tide\.reduce_scatter: inputs is empty"),
     "ag_start_empty": (ops.all_gather_start, lambda g: ([], 1, g), r"tide\.all_gather_start: shards is empty"),
     "rs_start_empty": (ops.reduce_scatter_start, lambda g: ([], 1.0, None, 1, g),
                        r"tide\.reduce_scatter_start: grads is empty"),
@@ -123,7 +124,8 @@ def test_empty_lists_are_rejected(case, group_name):
 
 def test_mixed_devices_are_rejected():
     meta = torch.empty(4, device="meta")
-    with pytest.raises(ValueError, match=r"tide\.all_gather_into_params_: outs\[0\] is on meta but shards\[0\] is on cpu"):
+    with pytest.raises(ValueError,
+                       match=r"tide\.all_gather_into_params_: outs\[0\] is on meta but shards\[0\] is on cpu"):
         ops.all_gather_into_params_([_f32(4)], [meta], 1, "g")
 
 
@@ -147,7 +149,8 @@ def test_world_size_must_match_the_group(call, group_name):
     lambda: ops.reduce_scatter_start([_bf16(2)], 1.0, None, 1, "no-such-group"),
 ])
 def test_unknown_group_name(call, group_name):
-    with pytest.raises(ValueError, match=r"tide\.\w+: group_name 'no-such-group' does not name a registered process group"):
+    with pytest.raises(ValueError,
+                       match=r"tide\.\w+: group_name 'no-such-group' does not name a registered process group"):
         call()
 
 
@@ -218,7 +221,8 @@ def _views(buf, *spans):
 # Outputs that overlap each other or an input (the ops would return wrong data): refused in eager by their
 # byte ranges. (Fake tensors have no memory: the fake kernels do not compare them.) W = 1.
 OVERLAPS = {
-    "ag_outs_alias": (ops.all_gather_into_params_, lambda g, b: ([_f32(2, 3), _f32(2, 3)], _views(b, (0, (2, 3)), (0, (2, 3))), 1, g),
+    "ag_outs_alias": (ops.all_gather_into_params_,
+                      lambda g, b: ([_f32(2, 3), _f32(2, 3)], _views(b, (0, (2, 3)), (0, (2, 3))), 1, g),
                       r"tide\.all_gather_into_params_: outs\[1\] overlaps outs\[0\]"),
     "ag_outs_overlap_partly": (ops.all_gather_into_params_,
                                lambda g, b: ([_f32(2, 3), _f32(4)], _views(b, (0, (2, 3)), (5, (4,))), 1, g),
@@ -230,13 +234,16 @@ OVERLAPS = {
                                   lambda g, b: ([b[1:7].view(2, 3)], [b[:6].view(2, 3)], 1, g),
                                   r"tide\.all_gather_into_params_: shards\[0\] overlaps outs\[0\]"),
     "rs_shard_grads_alias": (ops.reduce_scatter_params_,
-                             lambda g, b: ([_bf16(2, 3), _bf16(2, 3)], _views(b, (0, (2, 3)), (0, (2, 3))), 1.0, False, 1, g),
+                             lambda g, b: ([_bf16(2, 3), _bf16(2, 3)], _views(b, (0, (2, 3)), (0, (2, 3))),
+                                           1.0, False, 1, g),
                              r"tide\.reduce_scatter_params_: shard_grads\[1\] overlaps shard_grads\[0\]"),
     "rs_shard_grads_overlap_partly": (ops.reduce_scatter_params_,
-                                      lambda g, b: ([_bf16(2, 3), _bf16(4)], _views(b, (0, (2, 3)), (3, (4,))), 1.0, True, 1, g),
+                                      lambda g, b: ([_bf16(2, 3), _bf16(4)], _views(b, (0, (2, 3)), (3, (4,))),
+                                                    1.0, True, 1, g),
                                       r"tide\.reduce_scatter_params_: shard_grads\[1\] overlaps shard_grads\[0\]"),
     "rs_shard_grad_over_a_grad": (ops.reduce_scatter_params_,
-                                  lambda g, b: ([b[:6].view(2, 3), _f32(4)], [b[2:8].view(2, 3), _f32(4)], 1.0, False, 1, g),
+                                  lambda g, b: ([b[:6].view(2, 3), _f32(4)], [b[2:8].view(2, 3), _f32(4)],
+                                                1.0, False, 1, g),
                                   r"tide\.reduce_scatter_params_: grads\[0\] overlaps shard_grads\[0\]"),
     "rs_shard_grad_is_its_grad": (ops.reduce_scatter_params_,
                                   lambda g, b: ([b[:6].view(2, 3)], [b[:6].view(2, 3)], 1.0, True, 1, g),
@@ -309,7 +316,8 @@ def test_group_none_is_the_default_group(group_name):
     assert torch.equal(sg, 2 * shard)
     (reduced,) = tide.ops.reduce_scatter([shard])
     assert torch.equal(reduced, shard)
-    with pytest.raises(TypeError, match=r"tide\.all_gather_into_params: group must be a torch\.distributed\.ProcessGroup"):
+    with pytest.raises(TypeError,
+                       match=r"tide\.all_gather_into_params: group must be a torch\.distributed\.ProcessGroup"):
         tide.ops.all_gather_into_params([shard], [out], group_name)
 
 
@@ -337,7 +345,8 @@ ONE_TENSOR_CALLS = {
 
 @pytest.mark.parametrize("op, arg", sorted(ONE_TENSOR_CALLS))
 def test_one_tensor_for_a_list_names_the_op_and_the_argument(op, arg, group_name):
-    with pytest.raises(TypeError, match=rf"tide\.{op}: {arg} must be a list of tensors, got one Tensor of shape \(3, 2\)"):
+    with pytest.raises(TypeError,
+                       match=rf"tide\.{op}: {arg} must be a list of tensors, got one Tensor of shape \(3, 2\)"):
         ONE_TENSOR_CALLS[op, arg](_f32(3, 2))
 
 

@@ -165,7 +165,8 @@ def test_the_two_lease_channels_number_their_leases_apart():
     got = {}
 
     def rank(r):  # lease 2 on each channel, then lease 3 on channel 1 only
-        got[r] = [maps[r].exchange_lease(n, f"{r}:{c}:{n}", 5.0, "lease", channel=c) for n, c in ((2, 0), (2, 1), (3, 1))]
+        got[r] = [maps[r].exchange_lease(n, f"{r}:{c}:{n}", 5.0, "lease", channel=c)
+                  for n, c in ((2, 0), (2, 1), (3, 1))]
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:

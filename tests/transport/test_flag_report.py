@@ -99,5 +99,6 @@ def test_the_captured_words_posted_and_not_yet_consumed_are_listed():
     words[index["g_ag_ready"][0][0]] = 1  # my own word: never listed
     line = flag_report.captured(words, index, rank)
     assert line == ("  captured ops' words posted to this rank and not yet consumed: all-gather slot 1 free at peer(s) "
-                    "[2]; all-gather direct lane pieces from peer(s) [1]; reduce-scatter ring slot 0 contributions from peer(s) [1]; reduce-scatter permits from peer 2 "
+                    "[2]; all-gather direct lane pieces from peer(s) [1]; reduce-scatter ring slot 0 contributions "
+                    "from peer(s) [1]; reduce-scatter permits from peer 2 "
                     "for ring slot(s) [1]"), line

@@ -28,7 +28,8 @@ def test_places_follow_the_group_layout_of_its_own_world_size():
 def test_bind_outputs_refuses_before_binding_anything():
     with pytest.raises(ValueError, match=r"tide\.transport\.bind_outputs: outputs must have W\*c elements \(W = 4\)"):
         _arena(1 << 20).bind_outputs([torch.empty(6)], 0, world_size=4)
-    with pytest.raises(ValueError, match=r"tide\.transport\.bind_outputs: group needs \d+ slot bytes, the arena has 64"):
+    with pytest.raises(ValueError,
+                       match=r"tide\.transport\.bind_outputs: group needs \d+ slot bytes, the arena has 64"):
         _arena(64).bind_outputs([torch.empty(64)], 0)
     with pytest.raises(ValueError, match=r"tide\.transport\.bind_outputs: slot must be in \[0, 2\), got 2"):
         _arena(1 << 20).bind_outputs([torch.empty(64)], 2)

@@ -66,7 +66,8 @@ _EXPIRY = textwrap.dedent("""
         if sys.argv[1] == "holds_the_gil":  # wedged inside a call that keeps the GIL: no Python thread runs
             import re
             re.match(r"(a+)+$", "a" * 60 + "b")  # exponential backtracking, never returns in this test
-        yield "  peer 1 (global rank 1) is behind: all-gather slot 0: free at use 3, pieces at use 3, this rank at use 4 (1 behind)"
+        yield ("  peer 1 (global rank 1) is behind: all-gather slot 0: free at use 3, pieces at use 3, "
+               "this rank at use 4 (1 behind)")
 
     dog = Watchdog(poll_s=0.05, grace_s=1.0)
     dog.track(Soon(), "reduce_scatter_params_", "'0' (ranks [0, 1], this rank 0)", 0.5, describe)

@@ -88,7 +88,8 @@ def test_sources_check_names_each_difference(tmp_path):
     (tmp_path / names[0]).write_text("not the upstream file\n")
     problems = sources.differences(tmp_path, release)
     assert len(problems) == len(names)
-    assert problems[0].startswith(f"{names[0]}: sha256 {hashlib.sha256(b'not the upstream file' + bytes([10])).hexdigest()}")
+    assert problems[0].startswith(f"{names[0]}: sha256 "
+                                  f"{hashlib.sha256(b'not the upstream file' + bytes([10])).hexdigest()}")
     assert all("missing" in p for p in problems[1:])
     with pytest.raises(KeyError, match="no upstream files are recorded for torch 0.0.0"):
         sources.release_files("0.0.0")

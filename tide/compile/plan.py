@@ -80,7 +80,8 @@ def buckets(matches: list[Match], position: dict) -> list[Bucket]:
         if fits and not key[0]:  # in no block: the same module's, or a run of collectives between two matmuls
             last = run[1].members[-1]
             fits = (bool(m.module) and m.module == last.module
-                    or bisect.bisect(matmuls, position[last.collective]) == bisect.bisect(matmuls, position[m.collective]))
+                    or bisect.bisect(matmuls, position[last.collective])
+                    == bisect.bisect(matmuls, position[m.collective]))
         if not fits:
             run = (key, Bucket(m.kind, key[0], m.phase, m.group_name, m.world_size))
             open_bucket[m.kind] = run

@@ -35,7 +35,8 @@ def default_transport() -> str:
 
 def _check_module(fn: str, module) -> None:
     if not isinstance(module, nn.Module):
-        raise TypeError(f"{fn}: module must be a torch.nn.Module (sharded with fully_shard), got {type(module).__name__}")
+        raise TypeError(f"{fn}: module must be a torch.nn.Module (sharded with fully_shard), "
+                        f"got {type(module).__name__}")
 
 
 def param_groups(module: nn.Module) -> list:

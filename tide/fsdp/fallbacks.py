@@ -26,10 +26,10 @@ from tide.ops import call_groups
 # Every reason a call takes the stock path.
 REASONS = (
     "not_enabled", "threaded_ranks", "custom_comm", "capture_before_arena", "capture_multinode", "compiling",
-    "functorch", "async_op", "world_size_1", "peer_not_enabled", "compute_capability", "nvlink_domain", "post_forward_mesh",
-    "keep_unsharded_storage", "all_gather_output_fn", "cpu_offload", "extension_shard_dim", "dtensor_param",
-    "subclass_param", "mixed_param_dtypes", "unsupported_dtype", "reduce_dtype", "reduce_scatter_input_fn",
-    "subclass_grad", "noncontiguous_grad", "arena_busy",
+    "functorch", "async_op", "world_size_1", "peer_not_enabled", "compute_capability", "nvlink_domain",
+    "post_forward_mesh", "keep_unsharded_storage", "all_gather_output_fn", "cpu_offload", "extension_shard_dim",
+    "dtensor_param", "subclass_param", "mixed_param_dtypes", "unsupported_dtype", "reduce_dtype",
+    "reduce_scatter_input_fn", "subclass_grad", "noncontiguous_grad", "arena_busy",
 )
 # Besides these, on a torch whose FSDP2 signatures no seam wrapper fits, every call takes stock as
 # "untested_torch:<the function and its parameters>" (tide.fsdp.compat).
@@ -239,7 +239,8 @@ def arena_reason(plan_mode: str) -> str | None:
     return "arena_busy" if plan_mode == "busy" else None
 
 
-def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, custom_input_fn: bool = False) -> str | None:
+def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device,
+                  custom_input_fn: bool = False) -> str | None:
     """Why this ``foreach_reduce`` call must take the stock path, or None for TIDE. Gradients of several
     dtypes in one group (torch 2.15: fp32 norm weights beside bf16 ones) are TIDE's: each is summed in
     fp32. HSDP's all-reduce and an all-reduce hook follow TIDE-RS as they follow stock's reduce-scatter

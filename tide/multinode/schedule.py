@@ -1,8 +1,8 @@
 """The multi-node schedule: TIDE-AG and TIDE-RS of a group that spans nodes, step by step as
 :class:`tide.meta.multinode.MultiNodePlan` lays them out, with point-to-point sends over the group
 (gloo on CPU, NCCL or TIDE's direct rails on GPUs). The ops run it on every backend (the reference
-backend's kernels hand such groups here), and it defines the multi-node semantics, the fp32 order included, that a multi-node transport
-must match bit for bit.
+backend's kernels hand such groups here), and it defines the multi-node semantics, the fp32 order included, that a
+multi-node transport must match bit for bit.
 
 All-gather: every received piece goes straight to its final address in ``outs``; the rail rounds run
 step by step (each at most ``pace_bytes`` per rank), then the intra-node pushes; on GPUs the own shards'

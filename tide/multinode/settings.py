@@ -78,7 +78,8 @@ def _agree(group: dist.ProcessGroup) -> Settings:
         raise ValueError(f"{what}: {'; '.join(bad)}")
     if len({(v["pace"], v["rails"]) for v in every}) > 1:
         per_rank = [f"{v['pace']}, {v['rails']}" for v in every]
-        raise RuntimeError(f"{what}: the ranks set {PACE_ENV} and {rails.RAILS_ENV} differently (per rank: {per_rank}); "
+        raise RuntimeError(f"{what}: the ranks set {PACE_ENV} and {rails.RAILS_ENV} differently "
+                           f"(per rank: {per_rank}); "
                            "the schedule needs the same on every rank")
     reasons = [f"rank {r}: {v['why_not']}" for r, v in enumerate(every) if v["why_not"]]
     if reasons:

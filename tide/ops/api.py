@@ -55,7 +55,8 @@ def _arguments(op: str, group, **named) -> tuple[dist.ProcessGroup, list[list[to
     checks are (:mod:`tide.ops.calls`): through the group's call exchange, or, with no group to agree
     through, a notice in the default group's store."""
     named = {arg: _as_list(ts) for arg, ts in named.items()}
-    tensors = [t for ts in named.values() for t in (ts if isinstance(ts, list) else [ts]) if isinstance(t, torch.Tensor)]
+    tensors = [t for ts in named.values() for t in (ts if isinstance(ts, list) else [ts])
+               if isinstance(t, torch.Tensor)]
     try:
         group = _group(op, group)
     except (TypeError, ValueError) as e:

@@ -196,7 +196,8 @@ def collective_failed(op: str, state: GroupState, n: int, records: dict | None, 
             store = state.store()
             ended = [p for p in range(state.size) if p != state.rank and process_ended(state.peer(p, store)[1])]
         except Exception:
-            ended = [p for p, who in state.who.items() if who["host"] == HOST and process_ended(procfs.state(who["pid"]))]
+            ended = [p for p, who in state.who.items()
+                     if who["host"] == HOST and process_ended(procfs.state(who["pid"]))]
         if ended or time.monotonic() > deadline:
             break
         time.sleep(0.05)

@@ -116,7 +116,8 @@ class Watcher:
             if tomb["tomb"] == "refused":
                 state.notice_taken(p, notice)
             if trace.ENABLED:
-                trace.event(f"calls: {w.op} call {w.n} on group {state.name}: rank {p}'s record replaced ({tomb['tomb']})")
+                trace.event(f"calls: {w.op} call {w.n} on group {state.name}: rank {p}'s record replaced "
+                            f"({tomb['tomb']})")
 
 
 WATCHER = Watcher()

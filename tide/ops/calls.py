@@ -72,8 +72,8 @@ from tide.ops.call_groups import GroupState, notify_refusal, state_of, threaded_
 from tide.agreement import call_desc, first_difference
 from tide.timeouts import TideTimeoutError
 
-__all__ = ["Call", "TideConcurrentCallError", "TidePeerError", "agreed", "refuse", "refuse_without_group", "resolve_group",
-           "world_size_error"]
+__all__ = ["Call", "TideConcurrentCallError", "TidePeerError", "agreed", "refuse", "refuse_without_group",
+           "resolve_group", "world_size_error"]
 
 class TideConcurrentCallError(RuntimeError):
     """A TIDE call on a group while another thread's TIDE call on it was in flight on this rank."""

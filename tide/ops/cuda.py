@@ -69,7 +69,8 @@ def _arena_for(op: str, verdict: str, group_name: str, world_size: int, ask_gate
     action = VERDICTS[verdict]
     if action == "raise":
         if verdict == "world_size":
-            raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has {len(route.ranks)} ranks")
+            raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has "
+                             f"{len(route.ranks)} ranks")
         raise AssertionError(f"tide.{op}: the transport's gate refused an argument ({verdict}) that its check passed")
     if action == "reference":
         if verdict == "no_arena" and route is not None and route.multinode:  # the multi-node schedule runs

@@ -115,7 +115,8 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
         call.wait([work for work, _, _ in pending if work is not None])
         for work, recv, shard in pending:
             flat, n = shard.view(-1), recv.shape[1]
-            sums.sum_rows_reference([flat[:n]], recv, scale=scale, accumulate=accumulate)  # the W contributions in rank order
+            # the W contributions in rank order
+            sums.sum_rows_reference([flat[:n]], recv, scale=scale, accumulate=accumulate)
             if not accumulate:
                 flat[n:].zero_()  # padding rows
 

@@ -109,7 +109,8 @@ def _rs_without_tensors(inputs, scale, out_dtype, world_size, group_name):
 
 def _ag_start_without_tensors(shards, world_size, group_name):
     op = "all_gather_start"
-    _refuse(op, lambda: checks.check_all_gather(op, shards, world_size, checks.GATHER_DTYPES), group_name, world_size, (shards,))
+    _refuse(op, lambda: checks.check_all_gather(op, shards, world_size, checks.GATHER_DTYPES), group_name, world_size,
+            (shards,))
 
 
 def _rs_start_without_tensors(grads, scale, out_dtype, world_size, group_name):

@@ -81,7 +81,8 @@ class Arena:
                  rs_ring_bytes: int | None = None, rs_piece_bytes: int | None = None, ring_depth: int | None = None,
                  sum_ctas: int | None = None, cast_ctas: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE before capturing")
+            raise RuntimeError("tide.transport.Arena: cannot rendezvous during CUDA-graph capture; enable TIDE "
+                               "before capturing")
         from tide import extension
 
         self.ext = extension.load()
@@ -127,7 +128,8 @@ class Arena:
             self.entry_bytes = min(self.entry_bytes, align_up(rs_piece_bytes, 4096))
         layout = self.ext.arena_layout(num_slots=self.num_slots, ring_depth=self.ring_depth, world=W,
                                        slot_bytes=self.slot_bytes, entry_bytes=self.entry_bytes)
-        self.flags_bytes, self.slots_off, self.data_bytes = layout["flags_bytes"], layout["slots_off"], layout["data_bytes"]
+        self.flags_bytes, self.slots_off = layout["flags_bytes"], layout["slots_off"]
+        self.data_bytes = layout["data_bytes"]
         self.flag_words, self.flag_index = layout["flag_words"], layout["flag_index"]
         self.ring_off = layout["ring_off"]
 
@@ -137,8 +139,8 @@ class Arena:
         registry.arena_generations[self.ranks] += 1
         self.store_prefix = f"tide/arena/{'_'.join(map(str, self.ranks))}/{registry.arena_generations[self.ranks]}"
         agreement.agree(self.store, f"{self.store_prefix}/layout", self.rank, self.world_size,
-                        f"Arena(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, ring_depth={self.ring_depth}, "
-                        f"entry_bytes={self.entry_bytes})", self.timeout_s,
+                        f"Arena(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, "
+                        f"ring_depth={self.ring_depth}, entry_bytes={self.entry_bytes})", self.timeout_s,
                         f"tide.transport.enable (group {self.label}): the arena's layout must be the same on every "
                         "rank (TIDE_RS_RING_BYTES, TIDE_RS_RING_DEPTH and the slot size)")
 
@@ -146,8 +148,9 @@ class Arena:
         """The issued board, then the flag words in symmetric memory, zeroed on every rank: every rank's base."""
         from torch.distributed import _symmetric_memory as symm_mem
 
+        # One lane per slot and the direct lane.
         self.board = board.IssuedBoard.rendezvous(self.store, f"{self.store_prefix}/board", self.rank,
-                                                  self.world_size, self.num_slots + 1)  # the slots' lanes, the direct lane
+                                                  self.world_size, self.num_slots + 1)
         try:
             self.flags = symm_mem.empty(self.flags_bytes, dtype=torch.uint8, device=self.device)
             self.handle = symm_mem.rendezvous(self.flags, self.group)
@@ -276,12 +279,14 @@ class Arena:
         """1-D views of this rank's slot ``slot`` at every param's all-gather output (param-major)."""
         slot = self._check_slot("slot_views", slot)
         if layout.slot_bytes > self.slot_bytes:
-            raise ValueError(f"tide.transport: group needs {layout.slot_bytes} slot bytes, the arena has {self.slot_bytes}")
+            raise ValueError(f"tide.transport: group needs {layout.slot_bytes} slot bytes, the arena has "
+                             f"{self.slot_bytes}")
         base, region = self._slot_base(slot), self.region()
         return [region[base + p.slot_offset:base + p.slot_offset + p.out_bytes].view(dt)
                 for p, dt in zip(layout.params, dtypes)]
 
-    def grad_views(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], slot: int) -> list[torch.Tensor]:
+    def grad_views(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype],
+                   slot: int) -> list[torch.Tensor]:
         """Tensors of the given gradient shapes at their params' all-gather output addresses in slot
         ``slot`` (param-major): where Slot-Reuse reads gradients (FSDP's hooks put them there)."""
         slot = self._check_slot("grad_views", slot)

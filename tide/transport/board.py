@@ -123,8 +123,8 @@ class IssuedBoard:
         return 4 * (self.record_words * rank + self.progress_words + (2 * channel + n % 2) * _LEASE_SLOT_WORDS)
 
     def exchange_lease(self, n: int, value: str, timeout_s: float, what: str, channel: int = 0) -> list[str]:
-        """Publish this rank's ``value`` (at most 248 bytes are kept) for lease ``n`` of ``channel`` and return every rank's,
-        in rank order; raises ``RuntimeError`` (starting with ``what``) when a peer has not published it
+        """Publish this rank's ``value`` (at most 248 bytes are kept) for lease ``n`` of ``channel`` and return every
+        rank's, in rank order; raises ``RuntimeError`` (starting with ``what``) when a peer has not published it
         within ``timeout_s``."""
         data = value.encode()[:_LEASE_VALUE_BYTES]
         mine = self._lease_slot(self.rank, n, channel)
@@ -134,7 +134,8 @@ class IssuedBoard:
         deadline, spins = time.monotonic() + timeout_s, 0
         waiting = [p for p in range(self.world) if p != self.rank]
         while waiting:
-            waiting = [p for p in waiting if struct.unpack_from("<I", self._map, self._lease_slot(p, n, channel))[0] != n]
+            waiting = [p for p in waiting
+                       if struct.unpack_from("<I", self._map, self._lease_slot(p, n, channel))[0] != n]
             if waiting:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{what}: rank(s) {waiting} did not reach this call within {timeout_s:g} s "

@@ -28,7 +28,8 @@ def lane_name(lane: int, lanes: int) -> str:
     return "direct lane" if lane == lanes - 1 else f"slot {lane}"
 
 
-def behind(words: Sequence[int], index: Mapping[str, list], progress: Mapping[str, list], rank: int) -> dict[int, list[str]]:
+def behind(words: Sequence[int], index: Mapping[str, list], progress: Mapping[str, list],
+           rank: int) -> dict[int, list[str]]:
     """For every peer whose words are below what this rank's issued work waits for: what lags, by how much."""
     value = [w & 0xFFFFFFFF for w in words]
     ag_uses, rs_rounds = progress["ag_uses"], progress["rs_rounds"]
@@ -41,16 +42,16 @@ def behind(words: Sequence[int], index: Mapping[str, list], progress: Mapping[st
         for i, uses in enumerate(ag_uses):
             free, ready = value[index["ag_free"][i][p]], value[index["ag_ready"][i][p]]
             if min(free, ready) < uses:
-                lags.append(f"all-gather {lane_name(i, len(ag_uses))}: free at use {free}, pieces at use {ready}, this rank at use {uses} "
-                            f"({uses - min(free, ready)} behind)")
+                lags.append(f"all-gather {lane_name(i, len(ag_uses))}: free at use {free}, pieces at use {ready}, "
+                            f"this rank at use {uses} ({uses - min(free, ready)} behind)")
         delivered = max(value[index["rs_ready"][s][p]] for s in range(len(index["rs_ready"])))
         if delivered < rs_rounds[rank]:
             lags.append(f"reduce-scatter: contributions to this rank through round {delivered} of {rs_rounds[rank]} "
                         f"({rs_rounds[rank] - delivered} behind)")
         permitted = max(value[w] for w in index["rs_free"][p])
         if permitted < rs_rounds[p]:
-            lags.append(f"reduce-scatter: permits this rank's contributions through round {permitted} of {rs_rounds[p]} "
-                        f"({rs_rounds[p] - permitted} behind)")
+            lags.append(f"reduce-scatter: permits this rank's contributions through round {permitted} "
+                        f"of {rs_rounds[p]} ({rs_rounds[p] - permitted} behind)")
         if lags:
             out[p] = lags
     return out
@@ -70,7 +71,8 @@ def describe(words: Sequence[int], index: Mapping[str, list], progress: Mapping[
     lanes = len(progress["ag_uses"])
     unposted = [lane_name(i, lanes) for i, uses in enumerate(progress["ag_uses"]) if value[index["ag_src"][i]] < uses]
     if unposted:
-        lines.append(f"  this rank's pieces for {', '.join(unposted)} are not posted yet (waiting for peers' free flags)")
+        lines.append(f"  this rank's pieces for {', '.join(unposted)} are not posted yet "
+                     "(waiting for peers' free flags)")
     return "\n".join(lines)
 
 

@@ -11,10 +11,11 @@ tide/fsdp/wiring.py); the freed block then serves the activations.
   At each lease the ranks exchange handle and offset: on the arena's issued board (host memory every
   rank maps, tide/transport/board.py: plain reads, microseconds) after the first lease, else through the
   store (:func:`tide.agreement.exchange`: three requests whatever the world size, about 0.7 ms a lease on
-  the GPU machine), and map peers' segments they have not mapped yet: the allocator hands the same block back phase after phase
-  (``bench/lease_probe.py``), so a step maps nothing. A peer's mapping is closed when it drops out of the
-  last ``MAPPINGS_PER_PEER`` handles seen, after this rank's pushes have drained: a segment a peer maps cannot go back to the
-  device (``empty_cache``, the allocator's retry after a failed allocation), so few stay mapped.
+  the GPU machine), and map peers' segments they have not mapped yet: the allocator hands the same block back
+  phase after phase (``bench/lease_probe.py``), so a step maps nothing. A peer's mapping is closed when it
+  drops out of the last ``MAPPINGS_PER_PEER`` handles seen, after this rank's pushes have drained: a segment a
+  peer maps cannot go back to the device (``empty_cache``, the allocator's retry after a failed allocation),
+  so few stay mapped.
 - **Collective.** Every rank leases at the same point of its program (FSDP's decisions are identical on
   every rank); a rank that leases alone waits for its peers' keys and raises after the group's timeout,
   naming the lease.
@@ -80,7 +81,8 @@ class Leases:
         self.rank, self.world, self.device, self.nbytes = rank, world, device, nbytes
         self._timeout_s, self._label = timeout_s, label
         self._set_region, self._sync_pushes, self._context, self._board = set_region, sync_pushes, context, board
-        self._channel, self._symmetric_fallback, self._mappings_per_peer = channel, symmetric_fallback, mappings_per_peer
+        self._channel, self._symmetric_fallback = channel, symmetric_fallback
+        self._mappings_per_peer = mappings_per_peer
         self._leased_in = 0  # the context the held region was leased in
         self._kept: set[bytes] = set()  # handles a captured graph writes through: never closed
         self.mode = "allocator"  # or "symmetric (<why>)" / "none (<why>)" once any rank's export failed
@@ -104,7 +106,7 @@ class Leases:
         numbers may differ."""
         if self.held_elsewhere():
             raise RuntimeError(f"tide.transport: the data region of the arena of {self._label} was leased "
-                               f"{'inside a CUDA-graph capture' if self._leased_in else 'outside the CUDA-graph capture'} "
+                               f"{'inside a' if self._leased_in else 'outside the'} CUDA-graph capture "
                                "and is still held: capture whole phases (a lease ends after the root's forward and "
                                "at the end of backward), or release the arena's lease first")
         if self._region is None:
@@ -209,7 +211,8 @@ class Leases:
             base = self._ext.ipc_open(handle=handle, device=self.device.index)
             self.maps_opened += 1
             closable = [h for h in maps if h not in self._kept]
-            if len(closable) >= self._mappings_per_peer and not capturing:  # the oldest goes, once no push can target it
+            # The oldest goes, once no push can target it.
+            if len(closable) >= self._mappings_per_peer and not capturing:
                 self._sync_pushes()
                 self._ext.ipc_close(base=maps.pop(closable[0]), device=self.device.index)
         maps[handle] = base  # the most recent last

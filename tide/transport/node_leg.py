@@ -41,7 +41,8 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int, **kwargs) -> Arena:
         raise ValueError(f"tide.transport.node_leg.enable: ranks {list(ranks)} are not several nodes of 2 or more "
                          f"ranks (topology {topo}); a node arena serves the intra-node legs of such a group")
     if ranks in registry.node_arenas:
-        raise ValueError(f"tide.transport.node_leg.enable: ranks {list(ranks)} already have a node arena; disable it first")
+        raise ValueError(f"tide.transport.node_leg.enable: ranks {list(ranks)} already have a node arena; "
+                         "disable it first")
     node = topo.node(group.rank())
     node_ranks = ranks[node * topo.local_size:(node + 1) * topo.local_size]
     node_group = registry.node_groups.get(node_ranks)

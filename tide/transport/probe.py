@@ -50,7 +50,8 @@ def device_attributes(device: int = 0) -> dict:
     if drv is not None:
         try:
             (err,) = drv.cuInit(0)
-            err, value = drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, device)
+            err, value = drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED,
+                                                  device)
             if err == drv.CUresult.CUDA_SUCCESS:
                 out["multicast_supported"] = bool(value)
         except Exception:  # noqa: BLE001

@@ -4,8 +4,8 @@ and when a slot may be reused.
 A slot is *held* while storages bound into it are alive and still point at it (FSDP's reshard
 ``resize_(0)`` drops the pointer, whose deleter only lets go of the arena's leased region:
 tide/transport/lease.py; a compiled graph frees the outputs of ``all_gather_start`` when it has read them
-last: their storages die). The leases hold the storages weakly, so that they never keep one alive. *Busy* until the event
-of its last use on a stream other than the compute stream (the all-gather that filled it, a Slot-Reuse
+last: their storages die). The leases hold the storages weakly, so that they never keep one alive. *Busy* until the
+event of its last use on a stream other than the compute stream (the all-gather that filled it, a Slot-Reuse
 reduce-scatter that read gradients from it) has completed: the next user's stream waits for that
 event. Every decision depends only on host-side state that evolves identically on every rank (which
 groups are unsharded), never on timing, so all ranks choose the same slot for every all-gather: the

@@ -232,7 +232,8 @@ class Watchdog:
             oldest = w.in_flight.oldest()
             ticket = oldest[0] if oldest is not None else None
             if w.late is not None and w.late[0] != ticket:
-                trace.event(f"watchdog: {w.late[1]} on group {w.group} completed {now - w.late[2]:.1f} s after its issue")
+                trace.event(f"watchdog: {w.late[1]} on group {w.group} "
+                            f"completed {now - w.late[2]:.1f} s after its issue")
                 w.late = None
             if oldest is not None and w.late is None and oldest[2] > trace.LATE_S:
                 w.late = (ticket, oldest[1], now - oldest[2])
