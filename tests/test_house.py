@@ -140,3 +140,27 @@ def test_csrc_lines_hold_the_projects_line_length():
     long = [f"{p.relative_to(ROOT)}:{n}" for p in _sources("csrc")
             for n, line in enumerate(p.read_text().splitlines(), 1) if len(line) > limit]
     assert not long, long
+
+
+def test_the_design_docs_call_paths_name_code_that_exists():
+    """docs/design.md's paths of one all-gather and one reduce-scatter name files, functions and verdicts: each
+    must exist, so a rename or a move that leaves the paths behind fails here."""
+    doc = (ROOT / "docs" / "design.md").read_text()
+    paths = doc[doc.index("### The path of one all-gather"):doc.index("## Layout plan")]
+    python = "\n".join(p.read_text() for p in sorted((ROOT / "tide").rglob("*.py")))
+    cpp = "\n".join(p.read_text() for p in _sources("csrc"))
+    verdicts = re.search(r"kVerdicts = \{(.*?)\};", cpp, re.S).group(1)
+    schemas = (ROOT / "tide" / "ops" / "schemas.py").read_text()
+    missing = []
+    for token in sorted(set(re.findall(r"`([^`]+)`", paths))):
+        if re.fullmatch(r"[\w/]+\.(py|cpp|h|cu)", token):
+            found = (ROOT / token).exists() or any(p.name == token for p in _sources("csrc"))
+        elif token.startswith("torch.ops.tide."):
+            found = f"{token.removeprefix('torch.ops.tide.')}(" in schemas
+        else:
+            name = re.split(r"[.:]+", token.split("(")[0])[-1]
+            found = bool(re.search(rf"^\s*(def|class) {name}\b|^{name} = ", python, re.M)
+                         or re.search(rf"\b{name}\(", cpp) or f'"{name}"' in verdicts)
+        if not found:
+            missing.append(token)
+    assert not missing, missing
