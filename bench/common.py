@@ -86,3 +86,31 @@ def log2_axes(axes, xlabel: str, ylabels: Sequence[str | None], titles: Sequence
             ax.set_title(titles[i])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=legend_size)
+
+
+def gpu_events(prof) -> list[dict]:
+    """The CUDA events of a ``torch.profiler`` run, by start: stream, kind (copy, memset or kernel), name, start
+    and duration in us, the first at 0."""
+    rows = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kind = "copy" if "memcpy" in name else "memset" if "memset" in name else "kernel"
+        rows.append({"stream": int(e.device_resource_id or 0), "kind": kind, "name": e.name[:60],
+                     "start": float(e.time_range.start), "dur": float(e.time_range.end - e.time_range.start)})
+    t0 = min((r["start"] for r in rows), default=0.0)
+    for r in rows:
+        r["start"] -= t0
+    return sorted(rows, key=lambda r: r["start"])
+
+
+def union_intervals(intervals) -> list[tuple[float, float]]:
+    """``intervals`` ((start, end) pairs) merged where they overlap, in order."""
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged

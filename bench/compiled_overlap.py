@@ -27,17 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
-
-
-def _union(intervals) -> list[tuple[float, float]]:
-    merged = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
+from common import default_out, gpu_events, pyplot, require_cuda, run_meta, union_intervals, write_csv  # noqa: E402
 
 
 def _overlap(xs, ys) -> float:
@@ -68,23 +58,9 @@ def split_streams(events: list[dict]) -> tuple[list[dict], list[dict]]:
 def hidden(events: list[dict]) -> tuple[float, float]:
     """(transfer busy us, of it us during compute)."""
     compute, transfer = split_streams(events)
-    busy = _union([(e["start"], e["start"] + e["dur"]) for e in transfer])
-    return sum(b - a for a, b in busy), _overlap(busy, _union([(e["start"], e["start"] + e["dur"]) for e in compute]))
-
-
-def _events(prof) -> list[dict]:
-    rows = []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = e.name.lower()
-        kind = "copy" if "memcpy" in name else "memset" if "memset" in name else "kernel"
-        rows.append({"stream": int(e.device_resource_id or 0), "kind": kind, "name": e.name[:60],
-                     "start": float(e.time_range.start), "dur": float(e.time_range.end - e.time_range.start)})
-    t0 = min((r["start"] for r in rows), default=0.0)
-    for r in rows:
-        r["start"] -= t0
-    return sorted(rows, key=lambda r: r["start"])
+    busy = union_intervals([(e["start"], e["start"] + e["dur"]) for e in transfer])
+    during = _overlap(busy, union_intervals([(e["start"], e["start"] + e["dur"]) for e in compute]))
+    return sum(b - a for a, b in busy), during
 
 
 def depth_rank(rank, world_size, preset, blocks, tokens, batch_size, steps, warmup, cache):
@@ -137,7 +113,7 @@ def depth_rank(rank, world_size, preset, blocks, tokens, batch_size, steps, warm
     return {"median_step_ms": statistics.median(times) * 1e3,
             "ag_slot_per_step": ops.get("all_gather_start:slot", 0) / steps,
             "ag_direct_per_step": direct / steps, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
-            "ops": str(ops), "events": _events(prof) if rank == 0 else []}
+            "ops": str(ops), "events": gpu_events(prof) if rank == 0 else []}
 
 
 def _plot(timelines: dict, path: Path) -> None:

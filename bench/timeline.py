@@ -31,32 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collectives import N_PARAMS, group_shapes, line_up, median_times  # noqa: E402
-from common import default_out, pyplot, require_cuda, run_meta, write_csv  # noqa: E402
-
-
-def _gpu_events(prof) -> list[dict]:
-    rows = []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = e.name
-        kind = "copy" if "memcpy" in name.lower() else "memset" if "memset" in name.lower() else "kernel"
-        rows.append({"stream": int(e.device_resource_id or 0), "kind": kind, "name": name[:60],
-                     "start": float(e.time_range.start), "dur": float(e.time_range.end - e.time_range.start)})
-    rows.sort(key=lambda r: r["start"])
-    t0 = rows[0]["start"] if rows else 0.0
-    for r in rows:
-        r["start"] -= t0
-    return rows
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    return busy
+from common import default_out, gpu_events, pyplot, require_cuda, run_meta, union_intervals, write_csv  # noqa: E402
 
 
 def summarize(events: list[dict], calls: int) -> list[dict]:
@@ -69,7 +44,7 @@ def summarize(events: list[dict], calls: int) -> list[dict]:
     out = []
     for stream in sorted({e["stream"] for e in events}):
         mine = [e for e in events if e["stream"] == stream]
-        busy = _union([(e["start"], e["start"] + e["dur"]) for e in mine])
+        busy = sum(b - a for a, b in union_intervals([(e["start"], e["start"] + e["dur"]) for e in mine]))
         kernels = [e for e in mine if e["kind"] == "kernel"]
         gaps = [b["start"] - (a["start"] + a["dur"]) for a, b in zip(kernels, kernels[1:])]
         copies = [e for e in mine if e["kind"] == "copy"]
@@ -131,7 +106,7 @@ def _rank_main(rank, world_size, size_mib, settings, calls, reps, warmup_s):
                 for _ in range(calls):
                     fn()
                 torch.cuda.synchronize()
-            ev = _gpu_events(prof)
+            ev = gpu_events(prof)
             ring = f"{ring_mib}x{depth}"
             for s in summarize(ev, calls):
                 rows.append({"setting": index, "ring": ring, "entry_mib": arena.entry_bytes / 2**20,
