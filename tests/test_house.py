@@ -143,8 +143,8 @@ def test_csrc_lines_hold_the_projects_line_length():
 
 
 def test_the_design_docs_call_paths_name_code_that_exists():
-    """docs/design.md's paths of one all-gather and one reduce-scatter name files, functions and verdicts: each
-    must exist, so a rename or a move that leaves the paths behind fails here."""
+    """docs/design.md's paths of one all-gather and one reduce-scatter name files, functions, verdicts and
+    counters: each must exist, so a rename or a move that leaves the paths behind fails here."""
     doc = (ROOT / "docs" / "design.md").read_text()
     paths = doc[doc.index("### The path of one all-gather"):doc.index("## Layout plan")]
     python = "\n".join(p.read_text() for p in sorted((ROOT / "tide").rglob("*.py")))
@@ -160,7 +160,8 @@ def test_the_design_docs_call_paths_name_code_that_exists():
         else:
             name = re.split(r"[.:]+", token.split("(")[0])[-1]
             found = bool(re.search(rf"^\s*(def|class) {name}\b|^{name} = ", python, re.M)
-                         or re.search(rf"\b{name}\(", cpp) or f'"{name}"' in verdicts)
+                         or re.search(rf"\b{name}\(", cpp) or f'"{name}"' in verdicts
+                         or f'"{token}"' in python)  # a counter's name
         if not found:
             missing.append(token)
     assert not missing, missing

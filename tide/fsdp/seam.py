@@ -4,11 +4,11 @@
 ``torch.distributed.fsdp._fully_shard._fsdp_param_group``'s namespace, where ``FSDPParamGroup`` looks them
 up at call time (whatever was bound there before is kept and called for the stock path, so other
 patchers chain). A param group is opted in by ``enable`` giving it TIDE's per-group state
-(``tide.fsdp.comms``, found from the params FSDP2 passes; FSDP2's own comms stay in place); every call
-decides on its own (``tide.fsdp.fallbacks``): the TIDE path when the group is opted in and the
-case is supported, else the original function, counted in ``tide.stats()["fsdp"]`` under
-``"stock:<reason>"`` and logged once per reason. Both collectives first raise the transport watchdog's
-error if a TIDE op has timed out (``tide.transport.watchdog``), stock path included.
+(``tide.fsdp.comms``, found from the params FSDP2 passes; FSDP2's own comms stay in place). Every call is
+first decided in one place, ``tide.fsdp.decide`` (the stock reason, or all the TIDE call needs: arena, slot
+plan, tensor-extension inputs, identity); this module then only issues: the TIDE path, or the original
+function, counted in ``tide.stats()["fsdp"]`` under ``"stock:<reason>"``. Both collectives first raise the
+transport watchdog's error if a TIDE op has timed out (``tide.transport.watchdog``), stock path included.
 
 Everything else FSDP2 owns (streams, events, prefetch, reshard, keep-alives, state) stays stock. Both
 collectives go through the ``torch.ops.tide`` ops on every backend; on CUDA the op finds the arena of the
@@ -24,20 +24,15 @@ from __future__ import annotations
 
 import functools
 
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-from tide import counters, registry, routes
-from tide.fsdp import comm_debug, comms, compat, extensions, hooks, reduce_output, replicate, shard_dims, wiring
+from tide import counters, registry
+from tide.fsdp import compat, decide, extensions, hooks, reduce_output, replicate, shard_dims, wiring
 from tide.fsdp.comms import TideAllGatherResult
-from tide.fsdp.fallbacks import all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason
-from tide.meta.call_site import call_identity
 from tide.transport.watchdog import WATCHDOG
 
 
@@ -198,66 +193,19 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
 _DEFAULT_OUTPUT_FN = getattr(_fsdp_collectives, "_default_all_gather_output_fn", None)
 _DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input_fn", None)
 
-# What each TIDE collective is in the program, declared to the ops (tide.meta.call_site): the module's FQN,
-# the phase and the module's count of such calls (all-gathers, reduce-scatters) in that phase. Ranks that
-# skipped or reordered a module's call then raise on every rank, naming both modules, instead of pairing
-# it with another module's call of the same layout (the reference backend compares them; the CUDA path
-# does not). A step declared around the training step (tide.train does) nests outside.
-
-
-def _identity(param_group, op: str, phase: str) -> call_identity:
-    """The identity of ``param_group``'s next TIDE ``op`` in ``phase`` (its count of those)."""
-    counts = registry.call_counts.setdefault(param_group, {})
-    count = counts[op, phase] = counts.get((op, phase), 0) + 1
-    return call_identity(fqn=param_group._module_fqn or "", phase=phase, count=count)
-
-
-def _warn_custom_comm(comm, collective: str, setter: str) -> None:
-    """A group's collective left TIDE because its FSDP2 comm is the user's own: say so, once per group."""
-    if comm.custom_comm_warned:
-        return
-    comm.custom_comm_warned = True
-    warnings.warn(f"tide.fsdp: the {collective} of FSDP module {comm.param_group._module_fqn or '<root>'!r} uses a "
-                  f"custom comm ({type(comm.fsdp_comm()).__name__}, FSDPModule.{setter}), so it takes stock FSDP2 "
-                  "with that comm (tide.stats(): stock:custom_comm)", RuntimeWarning, stacklevel=2)
-
-
 @torch.no_grad()
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
                        all_gather_comm):
     WATCHDOG.check()
-    enabled = comms.of_params(fsdp_params)
-    comm = enabled[0] if enabled is not None else None
-    reason = all_gather_reason(fsdp_params, group, async_op, device, comm)
-    arena, plan, inputs, route = None, ("none", None), None, None
-    if reason is None:
-        route = routes.of(group)  # resolved once per group: its topology and arena
-        arena = wiring.arena_for(group, route, device, comm.transport)
-        hooked = extensions.hooked(comm, fsdp_params)
-        if hooked:  # tensor extensions' inputs first, on the copy-in stream as stock runs them: they size the outputs
-            with _get_device_handle(device.type).stream(all_gather_copy_in_stream):
-                inputs = extensions.pre_all_gather(fsdp_params, hooked)
-            reason = extension_inputs_reason(inputs)
-        if reason is None:
-            plan = wiring.plan_all_gather(arena, comm, fsdp_params, group.size(), inputs)
-            reason = arena_reason(plan[0])
-        # On stock after a pre-all-gather, stock runs it again, on every rank alike.
-    counters.count_fsdp("all_gather", reason, reason is None and route.multinode)
-    if reason is not None:
-        if reason == "custom_comm":
-            _warn_custom_comm(comm, "all-gather", "set_custom_all_gather")
+    call = decide.all_gather(fsdp_params, group, async_op, device, all_gather_copy_in_stream)
+    if call.reason is not None:
         return registry.stock_functions["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
-                                           all_gather_stream, device, all_gather_comm)
-    if arena is not None:
-        wiring.release_at_backward_end()
-    comm_debug.register_if_loaded()
-    param_group = comm.param_group
-    phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
-    with _identity(param_group, "all_gather", phase):
-        result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, arena,
-                                  plan, inputs)
-    if plan[0] == "bound" and enabled[1].rs_mode == "slot_reuse":
-        hooks.install(param_group)
+                                                              all_gather_stream, device, all_gather_comm)
+    with call.identity:
+        result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, call.arena,
+                                  (call.mode, call.slot), call.inputs)
+    if call.mode == "bound" and call.slot_reuse:
+        hooks.install(call.param_group)
     return result
 
 
@@ -298,25 +246,14 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, de
             across: replicate.Across, grad_dtypes, custom_input_fn: bool):
     """Both ``foreach_reduce`` shapes: TIDE's reduce, or ``stock()`` for the reason it records."""
     WATCHDOG.check()
-    enabled = comms.of_params(fsdp_params)
-    comm = enabled[1] if enabled is not None else None
-    from_slot = comm is not None and comm.take_grads_moved_into_slot()
-    reason = reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device, custom_input_fn)
-    route = routes.of(group) if reason is None else None
-    counters.count_fsdp("reduce_scatter", reason, route is not None and route.multinode)
-    if reason is not None:
-        if reason == "custom_comm":
-            _warn_custom_comm(comm, "reduce-scatter", "set_custom_reduce_scatter")
+    call = decide.reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_input_fn)
+    if call.reason is not None:
         out = stock()
-        wiring.order_slot_after_stock_reduce(fsdp_params, comm, group, stream)
+        wiring.order_slot_after_stock_reduce(fsdp_params, call.comm, group, stream)
         return out
-    arena = wiring.arena_for(group, route, device, comm.transport)
-    if arena is not None:
-        wiring.release_at_backward_end()
-    comm_debug.register_if_loaded()
-    with _identity(comm.param_group, "reduce_scatter", "backward"):
-        return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, arena,
-                            across, from_slot)
+    with call.identity:
+        return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, call.arena,
+                            across, call.from_slot)
 
 
 @torch.no_grad()
