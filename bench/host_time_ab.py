@@ -5,12 +5,16 @@ moves by a quarter between runs; only the runs side by side say whether a change
 
     python bench/host_time_ab.py --before a4dbcdc b1.csv b2.csv --after 1a2b3c4 a1.csv a2.csv --out DIR
 
+A run's printed output (a ``.log`` file: its lines ``<path> median <us> us (p10 <us>, p90 <us>) ...``) stands for
+its CSV where only the output came back; ``--device`` and ``--mode`` then name the machine and setting.
+
 Writes ``host_time_ab.csv`` and ``.png`` under ``--out`` and prints each path's median over the runs.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -19,13 +23,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, pyplot, write_csv  # noqa: E402
 
 
-def merged(sides: dict[str, list[str]]) -> list[dict]:
+_PRINTED = re.compile(r"^(tide_\w+)\s+median\s+([\d.]+) us \(p10 ([\d.]+), p90 ([\d.]+)\)", re.M)
+
+
+def _run_rows(path: str, device: str, mode: str) -> list[dict]:
+    """The TIDE rows of one run: its CSV, or the lines it printed (a ``.log``)."""
+    if path.endswith(".log"):
+        text = Path(path).read_text()
+        return [{"path": p, "median_us": m, "p10_us": lo, "p90_us": hi, "device": device, "mode": mode}
+                for p, m, lo, hi in _PRINTED.findall(text)]
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if r["path"].startswith("tide_")]
+
+
+def merged(sides: dict[str, list[str]], device: str = "", mode: str = "") -> list[dict]:
     rows = []
     for commit, paths in sides.items():
         for run, path in enumerate(paths, 1):
-            with open(path, newline="") as f:
-                rows += [{"commit": commit, "run": run, **r} for r in csv.DictReader(f)
-                         if r["path"].startswith("tide_")]
+            rows += [{"commit": commit, "run": run, **r} for r in _run_rows(path, device, mode)]
     return rows
 
 
@@ -33,12 +48,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", nargs="+", required=True, metavar=("COMMIT", "CSV"))
     p.add_argument("--after", nargs="+", required=True, metavar=("COMMIT", "CSV"))
+    p.add_argument("--device", default="", help="the machine, for runs given by their printed output")
+    p.add_argument("--mode", default="", help="the setting, for runs given by their printed output")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args()
     if len(args.before) < 2 or len(args.after) < 2:
         p.error("--before and --after each take a commit and at least one CSV")
     sides = {args.before[0]: args.before[1:], args.after[0]: args.after[1:]}
-    rows = merged(sides)
+    rows = merged(sides, args.device, args.mode)
     out = Path(args.out)
     write_csv(out / "host_time_ab.csv", rows)
     paths = list(dict.fromkeys(r["path"] for r in rows))
