@@ -1,4 +1,5 @@
-"""Host time of two commits side by side: the CSVs of ``bench/bench_host_time.py`` runs of each, taken
+"""Host time of two commits side by side: the CSVs of ``bench/bench_host_time.py`` (or
+``bench/fsdp_host_overhead.py``: the seam's host CPU time per unshard and reduce) runs of each, taken
 interleaved on one machine (before, after, before, after, ...), merged into one CSV with the commit and the
 run, and plotted per path (every run's median, one dot each). On a shared machine the same code's median
 moves by a quarter between runs; only the runs side by side say whether a change grew the host time.
@@ -8,7 +9,8 @@ moves by a quarter between runs; only the runs side by side say whether a change
 A run's printed output (a ``.log`` file: its lines ``<path> median <us> us (p10 <us>, p90 <us>) ...``) stands for
 its CSV where only the output came back; ``--device`` and ``--mode`` then name the machine and setting.
 
-Writes ``host_time_ab.csv`` and ``.png`` under ``--out`` and prints each path's median over the runs.
+Writes ``<--name>.csv`` and ``.png`` (default ``host_time_ab``) under ``--out`` and prints each path's median
+over the runs.
 """
 from __future__ import annotations
 
@@ -33,7 +35,11 @@ def _run_rows(path: str, device: str, mode: str) -> list[dict]:
         return [{"path": p, "median_us": m, "p10_us": lo, "p90_us": hi, "device": device, "mode": mode}
                 for p, m, lo, hi in _PRINTED.findall(text)]
     with open(path, newline="") as f:
-        return [r for r in csv.DictReader(f) if r["path"].startswith("tide_")]
+        rows = list(csv.DictReader(f))
+    if rows and "host_cpu_us" in rows[0]:  # fsdp_host_overhead.py's: one row per op and path
+        return [{"path": f"{r['path']}_{r['op']}", "median_us": r["host_cpu_us"], "device": r["setup"],
+                 "mode": "seam host CPU time"} for r in rows]
+    return [r for r in rows if r["path"].startswith("tide_")]
 
 
 def merged(sides: dict[str, list[str]], device: str = "", mode: str = "") -> list[dict]:
@@ -50,6 +56,7 @@ def main() -> None:
     p.add_argument("--after", nargs="+", required=True, metavar=("COMMIT", "CSV"))
     p.add_argument("--device", default="", help="the machine, for runs given by their printed output")
     p.add_argument("--mode", default="", help="the setting, for runs given by their printed output")
+    p.add_argument("--name", default="host_time_ab", help="the outputs' file name, without extension")
     p.add_argument("--out", default=str(default_out()))
     args = p.parse_args()
     if len(args.before) < 2 or len(args.after) < 2:
@@ -57,7 +64,7 @@ def main() -> None:
     sides = {args.before[0]: args.before[1:], args.after[0]: args.after[1:]}
     rows = merged(sides, args.device, args.mode)
     out = Path(args.out)
-    write_csv(out / "host_time_ab.csv", rows)
+    write_csv(out / f"{args.name}.csv", rows)
     paths = list(dict.fromkeys(r["path"] for r in rows))
     for path in paths:
         medians = {c: statistics.median(float(r["median_us"]) for r in rows if r["path"] == path and r["commit"] == c)
@@ -74,10 +81,10 @@ def main() -> None:
         ax.scatter(xs, ys, marker=marker, label=f"{commit} ({len(sides[commit])} runs)")
     ax.set_xticks(range(len(paths)), [p.removeprefix("tide_") for p in paths], rotation=30, ha="right")
     ax.set_ylabel("median host time per call (us)")
-    ax.set_title(f"bench_host_time.py runs, interleaved ({rows[0]['device']}, {rows[0]['mode']})", fontsize=9)
+    ax.set_title(f"runs, interleaved ({rows[0]['device']}, {rows[0]['mode']})", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "host_time_ab.png", dpi=120)
+    fig.savefig(out / f"{args.name}.png", dpi=120)
 
 
 if __name__ == "__main__":
