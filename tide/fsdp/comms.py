@@ -64,9 +64,9 @@ class TideReduceScatter:
         self.transport = transport
         # id(FSDPParam) -> handle of its Slot-Reuse post-accumulate-grad hook (tide.fsdp.hooks).
         self.grad_hooks: dict = {}
-        # Gradients those hooks moved into the slot since the group's last reduce (tide.stats()["wiring"] then
-        # counts the reduce as rs:slot_reuse), so the reduce needs no look at where each gradient lies.
-        self.grads_moved_into_slot = 0
+        # Whether those hooks moved a gradient into the slot since the group's last reduce (tide.stats()["wiring"]
+        # then counts the reduce as rs:slot_reuse), so the reduce needs no look at where each gradient lies.
+        self.grads_moved_into_slot = False
         # FSDPParams whose fixed properties (placement, offload, DTensor) passed: each reduce passes a
         # fresh list (the params that have grads), so the check is remembered per param.
         self.checked_params: set[int] = set()
@@ -76,8 +76,8 @@ class TideReduceScatter:
 
     def take_grads_moved_into_slot(self) -> bool:
         """Whether the Slot-Reuse hooks moved any gradient into the slot since the last call (and start over)."""
-        moved, self.grads_moved_into_slot = self.grads_moved_into_slot, 0
-        return moved > 0
+        moved, self.grads_moved_into_slot = self.grads_moved_into_slot, False
+        return moved
 
     def fsdp_comm(self):
         """The comm FSDP2 holds for this group's reduce-scatter (the stock path's)."""

@@ -58,7 +58,7 @@ def grad_into_slot(param_group, fsdp_param, param) -> None:
     with torch.no_grad():
         param.detach().copy_(grad)
     param.grad = place
-    comms.of_group(param_group)[1].grads_moved_into_slot += 1
+    comms.of_group(param_group)[1].grads_moved_into_slot = True
     counters.count_wiring("rs:grad_into_slot")
 
 
