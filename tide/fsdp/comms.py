@@ -9,6 +9,7 @@ state from the ``fsdp_params`` FSDP2 hands it (:func:`of_params`).
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
@@ -25,6 +26,19 @@ STOCK_REDUCE_SCATTERS = tuple(c for c in (getattr(_fsdp_collectives, n, None) fo
     "DefaultReduceScatter", "ProcessGroupAllocReduceScatter", "SymmMemReduceScatter")) if c is not None)
 
 
+@dataclasses.dataclass
+class GroupFacts:
+    """What a group's all-gathers rest on that cannot change between its calls, decided once per
+    ``fsdp_params`` list (FSDP passes the same list on every unshard, and the properties read are fixed once
+    its lazy init has set the dtypes) by ``tide.fsdp.decide.group_facts``."""
+    fsdp_params: list
+    static_reason: str | None  # tide.fsdp.fallbacks.static_all_gather_reason
+    hooked: tuple[bool, ...]  # per param, whether it is a tensor extension; () when none is
+    bindable: bool  # whether the group's outputs are bound into arena slots (tide.fsdp.wiring.bindable)
+    # Whether the group fits a slot, per (its extensions' input sizes, or None; the arena's slot bytes).
+    slot_fits: dict = dataclasses.field(default_factory=dict)
+
+
 class TideAllGather:
     """TIDE's state of one enabled param group's all-gather."""
 
@@ -35,14 +49,8 @@ class TideAllGather:
         self.param_group = param_group
         self.leaf = leaf
         self.transport = transport
-        # (the group's fsdp_params list, its static fallback reason): FSDP passes the same list object on
-        # every unshard, and the checked properties are fixed once FSDP's lazy init has set the dtypes.
-        self.static_reason: tuple[list, str | None] | None = None
-        # (the fsdp_params list, which params are tensor extensions: tide.fsdp.extensions.hooked), likewise.
-        self.hooked: tuple[list, tuple[bool, ...]] | None = None
-        # (the fsdp_params list, its extensions' input sizes or None, whether the group fits an arena slot),
-        # once per list like static_reason (and per input sizes for a group with extensions).
-        self.slot_fit: tuple[list, tuple | None, bool] | None = None
+        # What the group's all-gathers rest on that no call changes (tide.fsdp.decide.group_facts).
+        self.facts: GroupFacts | None = None
         # The CUDA contract's verdict for this group's ranks (tide.fsdp.fallbacks.contract_reason), once.
         self.contract: tuple[str | None] | None = None
         # (process group, whether its ranks are threads of this process), per process group seen.

@@ -6,8 +6,8 @@ that ``tide.fsdp.seam`` needs to issue it: the group's TIDE state, the arena ser
 ``tide.routes``; the arena made at the group's first TIDE collective, ``tide.fsdp.wiring``), the tensor
 extensions' all-gather inputs, the all-gather's slot plan, where a reduce reads its gradients, and the
 call's identity (``tide.meta.call_site``). What cannot change between calls is decided once per group and
-kept (the route; in ``tide.fsdp.comms``, the group's fixed reasons, tensor extensions and slot fit), so a
-steady call looks facts up and decides only what is its own: the slot it takes.
+kept (the route; the group's :func:`group_facts`: its fixed reasons, tensor extensions, slot binding and fit),
+so a steady call looks facts up and decides only what is its own: the slot it takes.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from tide import counters, registry, routes
 from tide.fsdp import comm_debug, comms, extensions, wiring
-from tide.fsdp.fallbacks import all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason
+from tide.fsdp.fallbacks import (all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason,
+                                 static_all_gather_reason)
 from tide.meta.call_site import call_identity
 
 
@@ -52,18 +53,18 @@ def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> Al
     again, on every rank alike)."""
     enabled = comms.of_params(fsdp_params)
     comm = enabled[0] if enabled is not None else None
-    reason = all_gather_reason(fsdp_params, group, async_op, device, comm)
+    facts = group_facts(comm, fsdp_params) if comm is not None else None
+    reason = all_gather_reason(fsdp_params, group, async_op, device, comm, facts)
     arena, plan, inputs, route = None, ("none", None), None, None
     if reason is None:
         route = routes.of(group)
         arena = wiring.arena_for(group, route, device, comm.transport)
-        hooked = extensions.hooked(comm, fsdp_params)
-        if hooked:
+        if facts.hooked:
             with _get_device_handle(device.type).stream(copy_in_stream):
-                inputs = extensions.pre_all_gather(fsdp_params, hooked)
+                inputs = extensions.pre_all_gather(fsdp_params, facts.hooked)
             reason = extension_inputs_reason(inputs)
         if reason is None:
-            plan = wiring.plan_all_gather(arena, comm, fsdp_params, group.size(), inputs)
+            plan = wiring.plan_all_gather(arena, facts, fsdp_params, group.size(), inputs)
             reason = arena_reason(plan[0])
     counters.count_fsdp("all_gather", reason, reason is None and route.multinode)
     if reason is not None:
@@ -75,6 +76,16 @@ def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> Al
     phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
     return AllGatherCall(None, arena, plan[0], plan[1], inputs, _identity(param_group, "all_gather", phase),
                          param_group, slot_reuse=enabled[1].rs_mode == "slot_reuse")
+
+
+def group_facts(comm: comms.TideAllGather, fsdp_params) -> comms.GroupFacts:
+    """The group's :class:`tide.fsdp.comms.GroupFacts` for this ``fsdp_params`` list: decided at its first
+    all-gather, then kept on ``comm``."""
+    facts = comm.facts
+    if facts is None or facts.fsdp_params is not fsdp_params:
+        facts = comm.facts = comms.GroupFacts(fsdp_params, static_all_gather_reason(fsdp_params),
+                                              extensions.hooked(fsdp_params), wiring.bindable(comm))
+    return facts
 
 
 def reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_input_fn: bool) -> ReduceCall:

@@ -27,13 +27,10 @@ def has_hooks(fsdp_param) -> bool:
     return hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
 
 
-def hooked(comm, fsdp_params) -> tuple[bool, ...]:
-    """Per param, :func:`has_hooks`; empty when no param of the group has them (the common case). Kept on
-    the group's ``TideAllGather``: FSDP passes the same list on every unshard."""
-    if comm.hooked is None or comm.hooked[0] is not fsdp_params:
-        flags = tuple(has_hooks(p) for p in fsdp_params)
-        comm.hooked = (fsdp_params, flags if any(flags) else ())
-    return comm.hooked[1]
+def hooked(fsdp_params) -> tuple[bool, ...]:
+    """Per param, :func:`has_hooks`; empty when no param of the group has them (the common case)."""
+    flags = tuple(has_hooks(p) for p in fsdp_params)
+    return flags if any(flags) else ()
 
 
 def pre_all_gather(fsdp_params, flags: Sequence[bool]) -> list:

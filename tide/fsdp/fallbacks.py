@@ -208,9 +208,10 @@ def _call_reason(comm, group, stock_comms: tuple, device: torch.device) -> str |
     return common_reason(device)
 
 
-def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
+def all_gather_reason(fsdp_params, group, async_op, device, comm, facts) -> str | None:
     """Why this ``foreach_all_gather`` call must take the stock path, or None for TIDE (``comm``: the
-    group's ``TideAllGather``, None when it is not enabled)."""
+    group's ``TideAllGather``, None when it is not enabled; ``facts``: its ``GroupFacts``, whose
+    :func:`static_all_gather_reason` comes last)."""
     if (reason := _call_reason(comm, group, STOCK_ALL_GATHERS, device)) is not None:
         return reason
     if async_op:
@@ -228,9 +229,7 @@ def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
             return "keep_unsharded_storage"
     if getattr(comm.param_group, "_all_gather_output_fn", _DEFAULT_OUTPUT_FN) is not _DEFAULT_OUTPUT_FN:
         return "all_gather_output_fn"
-    if comm.static_reason is None or comm.static_reason[0] is not fsdp_params:
-        comm.static_reason = (fsdp_params, static_all_gather_reason(fsdp_params))
-    return comm.static_reason[1]
+    return facts.static_reason
 
 
 def arena_reason(plan_mode: str) -> str | None:

@@ -180,19 +180,22 @@ def release_at_backward_end() -> None:
     torch.autograd.Variable._execution_engine.queue_callback(release_leases)
 
 
-def plan_all_gather(arena, comm, fsdp_params, world_size: int, inputs: list | None = None) -> tuple[str, int | None]:
+def plan_all_gather(arena, facts, fsdp_params, world_size: int, inputs: list | None = None) -> tuple[str, int | None]:
     """(how this all-gather uses the arena, its slot): ``bound`` (slot; outputs bound there, zero-copy),
     ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups
     that are not :func:`bindable` or larger than a slot), ``busy`` (outputs hold every slot: stock),
-    ``none`` (no arena). ``inputs``: the group's tensor-extension inputs (``extensions.pre_all_gather``)."""
+    ``none`` (no arena). ``facts``: the group's ``GroupFacts`` (tide.fsdp.comms); ``inputs``: its
+    tensor-extension inputs (``extensions.pre_all_gather``)."""
     if arena is None:
         return "none", None
+    if not facts.bindable:
+        return "direct", None
     sizes = None if inputs is None else tuple((t.numel(), t.dtype) for ins in inputs for t in ins or ())
-    # FSDP passes the same list every time
-    if comm.slot_fit is None or comm.slot_fit[0] is not fsdp_params or comm.slot_fit[1] != sizes:
-        fits = slot_layout(fsdp_params, world_size, inputs).slot_bytes <= arena.slot_bytes
-        comm.slot_fit = (fsdp_params, sizes, fits)
-    if not bindable(comm) or not comm.slot_fit[2]:
+    key = (sizes, arena.slot_bytes)
+    fits = facts.slot_fits.get(key)
+    if fits is None:
+        fits = facts.slot_fits[key] = slot_layout(fsdp_params, world_size, inputs).slot_bytes <= arena.slot_bytes
+    if not fits:
         return "direct", None
     slot = arena.slots.acquire()
     return ("busy", None) if slot is None else ("bound", slot)
