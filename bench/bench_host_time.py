@@ -11,10 +11,9 @@ in the extension's C++ kernel (csrc/transport/dispatch.cpp; ``steady_calls`` cou
 rows show what a call that enters Python costs: ``ag_op_via_python`` and
 ``rs_in_place_via_python`` are the op calls with the C++ steady path off (``steady_enable``: every call
 enters the Python kernel, as before the C++ kernels existed), ``ag_python`` calls the op's Python
-kernel (``tide.ops.cuda``, what serves the first call of a layout, a lease, a capture; called without the
-gate's verdict, which the C++ kernel hands it, it asks the gate once per call), ``ag_arena``
-calls the Python driver ``all_gather.all_gather_into_params`` (the kernel's watchdog check, capture
-check and counter left out).
+kernel (``tide.ops.cuda``, what serves the first call of a layout, a lease, a capture) with the verdict,
+plan and slot the gate found, as the C++ kernel hands them over, and ``ag_arena`` the Python driver's
+``all_gather.issue_call`` with them (the kernel's watchdog check and counter left out).
 ``dispatch_only`` calls an operator of this bench with the all-gather's schema whose CUDA kernel does
 nothing: what the ``torch.ops`` dispatcher itself costs for these arguments. Timed on rank 0 from the Python call to its
 return (the GPU is synchronised between iterations, outside the timed region); the arena's counters split the C++ part
@@ -125,11 +124,13 @@ def tide_times(world_size: int, iters: int) -> dict:
     fns = {"ag_bind": ag_bind,
            "ag_op_only": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name),
            "ag_op_via_python": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name),
-           "ag_python": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name),
-           "ag_arena": lambda: all_gather.all_gather_into_params(arena, shards, views[0]),
+           "ag_python": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name, *found),
+           "ag_arena": lambda: all_gather.issue_call(arena, shards, views[0], found[1], found[2], False),
            "dispatch_only": lambda: no_op(shards, views[0], world_size, name),
            "rs_in_place": rs, "rs_in_place_via_python": rs, "rs_in_place_fresh": rs_fresh,
            "rs_slot_reuse": lambda: rs(in_slot)}
+    torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name)  # the plan, made and agreed
+    found = arena.ext.gate_all_gather(shards, views[0], world_size, name)  # ("transport", plan, slot 0)
     res = {}
     for variant in VARIANTS:
         arena.ext.steady_enable(on=variant not in VIA_PYTHON)

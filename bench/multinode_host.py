@@ -35,7 +35,7 @@ from common import default_out, pyplot, run_meta, write_csv  # noqa: E402
 
 # (module, attribute): the functions on the ops' path, looked up through their module at call time
 TIMED = (
-    ("tide.ops.cuda", "_arena_for"),
+    ("tide.ops.cuda", "_serve"),
     ("tide.ops.reference", "all_gather_into_params_"),
     ("tide.ops.reference", "reduce_scatter_params_"),
     ("tide.ops.reference", "resolve_group"),

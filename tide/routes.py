@@ -9,8 +9,9 @@ A route says, for one process group:
 - ``node_arena``: for a group spanning nodes, this rank's node arena (``tide.transport.node_leg``), which
   carries its intra-node legs; ``holder`` is whichever of the two holds its bound all-gather outputs.
 
-Resolving a route whose group has an arena also binds the group's name to it in the extension
-(csrc/transport/gate.h), where the ops' C++ kernels find it. Routes are kept per group name, with a
+Resolving a route only reads: the extension's table of the arena serving each group name, where the ops'
+C++ kernels look (csrc/transport/gate.h), is :mod:`tide.transport.serving`'s to write. Routes are kept per
+group name, with a
 weak reference to the group (a group re-created under the same name gets its own), and are resolved
 again after :func:`changed` (an arena enabled or dropped) or when the ranks per node change. The arenas
 themselves sit in :mod:`tide.registry`, keyed by ranks (``tide.transport.serving`` makes them); this
@@ -83,7 +84,5 @@ def _resolve(group: dist.ProcessGroup, local_size: int | None) -> Route:
     ranks = tuple(dist.get_process_group_ranks(group))
     route = Route(group.group_name, ranks, topology.of_group(group), registry.arenas.get(ranks),
                   registry.node_arenas.get(ranks))
-    if route.arena is not None:
-        route.arena.ext.bind_group(group_name=group.group_name, arena=route.arena.native, world_size=len(ranks))
     registry.routes[group.group_name] = (weakref.ref(group), (registry.route_generation[0], local_size), route)
     return route

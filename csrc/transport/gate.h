@@ -2,23 +2,26 @@
 //
 // The ops' C++ kernels (dispatch.cpp) ask it on every call. On kTransport they run the collective
 // themselves; on any other verdict they enter the op's Python kernel (tide/ops/cuda.py) with the
-// verdict's name, and Python does what that verdict says and decides nothing of it again. Python's
+// verdict's name and what the gate found (AgGate / RsGate: the plan, the slot). Python does what that
+// verdict says and decides nothing of it again: it issues with the plan and slot handed over, or makes what
+// the verdict names as missing (the group's binding, a lease, a plan) and asks the gate again. Python's
 // table of what each verdict means (tide/ops/cuda.py, VERDICTS) names exactly the kVerdicts below:
 // tests/ops/test_gate.py compares them, so no condition can change on one side only.
 //
 //   verdict               holds when                                        Python then
-//   transport             every condition below passed                       runs the transport's driver
-//   no_arena              no arena is bound to the group name (tide/routes.py reference backend
-//                         binds it when it resolves the group's route)
+//   transport             every condition below passed                       issues with the plan and slot
+//   no_arena              no arena is bound to the group name                binds it (tide/transport/serving.py)
+//                                                                            if an arena serves the group's ranks
+//                                                                            and asks again; else reference
 //   world_size            the call's world size is not the arena's           raises ValueError
 //   grad                  an argument requires grad under grad mode          raises (tide.meta.checks)
 //   lease_across_capture  the region was leased in another context than the  reference backend
 //                         stream's (eagerly vs in one CUDA-graph capture)
-//   no_lease              reduce-scatter: no region is leased                runs the driver, which leases
+//   no_lease              reduce-scatter: no region is leased                leases (collective), asks again
 //   outputs_not_in_slot   all-gather: the outputs lie in no slot at their    reference backend
 //                         plan's places (none without a region)
-//   no_plan               no plan for the call shape yet                     runs the driver, which builds one
-//   capturing             the stream captures a CUDA graph                   runs the driver with a replay mark
+//   no_plan               no plan for the call shape yet                     builds and agrees one, asks again
+//   capturing             the stream captures a CUDA graph                   issues with a replay mark
 //   refused               the collective refused the arguments               words the argument error
 //
 // The order is the table's: the first that holds is the verdict. "refused" comes from running the
@@ -54,12 +57,12 @@ constexpr std::array<const char*, static_cast<size_t>(Verdict::kCount)> kVerdict
     "outputs_not_in_slot", "no_plan", "capturing", "refused"};
 inline const char* verdict_name(Verdict v) { return kVerdicts[static_cast<size_t>(v)]; }
 
-// The C++ half of a group's route (tide/routes.py resolves it once per group name and binds it here):
-// the arena serving the group name and its world size. Held weakly: a closed arena unbinds itself.
+// The arena serving each group name and its world size, written only by tide/transport/serving.py (at an
+// arena's enable, at a group name's first op call, and at its disable). Held weakly.
 void bind_group(const std::string& group_name, const std::shared_ptr<Arena>& arena, int64_t world);
 void forget_arena(const std::shared_ptr<Arena>& arena);
 
-// What an all-gather / reduce-scatter call needs to run the transport, when the verdict is kTransport.
+// What an all-gather / reduce-scatter call needs to run the transport: the verdict and what the gate found.
 struct AgGate {
   Verdict verdict;
   std::shared_ptr<Arena> arena;

@@ -68,10 +68,10 @@ def test_the_gate_gives_each_verdict_in_its_tables_order(ext, arena):
     shard_grads = [torch.empty(40, device="cuda")]
 
     def ag(outs, world=1, name="gate-test"):
-        return ext.all_gather_verdict(shards=shards, outs=outs, world_size=world, group_name=name)
+        return ext.gate_all_gather(shards=shards, outs=outs, world_size=world, group_name=name)[0]
 
     def rs():
-        return ext.reduce_scatter_verdict(grads=grads, shard_grads=shard_grads, world_size=1, group_name="gate-test")
+        return ext.gate_reduce_scatter(grads=grads, shard_grads=shard_grads, world_size=1, group_name="gate-test")[0]
 
     assert ag(free) == "no_arena" and rs() == "no_arena"
     ext.bind_group(group_name="gate-test", arena=arena, world_size=1)
@@ -85,7 +85,8 @@ def test_the_gate_gives_each_verdict_in_its_tables_order(ext, arena):
     outs, layout = _outputs_at(region, 0, shards)
     assert ag(outs) == "no_plan"
     _keep_plan(ext, arena, shards, outs, layout)
-    assert ag(outs) == "transport"
+    verdict, plan, slot = ext.gate_all_gather(shards=shards, outs=outs, world_size=1, group_name="gate-test")
+    assert (verdict, slot) == ("transport", 0) and plan.slot_bytes == layout.slot_bytes  # what Python is handed
     shifted, _ = _outputs_at(region, 0, shards, shift=16)
     assert ag(shifted) == "outputs_not_in_slot"  # the plan's places decide, not the slot alone
     symmetric = _lease(arena, context=ext.EVERY_CONTEXT)  # a symmetric region belongs to every context

@@ -66,7 +66,7 @@ def test_a_call_is_issued_with_a_replay_mark_exactly_under_capture(capturing, mo
         calls.append(kw)
         return "tide", 17
 
-    assert issue.watched(_arena(ext), "reduce_scatter_params_", call, plan="p") == "tide"
+    assert issue.watched(_arena(ext), "reduce_scatter_params_", call, issue.capturing(), plan="p") == "tide"
     if capturing:
         assert calls == [{"plan": "p", "mark": 41}] and ext.claimed == 1
         (args, kw), = tracked
@@ -80,35 +80,92 @@ def test_a_refused_captured_call_is_not_watched(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     tracked = []
     monkeypatch.setattr(watchdog.WATCHDOG, "track_captured", lambda *a, **kw: tracked.append(a))
-    assert issue.watched(_arena(Ext()), "all_gather_into_params_", lambda **kw: ("bad_args", 0)) == "bad_args"
+    assert issue.watched(_arena(Ext()), "all_gather_into_params_", lambda **kw: ("bad_args", 0), True) == "bad_args"
     assert tracked == []
 
 
-def test_the_python_kernels_act_on_the_gates_verdict_without_deciding_again(monkeypatch):
-    """A capture must not bake in an eager lease (nor eager work use a graph's): the gate says so
-    (``lease_across_capture``) and Python runs the reference backend, counted with that reason; a
-    group's first call finds no arena bound to its name in C++, resolves its route (which binds it) and
-    asks the gate again."""
-    counted = []
+class Driven:
+    """The arena and driver a call's actions reach, recorded; the gate answers ``answers`` in turn."""
+
+    def __init__(self, answers) -> None:
+        self.answers, self.done = list(answers), []
+        self.arena = types.SimpleNamespace(region=lambda: self.done.append("lease"))
+
+    def call(self, op="reduce_scatter_params_", world_size=2):
+        return cuda_ops._Call(op, "g", world_size, gate=self._gate,
+                              issue=lambda a, captured, *found: self.done.append(("issue", a, captured, found)),
+                              new_plan=lambda a: self.done.append("plan"), refuse=self._refuse)
+
+    def _gate(self, arena):
+        self.done.append("gate")
+        return self.answers.pop(0)
+
+    def _refuse(self, arena):
+        raise ValueError("tide.reduce_scatter_params_: grads[0] is on cpu")
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The Python kernels' surroundings: the route of group "g" (an arena of ranks 0 and 1), binding and
+    counting recorded."""
+    counted, bound = [], []
     monkeypatch.setattr(cuda_ops.counters, "count_op", lambda op, *why, **kw: counted.append((op, why, kw)))
+    serving = types.SimpleNamespace(bind=lambda route: bound.append(route) or route.arena is not None)
+    monkeypatch.setattr(cuda_ops._transport, "serving", serving, raising=False)
     monkeypatch.setattr(cuda_ops._transport, "WATCHDOG", types.SimpleNamespace(check=lambda: None), raising=False)
-    arena = object()
-    route = types.SimpleNamespace(arena=arena, multinode=False, ranks=(0, 1))
+    route = types.SimpleNamespace(arena=None, multinode=False, ranks=(0, 1))
     monkeypatch.setattr(cuda_ops.routes, "of_name", lambda name: route)
-    op = "reduce_scatter_params_"
-    assert cuda_ops._arena_for(op, "lease_across_capture", "g", 2, lambda a: "transport") is None
-    assert counted == [(op, ("lease_across_capture",), {})]
-    asked = []
-    assert cuda_ops._arena_for(op, "no_arena", "g", 2, lambda a: asked.append(a) or "no_plan") is arena
-    assert asked == [arena]
-    for verdict in ("transport", "no_lease", "capturing", "refused"):
-        assert cuda_ops._arena_for(op, verdict, "g", 2, None) is arena
+    return types.SimpleNamespace(counted=counted, bound=bound, route=route)
+
+
+def test_the_python_kernels_issue_with_what_the_gate_found(kernels):
+    """``transport`` (the steady path off) and ``capturing`` issue with the plan and slot handed over, the
+    latter with a replay mark; nothing is asked again."""
+    d = Driven([])
+    kernels.route.arena = d.arena
+    assert cuda_ops._serve(d.call(), "transport", ("plan", 1)) is True
+    assert cuda_ops._serve(d.call(), "capturing", ("plan", 0)) is True
+    assert d.done == [("issue", d.arena, False, ("plan", 1)), ("issue", d.arena, True, ("plan", 0))]
+    assert kernels.counted == [] and kernels.bound == []
+
+
+def test_a_missing_binding_lease_or_plan_is_made_once_and_the_gate_asked_again(kernels):
+    d = Driven([("no_lease", None), ("no_plan", None), ("capturing", "plan")])
+    kernels.route.arena = d.arena
+    assert cuda_ops._serve(d.call(), "no_arena", (None,)) is True
+    assert kernels.bound == [kernels.route]
+    assert d.done == ["gate", "lease", "gate", "plan", "gate", ("issue", d.arena, True, ("plan",))]
+    d = Driven([("no_plan", None)])  # the gate names the plan missing again after it was made: a bug, not a loop
+    with pytest.raises(AssertionError, match=r"gate answered 'no_plan' again"):
+        cuda_ops._serve(d.call(), "no_plan", (None,))
+
+
+def test_the_reference_backend_runs_for_what_the_transport_cannot_take_counted_with_why(kernels):
+    """A capture must not bake in an eager lease (nor eager work use a graph's), outputs outside the plan's
+    places, a group whose ranks no arena serves (a multi-node group: its schedule)."""
+    d = Driven([("outputs_not_in_slot", None, -1)])
+    kernels.route.arena = d.arena
+    op = "all_gather_into_params_"
+    assert cuda_ops._serve(d.call(op), "lease_across_capture", (None, -1)) is False
+    assert cuda_ops._serve(d.call(op), "no_plan", (None, -1)) is False  # the plan is made, the outputs lie elsewhere
+    assert d.done == ["plan", "gate"]
+    kernels.route.arena = None
+    assert cuda_ops._serve(d.call(op), "no_arena", (None, -1)) is False
+    kernels.route.multinode = True
+    assert cuda_ops._serve(d.call(op), "no_arena", (None, -1)) is False
+    assert kernels.counted == [(op, ("lease_across_capture",), {}), (op, ("outputs_not_in_slot",), {}),
+                               (op, ("no_arena",), {}), (op, (), {"multinode": True})]
+
+
+def test_argument_errors_are_raised_naming_the_op(kernels):
+    d = Driven([])
+    kernels.route.arena = d.arena
     with pytest.raises(ValueError, match=r"tide\.reduce_scatter_params_: world_size=4 but group 'g' has 2 ranks"):
-        cuda_ops._arena_for(op, "world_size", "g", 4, None)
-    route.arena, route.multinode = None, True  # no arena: the multi-node schedule, counted as such
-    counted.clear()
-    assert cuda_ops._arena_for(op, "no_arena", "g", 2, None) is None
-    assert counted == [(op, (), {"multinode": True})]
+        cuda_ops._serve(d.call(world_size=4), "world_size", (None,))
+    with pytest.raises(ValueError, match=r"grads\[0\] is on cpu"):
+        cuda_ops._serve(d.call(), "refused", ("plan",))
+    with pytest.raises(AssertionError, match=r"refused an argument \(grad\)"):
+        cuda_ops._serve(d.call(), "grad", (None,))
 
 
 # ------------------------------------------------------------------------------------------ watchdog

@@ -5,11 +5,13 @@ serve CUDA calls. When it loads (:func:`hand_over`, a hook of ``tide.extension.l
 kernels take the CUDA dispatch key (csrc/transport/dispatch.cpp). Every call of the two mutating ops
 then asks the gatekeeper (csrc/transport/gate.h) whether it may take the transport; a call it lets
 through runs in C++ without entering Python, and every other call enters these Python kernels with the
-gate's verdict, which :data:`VERDICTS` turns into what to do: run the transport's Python driver
-(``tide.transport.all_gather``, ``tide.transport.reduce_scatter``: a lease, a new plan, a capture's replay
-mark), run the reference backend (the stock collectives, layout-aware; ``tide.stats()["ops"]`` counts
-why), or raise. Nothing the gate decided is decided here again. Every call first raises the transport
-watchdog's error if an earlier TIDE op timed out (``tide.transport.watchdog``).
+gate's verdict and what the gate found (the plan, the all-gather's slot), which :data:`VERDICTS` turns into
+what to do: issue through the transport's Python driver (``tide.transport.all_gather``,
+``tide.transport.reduce_scatter``) with what the gate found; make what the verdict names as missing (the
+group name's binding, a lease, a plan) and ask the gate again; run the reference backend (the stock
+collectives, layout-aware; ``tide.stats()["ops"]`` counts why); or raise. Nothing the gate decided is
+decided here again. Every call first raises the transport watchdog's error if an earlier TIDE op timed
+out (``tide.transport.watchdog``).
 
 The functional ``all_gather`` / ``reduce_scatter`` are the reference's compositions: they call these two
 ops, and so do the graph ops ``all_gather_start`` / ``reduce_scatter_start``, whose kernels then register
@@ -31,10 +33,10 @@ class _Transport:
     """The CUDA transport's modules, imported at the first CUDA call (``import tide`` loads none of them)."""
 
     def __getattr__(self, name: str):
-        from tide.transport import all_gather, graph_calls, graph_gather, reduce_scatter, watchdog
+        from tide.transport import all_gather, graph_calls, graph_gather, reduce_scatter, serving, watchdog
 
         self.all_gather, self.graph_gather, self.graph_calls = all_gather, graph_gather, graph_calls
-        self.reduce_scatter, self.WATCHDOG = reduce_scatter, watchdog.WATCHDOG
+        self.reduce_scatter, self.serving, self.WATCHDOG = reduce_scatter, serving, watchdog.WATCHDOG
         return getattr(self, name)
 
 
@@ -42,72 +44,109 @@ _transport = _Transport()
 
 
 # What the Python kernels do with each verdict of the gatekeeper (csrc/transport/gate.h, whose kVerdicts
-# these must name exactly: tests/ops/test_gate.py): run the transport's Python driver, run the reference
-# backend (counted with the verdict as its reason), or raise the argument's error.
+# these must name exactly: tests/ops/test_gate.py): issue with what the gate found; make what the verdict
+# names as missing (bind the group name, lease, plan), then ask the gate again; run the reference backend
+# (counted with the verdict as its reason); raise the argument's error; or word the error of arguments the
+# collective refused.
 VERDICTS = {
-    "transport": "driver",  # the steady path is off (TIDE_TRACE): Python issues what C++ would have
-    "no_arena": "reference",
+    "transport": "issue",  # the steady path is off (TIDE_TRACE): Python issues what C++ would have
+    "no_arena": "bind",  # the reference backend where no arena serves the group's ranks
     "world_size": "raise",
     "grad": "raise",  # worded by the kernel's argument check, which every backend runs first
     "lease_across_capture": "reference",
-    "no_lease": "driver",
+    "no_lease": "lease",
     "outputs_not_in_slot": "reference",
-    "no_plan": "driver",
-    "capturing": "driver",
-    "refused": "driver",  # the driver words the error
+    "no_plan": "plan",
+    "capturing": "issue",  # with a replay mark
+    "refused": "refuse",
 }
 
 
-def _arena_for(op: str, verdict: str, group_name: str, world_size: int, ask_gate):
-    """The arena whose transport the gate's ``verdict`` sends this call to, or None: the reference backend
-    (counted, with why). ``no_arena`` may only mean that the group's route was not resolved yet: resolving
-    it binds the group's name to its arena, and ``ask_gate(arena)`` gives the verdict then."""
+class _Call:
+    """One call of a mutating op that the gate did not let through, and what Python does for each action:
+    ``gate(arena)`` asks the gate again ((verdict, plan[, slot])), ``issue(arena, captured, *found)``,
+    ``new_plan(arena)`` and ``refuse(arena)`` are the transport driver's for these arguments."""
+
+    def __init__(self, op: str, group_name: str, world_size: int, gate, issue, new_plan, refuse) -> None:
+        self.op, self.group_name, self.world_size = op, group_name, world_size
+        self.gate, self.issue, self.new_plan, self.refuse = gate, issue, new_plan, refuse
+
+
+def _serve(call: _Call, verdict: str, found: tuple) -> bool:
+    """Act on the gate's ``verdict`` (and what it ``found``) until the call is issued through the transport
+    (True) or belongs to the reference backend (False, counted with why). A verdict that names something
+    missing is acted on once: the gate naming it again after that is a bug, raised."""
     _transport.WATCHDOG.check()
-    route = routes.of_name(group_name)
-    if verdict == "no_arena" and route is not None and route.arena is not None:
-        verdict = ask_gate(route.arena)
-    action = VERDICTS[verdict]
-    if action == "raise":
-        if verdict == "world_size":
-            raise ValueError(f"tide.{op}: world_size={world_size} but group {group_name!r} has "
-                             f"{len(route.ranks)} ranks")
-        raise AssertionError(f"tide.{op}: the transport's gate refused an argument ({verdict}) that its check passed")
-    if action == "reference":
-        if verdict == "no_arena" and route is not None and route.multinode:  # the multi-node schedule runs
-            counters.count_op(op, multinode=True)
-        else:
-            counters.count_op(op, verdict)
-        return None
-    return route.arena
+    route = routes.of_name(call.group_name)
+    arena = route.arena if route is not None else None
+    done = set()
+    while True:
+        action = VERDICTS[verdict]
+        if action == "issue":
+            call.issue(arena, verdict == "capturing", *found)
+            return True
+        if action == "reference":
+            counters.count_op(call.op, verdict)
+            return False
+        if action == "raise":
+            if verdict == "world_size":
+                raise ValueError(f"tide.{call.op}: world_size={call.world_size} but group {call.group_name!r} has "
+                                 f"{len(route.ranks)} ranks")
+            raise AssertionError(f"tide.{call.op}: the transport's gate refused an argument ({verdict}) that its "
+                                 "check passed")
+        if action == "refuse":
+            call.refuse(arena)  # raises
+        if action in done:
+            raise AssertionError(f"tide.{call.op}: the transport's gate answered {verdict!r} again after it was "
+                                 "acted on")
+        done.add(action)
+        if action == "bind" and (route is None or not _transport.serving.bind(route)):
+            # No arena of the group's own ranks: the reference backend, which runs a multi-node group's schedule.
+            if route is not None and route.multinode:
+                counters.count_op(call.op, multinode=True)
+            else:
+                counters.count_op(call.op, verdict)
+            return False
+        if action == "lease":
+            arena.region()
+        elif action == "plan":
+            call.new_plan(arena)
+        verdict, *found = call.gate(arena)
 
 
-def all_gather_into_params_(shards, outs, world_size, group_name, verdict="no_arena") -> None:
+def all_gather_into_params_(shards, outs, world_size, group_name, verdict="no_arena", plan=None, slot=-1) -> None:
     op = "all_gather_into_params_"
     knobs.validate_once()  # TIDE's first use (a CUDA call enters Python at least at its layout's first call)
     if torch.is_grad_enabled():  # FSDP2 calls under no_grad: nothing to look at on its path
         checks.check_no_grad(op, (("shards", shards), ("outs", outs)))
-    a = _arena_for(op, verdict, group_name, world_size,
-                   lambda a: a.ext.all_gather_verdict(shards, outs, world_size, group_name))
-    if a is not None:
-        if _transport.all_gather.all_gather_into_params(a, shards, outs):
-            counters.count_op(op)
-            return
-        counters.count_op(op, "outputs_not_in_slot")
-    reference.all_gather_into_params_(shards, outs, world_size, group_name)
+    driver = _transport.all_gather
+    call = _Call(op, group_name, world_size,
+                 gate=lambda a: a.ext.gate_all_gather(shards, outs, world_size, group_name),
+                 issue=lambda a, captured, plan, slot: driver.issue_call(a, shards, outs, plan, slot, captured),
+                 new_plan=lambda a: driver.new_plan(a, shards, outs), refuse=lambda a: driver.refuse(a, shards, outs))
+    if _serve(call, verdict, (plan, slot)):
+        counters.count_op(op)
+    else:
+        reference.all_gather_into_params_(shards, outs, world_size, group_name)
 
 
-def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name, verdict="no_arena") -> None:
+def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name, verdict="no_arena",
+                           plan=None) -> None:
     op = "reduce_scatter_params_"
     knobs.validate_once()
     if torch.is_grad_enabled():
         checks.check_no_grad(op, (("grads", grads), ("shard_grads", shard_grads)))
-    a = _arena_for(op, verdict, group_name, world_size,
-                   lambda a: a.ext.reduce_scatter_verdict(grads, shard_grads, world_size, group_name))
-    if a is None:
+    driver = _transport.reduce_scatter
+    call = _Call(op, group_name, world_size,
+                 gate=lambda a: a.ext.gate_reduce_scatter(grads, shard_grads, world_size, group_name),
+                 issue=lambda a, captured, plan: driver.issue_call(a, grads, shard_grads, scale, accumulate, plan,
+                                                                   captured),
+                 new_plan=lambda a: driver.new_plan(a, grads, shard_grads),
+                 refuse=lambda a: driver.refuse(a, grads, shard_grads))
+    if _serve(call, verdict, (plan,)):
+        counters.count_op(op)
+    else:
         reference.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)
-        return
-    _transport.reduce_scatter.reduce_scatter_params(a, grads, shard_grads, scale, accumulate)
-    counters.count_op(op)
 
 
 _KERNELS = {

@@ -11,8 +11,8 @@ Importing this package builds nothing and needs no GPU: the extension is compile
     Arena.bind_outputs(outs, slot)                             (FSDP's all-gather outputs into a slot)
     Arena.slots                                                (the slot leases)
     disable(group_name)                                        (releases the arena's memory)
-    all_gather.all_gather_into_params(arena, shards, outs)     (TIDE-AG's driver: all_gather.py)
-    reduce_scatter.reduce_scatter_params(arena, grads, ...)    (TIDE-RS's driver: reduce_scatter.py)
+    all_gather.new_plan / issue_call(arena, shards, outs, ...) (TIDE-AG's driver: all_gather.py)
+    reduce_scatter.new_plan / issue_call(arena, grads, ...)    (TIDE-RS's driver: reduce_scatter.py)
     node_leg.enable(group, slot_bytes=...) -> Arena            (a multi-node group's node arena: node_leg.py)
 """
 from tide.transport.arena import Arena  # noqa: F401

@@ -4,10 +4,10 @@ csrc/transport/all_gather.cpp, whose header has the protocol).
 Outputs are bound at their param-major places of one slot (``Arena.bind_outputs``: param j's output at
 ``out_offset[j]``, rank r's shard of it ``r * shard_bytes[j]`` further). Whether a call's outputs lie
 there is the extension arena's one rule (``placed_slot``, csrc/transport/arena.h), which the ops' gate
-(csrc/transport/gate.h) applies before a call comes here; this driver builds a call shape's plan the
-first time (:func:`tide.meta.plans.ag_plan_info`, agreed by every rank first, then kept by the
-extension, whose C++ kernel takes later calls of that shape without Python) and enters the extension
-once, handing it the plan and the slot.
+(csrc/transport/gate.h) applies to every call. This driver does what the gate's verdict asks of it
+(tide/ops/cuda.py): :func:`new_plan` builds a call shape's plan the first time (:func:`tide.meta.plans.ag_plan_info`,
+agreed by every rank first, then kept by the extension, whose C++ kernel takes later calls of that shape
+without Python), and :func:`issue_call` enters the extension once with the plan and slot the gate found.
 
 The graph op ``all_gather_start`` makes its own outputs (tide/transport/graph_gather.py): in a free slot,
 else on the arena's direct lane (:func:`all_gather_direct`): a region of the caching allocator leased for
@@ -38,7 +38,7 @@ def _check(arena, shards, outs) -> None:
                      *_lists(shards, outs))
 
 
-def _new_plan(arena, shards, outs):
+def new_plan(arena, shards, outs):
     """This call shape's plan (the extension's AgPlan), built after its arguments are checked and every rank
     agreed on it, and kept by the extension for every later call of the shape."""
     _check(arena, shards, outs)
@@ -53,20 +53,20 @@ def _new_plan(arena, shards, outs):
     return native
 
 
-def all_gather_into_params(arena, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> bool:
-    """TIDE-AG of ``shards`` into ``outs`` bound in a slot of the held lease (``Arena.bind_outputs``,
-    ``Arena.slot_views``): True, or False when ``outs`` lie in no slot at their plan's places (nothing
-    issued; the caller gathers another way)."""
-    arena.region()  # outputs lie in a slot only while the lease is held: record this stream as its user
-    plan = arena.native.ag_plan(shards=shards, outs=outs) or _new_plan(arena, shards, outs)
-    slot = arena.native.placed_slot(outs=outs, offsets=plan.out_offset, need=plan.slot_bytes)
-    if slot < 0:
-        return False
-    if issue.watched(arena, OP, arena.native.all_gather, plan=plan, shards=shards, outs=outs,
+def issue_call(arena, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], plan, slot: int,
+               captured: bool) -> None:
+    """TIDE-AG of ``shards`` into ``outs``, which the gate found at ``plan``'s places of ``slot`` of the held
+    lease; ``captured``: the gate's ``capturing`` (issued with a replay mark)."""
+    arena.native.use_region_on_current_stream()  # the lease's user until the stream passes this call
+    if issue.watched(arena, OP, arena.native.all_gather, captured, plan=plan, shards=shards, outs=outs,
                      lane=slot) != "tide":
-        issue.refuse(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
-                     *_lists(shards, outs))
-    return True
+        refuse(arena, shards, outs)
+
+
+def refuse(arena, shards, outs) -> None:
+    """Raise the error of arguments the extension refused."""
+    issue.refuse(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
+                 *_lists(shards, outs))
 
 
 def all_gather_direct(arena, shards: Sequence[torch.Tensor], layout: GroupLayout) -> list[torch.Tensor] | None:
@@ -86,11 +86,10 @@ def all_gather_direct(arena, shards: Sequence[torch.Tensor], layout: GroupLayout
                                        offsets=[p.slot_offset for p in layout.params],
                                        nbytes=[p.out_bytes for p in layout.params]):
             raise RuntimeError(f"tide.{OP}: the direct lane's outputs could not be pointed into its lease")
-        plan = arena.native.ag_plan(shards=shards, outs=outs) or _new_plan(arena, shards, outs)
-        if issue.watched(arena, OP, arena.native.all_gather, plan=plan, shards=shards, outs=outs,
+        plan = arena.native.ag_plan(shards=shards, outs=outs) or new_plan(arena, shards, outs)
+        if issue.watched(arena, OP, arena.native.all_gather, issue.capturing(), plan=plan, shards=shards, outs=outs,
                          lane=arena.num_slots) != "tide":
-            issue.refuse(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
-                         *_lists(shards, outs))
+            refuse(arena, shards, outs)
     finally:
         arena.direct.release()  # the peers' pushes were issued; the lane's addresses go with the lease
     return outs

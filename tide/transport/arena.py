@@ -238,7 +238,6 @@ class Arena:
         torch.cuda.synchronize(self.device)  # nothing of this rank writes into a peer's region any more
         self.native.publish_progress_to(0)
         watchdog.WATCHDOG.forget(self.store_prefix)  # its graphs cannot replay once it is closed
-        self.ext.forget_arena(arena=self.native)
         self.leases.close()
         self.direct.close()
         self.slots = None  # its events are the extension arena's

@@ -2,8 +2,10 @@
 watched from before it issues anything, and the flag report the watchdog prints when one never completes.
 
     agree_plan(arena, op, desc)          every rank reaches its next new plan with the same call
-    watched(arena, op, call, **kw)       one extension call under the watchdog (eager, or captured into a
+    watched(arena, op, call, captured, **kw)
+                                         one extension call under the watchdog (eager, or captured into a
                                          CUDA graph with a replay mark): what it ran
+    capturing()                          whether the current stream captures (where no gate said so)
     check_args(arena, op, check, *lists) raise the error of arguments the transport cannot take
     refuse(arena, op, check, *lists)     the same, for arguments the extension refused
 """
@@ -33,12 +35,18 @@ def agree_plan(arena, op: str, desc: str) -> None:
                  arena.data_bytes)
 
 
-def watched(arena, op: str, call, **kw) -> str:
+def capturing() -> bool:
+    """Whether the current stream captures a CUDA graph, for calls that no gate verdict came with (the ops'
+    gate says ``capturing``)."""
+    return torch.version.cuda is not None and torch.cuda.is_current_stream_capturing()
+
+
+def watched(arena, op: str, call, captured: bool, **kw) -> str:
     """One call into the extension, watched from before it issues anything (the arena's in-flight list,
-    csrc/transport/completions.h); its outcome's name. A call on a stream that captures a CUDA graph is
-    issued with a replay mark, which the watchdog watches at every replay of the graph
+    csrc/transport/completions.h); its outcome's name. A ``captured`` call (its stream captures a CUDA graph)
+    is issued with a replay mark, which the watchdog watches at every replay of the graph
     (tide/transport/watchdog.py)."""
-    if torch.version.cuda is not None and torch.cuda.is_current_stream_capturing():
+    if captured:
         ext, device = arena.ext, arena.device.index
         mark = ext.replay_claim(device)
         ran, _ = call(mark=mark, **kw)

@@ -74,7 +74,7 @@ def push_spans(arena, slot: int, start: torch.cuda.Event,
     current stream as the op began. TIDE-AG's flags surround it, so the current stream then waits until
     every peer's pieces are here."""
     arena.region()
-    issue.watched(arena, OP_AG, arena.native.push_spans, slot=int(slot), start=start.cuda_event,
+    issue.watched(arena, OP_AG, arena.native.push_spans, issue.capturing(), slot=int(slot), start=start.cuda_event,
                   landed=[event.cuda_event for event, _ in batches], spans=[list(spans) for _, spans in batches])
 
 
@@ -92,4 +92,4 @@ def reduce_partials(arena, key, grads: Sequence[torch.Tensor], out: torch.Tensor
         rs = arena.ext.RsPlan(rounds=native_rounds(arena.ext, rounds), pads=[], grad_dtype=[g.dtype for g in grads])
         plan = arena.plans["partials", key] = arena.native.partials_plan(plan=rs)
     arena.region()
-    issue.watched(arena, OP_RS, arena.native.reduce_partials, plan=plan, grads=grads, out=out)
+    issue.watched(arena, OP_RS, arena.native.reduce_partials, issue.capturing(), plan=plan, grads=grads, out=out)

@@ -2,10 +2,11 @@
 sums themselves are csrc/transport/reduce_scatter.cpp, whose header has the protocol and the staging
 layout).
 
-Each call shape's plan (:func:`tide.meta.plans.rs_plan_info`: every destination's rounds, packed for
-the arena's staging entries, and this rank's padding) is built here the first time, after its
-arguments are checked and every rank agreed on it, and kept by the extension, whose C++ kernel takes
-later calls of that shape without Python (tide/ops/cuda.py).
+The driver does what the ops' gate asks of it (tide/ops/cuda.py): :func:`new_plan` builds each call shape's
+plan the first time (:func:`tide.meta.plans.rs_plan_info`: every destination's rounds, packed for the
+arena's staging entries, and this rank's padding), after its arguments are checked and every rank agreed
+on it, and the extension keeps it, whose C++ kernel takes later calls of that shape without Python;
+:func:`issue_call` enters the extension once with the plan the gate found.
 """
 from __future__ import annotations
 
@@ -31,8 +32,14 @@ def native_plan(ext, info: plans.RsPlanInfo, dtypes: Sequence[torch.dtype]):
                       grad_dtype=list(dtypes))
 
 
-def _new_plan(arena, grads, shard_grads, check):
-    issue.check_args(arena, OP, check, ("grads", grads), ("shard_grads", shard_grads))
+def _check(arena, grads, shard_grads):
+    return lambda: checks.check_reduce_scatter_params(OP, grads, shard_grads, arena.world_size)
+
+
+def new_plan(arena, grads, shard_grads):
+    """This call shape's plan (the extension's RsPlan), built after its arguments are checked and every rank
+    agreed on it, and kept by the extension for every later call of the shape."""
+    issue.check_args(arena, OP, _check(arena, grads, shard_grads), ("grads", grads), ("shard_grads", shard_grads))
     issue.agree_plan(arena, OP, agreement.call_desc(OP, (grads,)))
     dtypes = [g.dtype for g in grads]
     info = plans.rs_plan_info([g.shape for g in grads], dtypes, arena.world_size, arena.rank, arena.entry_bytes)
@@ -41,17 +48,19 @@ def _new_plan(arena, grads, shard_grads, check):
     return plan
 
 
-def reduce_scatter_params(arena, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
-                          accumulate: bool) -> None:
-    """TIDE-RS into this rank's fp32 ``shard_grads``, reading every gradient where it lies. A slot that
-    holds some of them (FSDP's Slot-Reuse hooks put gradients at their parameters' places there) is busy
-    until the reduce-scatter has read them."""
-    def check():
-        checks.check_reduce_scatter_params(OP, grads, shard_grads, arena.world_size)
-
-    arena.region()
-    plan = arena.native.rs_plan(grads=grads) or _new_plan(arena, grads, shard_grads, check)
-    if issue.watched(arena, OP, arena.native.reduce_scatter, plan=plan, grads=grads, shard_grads=shard_grads,
+def issue_call(arena, grads: Sequence[torch.Tensor], shard_grads: Sequence[torch.Tensor], scale: float,
+               accumulate: bool, plan, captured: bool) -> None:
+    """TIDE-RS into this rank's fp32 ``shard_grads`` with the ``plan`` the gate found, reading every gradient
+    where it lies; ``captured``: the gate's ``capturing`` (issued with a replay mark). A slot that holds some
+    of the gradients (FSDP's Slot-Reuse hooks put them at their parameters' places there) is busy until the
+    reduce-scatter has read them."""
+    arena.native.use_region_on_current_stream()  # the lease's user until the stream passes this call
+    if issue.watched(arena, OP, arena.native.reduce_scatter, captured, plan=plan, grads=grads, shard_grads=shard_grads,
                      scale=float(scale), accumulate=bool(accumulate)) != "tide":
-        issue.refuse(arena, OP, check, ("grads", grads), ("shard_grads", shard_grads))
+        refuse(arena, grads, shard_grads)
     arena.read_from_slots(grads)
+
+
+def refuse(arena, grads, shard_grads) -> None:
+    """Raise the error of arguments the extension refused."""
+    issue.refuse(arena, OP, _check(arena, grads, shard_grads), ("grads", grads), ("shard_grads", shard_grads))

@@ -5,6 +5,10 @@ every change here starts a new generation of routes.
 
 - :func:`enable` / :func:`disable`: the arena of a group's own ranks (every group over the same ranks, in
   the same order, uses the same one);
+- :func:`bind`: a group name bound to its route's arena in the extension, where the ops' C++ kernels find
+  it (csrc/transport/gate.h). Only this module writes that table: the enabling group's name at
+  :func:`enable`, any other name over the same ranks at its first op call (the gate's ``no_arena``,
+  tide/ops/cuda.py), every name of an arena unbound at :func:`disable`;
 - :func:`get`: the arena of a group name's ranks (its route's), or None;
 - :func:`arenas`: every arena of this process.
 """
@@ -38,7 +42,18 @@ def enable(group: dist.ProcessGroup, *, slot_bytes: int | None = None, layouts: 
     arena = Arena(group, need, **kwargs)
     registry.arenas[ranks] = arena
     routes.changed()
+    bind(routes.of(group))
     return arena
+
+
+def bind(route: routes.Route) -> bool:
+    """Bind ``route``'s group name to its arena in the extension (gate.h's table); False when no arena of
+    its own ranks serves it."""
+    arena = route.arena
+    if arena is None:
+        return False
+    arena.ext.bind_group(group_name=route.group_name, arena=arena.native, world_size=len(route.ranks))
+    return True
 
 
 def disable(group_name: str) -> None:
@@ -48,6 +63,7 @@ def disable(group_name: str) -> None:
     arena = registry.arenas.pop(route.ranks, None) if route is not None else None
     if arena is not None:
         routes.changed()
+        arena.ext.forget_arena(arena=arena.native)  # every group name bound to it
         arena.close()
 
 
