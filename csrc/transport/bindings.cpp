@@ -263,6 +263,11 @@ void bind_steady(py::class_<Arena, std::shared_ptr<Arena>>& c) {
       .def("placed_slot", [](const Arena& a, const std::vector<at::Tensor>& outs, const std::vector<int64_t>& offsets,
                              int64_t need) { return a.placed_slot(outs, offsets, need); },
            py::arg("outs"), py::arg("offsets"), py::arg("need"))
+      // The lease rule (Steady::held_in) for the current stream's context: tide/transport/lease.py asks it.
+      .def("region_held_here", [](const Arena& a) {
+             return a.steady().held_in(
+                 capture_id(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())).stream()));
+           })
       .def("use_region_on_current_stream", [](Arena& a) {
              a.steady().use_region_on(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())));
            })

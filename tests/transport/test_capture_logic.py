@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.transport.test_lease import RANK, WORLD, RecordingIpc, handle_of, make, publish_peers
+from tests.transport.test_lease import NBYTES, RANK, WORLD, RecordingIpc, handle_of, publish_peers
 from tide.ops import cuda as cuda_ops
 from tide.transport import issue, lease, watchdog
+from tide.transport.lease import Leases
 from tide.transport.slots import SlotLeases
 
 
@@ -216,10 +217,27 @@ def test_slot_uses_and_waits_go_to_the_extensions_events_by_raw_stream():
 
 
 # ------------------------------------------------------------------------------------------ leases
+class Steady:
+    """The extension's lease bookkeeping as the Leases feed it: the region's context at each lease (the
+    symmetric one's is every context), and its rule (Steady::held_in) for the current context."""
+
+    EVERY = -1
+
+    def __init__(self, ctx) -> None:
+        self.ctx, self.held, self.context = ctx, False, 0
+
+    def set_region(self, region, bases, context) -> None:
+        self.held, self.context = region is not None, context
+
+    def held_here(self) -> bool:
+        return self.held and self.context in (self.EVERY, self.ctx())
+
+
 def _leases(ctx):
-    store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
-    leases = make(store, ipc, bases, syncs)
-    leases._context = ctx
+    store, ipc, syncs, steady = dist.HashStore(), RecordingIpc(), [], Steady(ctx)
+    leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 5.0, "test",
+                    set_region=steady.set_region, sync_pushes=lambda: syncs.append(True), context=ctx,
+                    held_here=steady.held_here)
     return store, ipc, leases, syncs
 
 

@@ -185,7 +185,8 @@ class Arena:
         capture = functools.partial(self.ext.capture_id, self.device.index)
         self.leases = Leases(self.ext, self.group, self.store, self.store_prefix, self.rank, W, self.device,
                              self.data_bytes, self.timeout_s, self.label,
-                             set_region=c.set_region, sync_pushes=c.sync_pushes, context=capture, board=lease_board)
+                             set_region=c.set_region, sync_pushes=c.sync_pushes, context=capture,
+                             held_here=c.region_held_here, board=lease_board)
         self.direct = Leases(self.ext, self.group, self.store, f"{self.store_prefix}/direct", self.rank, W, self.device,
                              0, self.timeout_s, self.label, set_region=c.set_direct, sync_pushes=c.sync_pushes,
                              context=capture, board=lease_board, channel=1, symmetric_fallback=False,

@@ -64,6 +64,9 @@ class Leases:
             CUDA-graph capture it was leased in (0: eagerly); with None, zeros and 0 at its release.
         sync_pushes: waits until none of this rank's copies still writes into a peer's region.
         context: the id of the CUDA-graph capture in progress, 0 when none.
+        held_here: whether the held region may be used in the current context (the lease rule, written once in
+            the extension: ``Steady::held_in``, csrc/transport/steady.h); None for leases given back within the
+            call that took them (the direct lane's), which no other context can find held.
         board: the arena's issued board (its ``exchange_lease``), which carries every lease after the first;
             None: the store carries them all.
         channel: the board's lease channel (``tide.transport.board.LEASE_CHANNELS``) these leases use.
@@ -74,13 +77,15 @@ class Leases:
 
     def __init__(self, ext, group, store, prefix: str, rank: int, world: int, device: torch.device, nbytes: int,
                  timeout_s: float, label: str, set_region: Callable[[torch.Tensor | None, list[int], int], None],
-                 sync_pushes: Callable[[], None], context: Callable[[], int] = lambda: 0, board=None,
+                 sync_pushes: Callable[[], None], context: Callable[[], int] = lambda: 0,
+                 held_here: Callable[[], bool] | None = None, board=None,
                  channel: int = 0, symmetric_fallback: bool = True,
                  mappings_per_peer: int = MAPPINGS_PER_PEER) -> None:
         self._ext, self._group, self._store, self._prefix = ext, group, store, prefix
         self.rank, self.world, self.device, self.nbytes = rank, world, device, nbytes
         self._timeout_s, self._label = timeout_s, label
         self._set_region, self._sync_pushes, self._context, self._board = set_region, sync_pushes, context, board
+        self._held_here = held_here
         self._channel, self._symmetric_fallback = channel, symmetric_fallback
         self._mappings_per_peer = mappings_per_peer
         self._leased_in = 0  # the context the held region was leased in
@@ -129,8 +134,9 @@ class Leases:
     def held_elsewhere(self) -> bool:
         """Whether the held region was leased in another context than the current one: outside the
         CUDA-graph capture in progress, or inside one when none is (a capture must not bake in memory
-        that eager work uses, nor eager work use a graph's)."""
-        return self._region is not None and self._symmetric is None and self._leased_in != self._context()
+        that eager work uses, nor eager work use a graph's). The extension's rule (``held_here``), which the
+        ops' gate applies too."""
+        return self._region is not None and self._held_here is not None and not self._held_here()
 
     def release(self) -> None:
         """Give the region back to the caching allocator once nothing points into it (in symmetric mode it
@@ -182,7 +188,7 @@ class Leases:
 
         self._region = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._symmetric = symm_mem.rendezvous(self._region, self._group)
-        # Never freed, so any context may use it (held_elsewhere says the same).
+        # Never freed, so any context may use it (the extension's rule says so for EVERY_CONTEXT).
         self._set_region(self._region, [int(p) for p in self._symmetric.buffer_ptrs], self._ext.EVERY_CONTEXT)
 
     def _exchange_by_store(self, mine: str, what: str) -> list[str]:
