@@ -125,12 +125,12 @@ def tide_times(world_size: int, iters: int) -> dict:
            "ag_op_only": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name),
            "ag_op_via_python": lambda: torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name),
            "ag_python": lambda: tide_cuda.all_gather_into_params_(shards, views[0], world_size, name, *found),
-           "ag_arena": lambda: all_gather.issue_call(arena, shards, views[0], found[1], found[2], False),
+           "ag_arena": lambda: all_gather.issue_call(arena, shards, views[0], found[2], found[3], False),
            "dispatch_only": lambda: no_op(shards, views[0], world_size, name),
            "rs_in_place": rs, "rs_in_place_via_python": rs, "rs_in_place_fresh": rs_fresh,
            "rs_slot_reuse": lambda: rs(in_slot)}
     torch.ops.tide.all_gather_into_params_(shards, views[0], world_size, name)  # the plan, made and agreed
-    found = arena.ext.gate_all_gather(shards, views[0], world_size, name)  # ("transport", plan, slot 0)
+    found = arena.ext.gate_all_gather(shards, views[0], world_size, name)  # ("transport", its arena, plan, slot 0)
     res = {}
     for variant in VARIANTS:
         arena.ext.steady_enable(on=variant not in VIA_PYTHON)

@@ -5,9 +5,9 @@
 // Every call of the two mutating ops asks the gatekeeper (gate.h) whether it may take the transport.
 // On "transport", with the steady path on (handed over, no TIDE op timed out, TIDE_TRACE unset), the
 // collective runs here without entering Python. Any other call enters the op's Python kernel with the
-// verdict's name and what the gate found (the plan, the all-gather's slot): Python does what the verdict
-// says (bind the group's name, a lease, a new plan, a capture's replay mark, the reference backend, an
-// argument error) and leaves behind what the next call of that layout needs here.
+// verdict's name and what the gate found (the arena, the plan, the all-gather's slot): Python does what the
+// verdict says (bind the group's name, a lease, a new plan, a capture's replay mark, the reference backend,
+// an argument error) and leaves behind what the next call of that layout needs here.
 // The functional ops' kernels (functional_all_gather / functional_reduce_scatter; all_gather /
 // reduce_scatter are the collectives, collectives.h) allocate their outputs here and call the mutating
 // kernels; arguments the functional checks would refuse go to their Python kernels, which raise.
@@ -78,8 +78,8 @@ void all_gather_into_params(at::TensorList shards, at::TensorList outs, int64_t 
   AgGate g = gate_all_gather(shards, outs, world, group);
   const bool here = g.verdict == Verdict::kTransport && steady_on.load(std::memory_order_relaxed);
   if (!here || (g.verdict = run_all_gather(g, shards, outs)) != Verdict::kTransport)
-    call_python<void>(kAgParams, shards.vec(), outs.vec(), world, std::string(group), verdict_name(g.verdict), g.plan,
-                      g.slot);
+    call_python<void>(kAgParams, shards.vec(), outs.vec(), world, std::string(group), verdict_name(g.verdict),
+                      g.arena, g.plan, g.slot);
 }
 
 void reduce_scatter_params(at::TensorList grads, at::TensorList shard_grads, double scale, bool accumulate,
@@ -88,7 +88,7 @@ void reduce_scatter_params(at::TensorList grads, at::TensorList shard_grads, dou
   const bool here = g.verdict == Verdict::kTransport && steady_on.load(std::memory_order_relaxed);
   if (!here || (g.verdict = run_reduce_scatter(g, grads, shard_grads, scale, accumulate)) != Verdict::kTransport)
     call_python<void>(kRsParams, grads.vec(), shard_grads.vec(), scale, accumulate, world, std::string(group),
-                      verdict_name(g.verdict), g.plan);
+                      verdict_name(g.verdict), g.arena, g.plan);
 }
 
 // What the functional checks (tide.meta.checks) accept: float, contiguous tensors of at least one dim on
@@ -157,17 +157,18 @@ void bind_dispatch(py::module_& m) {
   m.def("steady_enable", [](bool on) { steady_on = on && python_kernels[0] != nullptr; }, py::arg("on"));
   m.def("bind_group", &bind_group, py::arg("group_name"), py::arg("arena"), py::arg("world_size"));
   m.def("forget_arena", &forget_arena, py::arg("arena"));
-  // The gate's verdict on a call (its name, gate.h) and what it found: the plan (None before the verdicts
-  // that need one) and, for an all-gather, the slot (-1: none). Python acts on them as the kernel hands them over.
+  // The gate's verdict on a call (its name, gate.h) and what it found: the arena bound to the group name and
+  // the plan (None before the verdicts that find them) and, for an all-gather, the slot (-1: none). Python acts
+  // on them as the kernel hands them over.
   m.def("gate_all_gather", [](const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
                               int64_t world, const std::string& group) {
     AgGate g = gate_all_gather(shards, outs, world, group);
-    return py::make_tuple(verdict_name(g.verdict), g.plan, g.slot);
+    return py::make_tuple(verdict_name(g.verdict), g.arena, g.plan, g.slot);
   }, py::arg("shards"), py::arg("outs"), py::arg("world_size"), py::arg("group_name"));
   m.def("gate_reduce_scatter", [](const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& shard_grads,
                                   int64_t world, const std::string& group) {
     RsGate g = gate_reduce_scatter(grads, shard_grads, world, group);
-    return py::make_tuple(verdict_name(g.verdict), g.plan);
+    return py::make_tuple(verdict_name(g.verdict), g.arena, g.plan);
   }, py::arg("grads"), py::arg("shard_grads"), py::arg("world_size"), py::arg("group_name"));
   m.def("verdicts", [] { return std::vector<std::string>(kVerdicts.begin(), kVerdicts.end()); });
   m.def("steady_calls", [] {

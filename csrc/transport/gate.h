@@ -2,7 +2,7 @@
 //
 // The ops' C++ kernels (dispatch.cpp) ask it on every call. On kTransport they run the collective
 // themselves; on any other verdict they enter the op's Python kernel (tide/ops/cuda.py) with the
-// verdict's name and what the gate found (AgGate / RsGate: the plan, the slot). Python does what that
+// verdict's name and what the gate found (AgGate / RsGate: the arena, plan, slot). Python does what that
 // verdict says and decides nothing of it again: it issues with the plan and slot handed over, or makes what
 // the verdict names as missing (the group's binding, a lease, a plan) and asks the gate again. Python's
 // table of what each verdict means (tide/ops/cuda.py, VERDICTS) names exactly the kVerdicts below:

@@ -85,8 +85,8 @@ def test_the_gate_gives_each_verdict_in_its_tables_order(ext, arena):
     outs, layout = _outputs_at(region, 0, shards)
     assert ag(outs) == "no_plan"
     _keep_plan(ext, arena, shards, outs, layout)
-    verdict, plan, slot = ext.gate_all_gather(shards=shards, outs=outs, world_size=1, group_name="gate-test")
-    assert (verdict, slot) == ("transport", 0) and plan.slot_bytes == layout.slot_bytes  # what Python is handed
+    verdict, bound, plan, slot = ext.gate_all_gather(shards=shards, outs=outs, world_size=1, group_name="gate-test")
+    assert (verdict, bound, slot) == ("transport", arena, 0) and plan.slot_bytes == layout.slot_bytes  # for Python
     shifted, _ = _outputs_at(region, 0, shards, shift=16)
     assert ag(shifted) == "outputs_not_in_slot"  # the plan's places decide, not the slot alone
     symmetric = _lease(arena, context=ext.EVERY_CONTEXT)  # a symmetric region belongs to every context

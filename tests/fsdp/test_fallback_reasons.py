@@ -14,7 +14,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 from tide import registry
 from tide.fsdp import compat, fallbacks
 from tide.fsdp import decide
-from tide.fsdp.comms import GroupFacts, TideAllGather, TideReduceScatter
+from tide.fsdp.comms import TideAllGather, TideReduceScatter
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -93,8 +93,8 @@ def _ag(params=None, group=None, async_op=False, device=CPU, comm="tide", contra
     if contract is not ...:
         comm.contract = (contract,)
     params = params or [_param()]
-    facts = None if comm is None else GroupFacts(params, fallbacks.static_all_gather_reason(params), (), True)
-    return fallbacks.all_gather_reason(params, group or _Group(), async_op, device, comm, facts)
+    return (fallbacks.all_gather_reason(params, group or _Group(), async_op, device, comm)
+            or fallbacks.static_all_gather_reason(params))
 
 
 def _tide_reduce_scatter(fsdp_comm=None, joined=None):
@@ -241,17 +241,13 @@ def test_under_capture(arena, multinode, reason, monkeypatch):
     assert _ag() is None  # a CPU group is never capturing
 
 
-def test_group_facts_are_decided_once_per_params_list():
+def test_all_gather_facts_are_decided_once_per_params_list():
     comm = _tide_all_gather()
-    comm.param_group.post_forward_mesh_info = object()
     params = [_param()]
-    comm.param_group.fsdp_params = params
-    facts = decide.group_facts(comm, params)
-    assert facts.static_reason is None and facts.hooked == () and not facts.bindable  # not a leaf module
+    facts = decide.all_gather_facts(comm, params)
+    assert facts.static_reason is None and facts.hooked == ()
     params[0].param_dtype = torch.int8  # fixed after lazy init: the facts of this list are kept
-    assert decide.group_facts(comm, params) is facts
-    assert decide.group_facts(comm, list(params)).static_reason == "unsupported_dtype"
+    assert decide.all_gather_facts(comm, params) is facts
+    assert decide.all_gather_facts(comm, list(params)).static_reason == "unsupported_dtype"
     params[0].param_dtype, params[0]._sharded_local_tensor = torch.bfloat16, _extension()
-    comm.leaf = True
-    facts = decide.group_facts(comm, list(params))
-    assert facts.hooked == (True,) and facts.bindable
+    assert decide.all_gather_facts(comm, list(params)).hooked == (True,)

@@ -90,7 +90,8 @@ class Driven:
 
     def __init__(self, answers) -> None:
         self.answers, self.done = list(answers), []
-        self.arena = types.SimpleNamespace(region=lambda: self.done.append("lease"))
+        self.native = object()  # the extension's arena, which the gate finds bound to the group name
+        self.arena = types.SimpleNamespace(region=lambda: self.done.append("lease"), native=self.native)
 
     def call(self, op="reduce_scatter_params_", world_size=2):
         return cuda_ops._Call(op, "g", world_size, gate=self._gate,
@@ -99,7 +100,8 @@ class Driven:
 
     def _gate(self, arena):
         self.done.append("gate")
-        return self.answers.pop(0)
+        verdict, *found = self.answers.pop(0)
+        return (verdict, None if verdict == "no_arena" else self.native, *found)
 
     def _refuse(self, arena):
         raise ValueError("tide.reduce_scatter_params_: grads[0] is on cpu")
@@ -124,8 +126,8 @@ def test_the_python_kernels_issue_with_what_the_gate_found(kernels):
     latter with a replay mark; nothing is asked again."""
     d = Driven([])
     kernels.route.arena = d.arena
-    assert cuda_ops._serve(d.call(), "transport", ("plan", 1)) is True
-    assert cuda_ops._serve(d.call(), "capturing", ("plan", 0)) is True
+    assert cuda_ops._serve(d.call(), "transport", d.native, ("plan", 1)) is True
+    assert cuda_ops._serve(d.call(), "capturing", d.native, ("plan", 0)) is True
     assert d.done == [("issue", d.arena, False, ("plan", 1)), ("issue", d.arena, True, ("plan", 0))]
     assert kernels.counted == [] and kernels.bound == []
 
@@ -133,12 +135,13 @@ def test_the_python_kernels_issue_with_what_the_gate_found(kernels):
 def test_a_missing_binding_lease_or_plan_is_made_once_and_the_gate_asked_again(kernels):
     d = Driven([("no_lease", None), ("no_plan", None), ("capturing", "plan")])
     kernels.route.arena = d.arena
-    assert cuda_ops._serve(d.call(), "no_arena", (None,)) is True
+    assert cuda_ops._serve(d.call(), "no_arena", None, (None,)) is True
     assert kernels.bound == [kernels.route]
     assert d.done == ["gate", "lease", "gate", "plan", "gate", ("issue", d.arena, True, ("plan",))]
     d = Driven([("no_plan", None)])  # the gate names the plan missing again after it was made: a bug, not a loop
+    kernels.route.arena = d.arena
     with pytest.raises(AssertionError, match=r"gate answered 'no_plan' again"):
-        cuda_ops._serve(d.call(), "no_plan", (None,))
+        cuda_ops._serve(d.call(), "no_plan", d.native, (None,))
 
 
 def test_the_reference_backend_runs_for_what_the_transport_cannot_take_counted_with_why(kernels):
@@ -147,26 +150,40 @@ def test_the_reference_backend_runs_for_what_the_transport_cannot_take_counted_w
     d = Driven([("outputs_not_in_slot", None, -1)])
     kernels.route.arena = d.arena
     op = "all_gather_into_params_"
-    assert cuda_ops._serve(d.call(op), "lease_across_capture", (None, -1)) is False
-    assert cuda_ops._serve(d.call(op), "no_plan", (None, -1)) is False  # the plan is made, the outputs lie elsewhere
+    assert cuda_ops._serve(d.call(op), "lease_across_capture", d.native, (None, -1)) is False
+    # The plan is made; the outputs lie elsewhere.
+    assert cuda_ops._serve(d.call(op), "no_plan", d.native, (None, -1)) is False
     assert d.done == ["plan", "gate"]
     kernels.route.arena = None
-    assert cuda_ops._serve(d.call(op), "no_arena", (None, -1)) is False
+    assert cuda_ops._serve(d.call(op), "no_arena", None, (None, -1)) is False
     kernels.route.multinode = True
-    assert cuda_ops._serve(d.call(op), "no_arena", (None, -1)) is False
+    assert cuda_ops._serve(d.call(op), "no_arena", None, (None, -1)) is False
     assert kernels.counted == [(op, ("lease_across_capture",), {}), (op, ("outputs_not_in_slot",), {}),
                                (op, ("no_arena",), {}), (op, (), {"multinode": True})]
+
+
+def test_a_name_bound_to_another_groups_arena_is_bound_again_or_refused(kernels):
+    """A process group re-created under the name of one whose arena is still enabled: the gate found that
+    arena; the name is bound to its own group's arena and the gate asked again, or, without one, refused."""
+    d = Driven([("transport", "plan")])
+    kernels.route.arena = d.arena
+    assert cuda_ops._serve(d.call(), "no_plan", object(), (None,)) is True
+    assert kernels.bound == [kernels.route] and d.done == ["gate", ("issue", d.arena, False, ("plan",))]
+    kernels.route.arena = None
+    with pytest.raises(RuntimeError, match=r"bound to the arena of another process group .* before "
+                                           r"destroy_process_group"):
+        cuda_ops._serve(d.call(), "transport", object(), ("plan",))
 
 
 def test_argument_errors_are_raised_naming_the_op(kernels):
     d = Driven([])
     kernels.route.arena = d.arena
     with pytest.raises(ValueError, match=r"tide\.reduce_scatter_params_: world_size=4 but group 'g' has 2 ranks"):
-        cuda_ops._serve(d.call(world_size=4), "world_size", (None,))
+        cuda_ops._serve(d.call(world_size=4), "world_size", d.native, (None,))
     with pytest.raises(ValueError, match=r"grads\[0\] is on cpu"):
-        cuda_ops._serve(d.call(), "refused", ("plan",))
+        cuda_ops._serve(d.call(), "refused", d.native, ("plan",))
     with pytest.raises(AssertionError, match=r"refused an argument \(grad\)"):
-        cuda_ops._serve(d.call(), "grad", (None,))
+        cuda_ops._serve(d.call(), "grad", d.native, (None,))
 
 
 # ------------------------------------------------------------------------------------------ watchdog

@@ -27,14 +27,13 @@ STOCK_REDUCE_SCATTERS = tuple(c for c in (getattr(_fsdp_collectives, n, None) fo
 
 
 @dataclasses.dataclass
-class GroupFacts:
+class AllGatherFacts:
     """What a group's all-gathers rest on that cannot change between its calls, decided once per
     ``fsdp_params`` list (FSDP passes the same list on every unshard, and the properties read are fixed once
-    its lazy init has set the dtypes) by ``tide.fsdp.decide.group_facts``."""
+    its lazy init has set the dtypes) by ``tide.fsdp.decide.all_gather_facts``."""
     fsdp_params: list
     static_reason: str | None  # tide.fsdp.fallbacks.static_all_gather_reason
     hooked: tuple[bool, ...]  # per param, whether it is a tensor extension; () when none is
-    bindable: bool  # whether the group's outputs are bound into arena slots (tide.fsdp.wiring.bindable)
     # Whether the group fits a slot, per (its extensions' input sizes, or None; the arena's slot bytes).
     slot_fits: dict = dataclasses.field(default_factory=dict)
 
@@ -49,8 +48,8 @@ class TideAllGather:
         self.param_group = param_group
         self.leaf = leaf
         self.transport = transport
-        # What the group's all-gathers rest on that no call changes (tide.fsdp.decide.group_facts).
-        self.facts: GroupFacts | None = None
+        # What the group's all-gathers rest on that no call changes (tide.fsdp.decide.all_gather_facts).
+        self.facts: AllGatherFacts | None = None
         # The CUDA contract's verdict for this group's ranks (tide.fsdp.fallbacks.contract_reason), once.
         self.contract: tuple[str | None] | None = None
         # (process group, whether its ranks are threads of this process), per process group seen.

@@ -6,7 +6,7 @@ that ``tide.fsdp.seam`` needs to issue it: the group's TIDE state, the arena ser
 ``tide.routes``; the arena made at the group's first TIDE collective, ``tide.fsdp.wiring``), the tensor
 extensions' all-gather inputs, the all-gather's slot plan, where a reduce reads its gradients, and the
 call's identity (``tide.meta.call_site``). What cannot change between calls is decided once per group and
-kept (the route; the group's :func:`group_facts`: its fixed reasons, tensor extensions, slot binding and fit),
+kept (the route; the group's :func:`all_gather_facts`: its fixed reasons, tensor extensions and slot fit),
 so a steady call looks facts up and decides only what is its own: the slot it takes.
 """
 from __future__ import annotations
@@ -53,8 +53,9 @@ def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> Al
     again, on every rank alike)."""
     enabled = comms.of_params(fsdp_params)
     comm = enabled[0] if enabled is not None else None
-    facts = group_facts(comm, fsdp_params) if comm is not None else None
-    reason = all_gather_reason(fsdp_params, group, async_op, device, comm, facts)
+    reason = all_gather_reason(fsdp_params, group, async_op, device, comm)
+    facts = all_gather_facts(comm, fsdp_params) if reason is None else None
+    reason = reason or facts.static_reason
     arena, plan, inputs, route = None, ("none", None), None, None
     if reason is None:
         route = routes.of(group)
@@ -64,7 +65,7 @@ def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> Al
                 inputs = extensions.pre_all_gather(fsdp_params, facts.hooked)
             reason = extension_inputs_reason(inputs)
         if reason is None:
-            plan = wiring.plan_all_gather(arena, facts, fsdp_params, group.size(), inputs)
+            plan = wiring.plan_all_gather(arena, comm, facts, fsdp_params, group.size(), inputs)
             reason = arena_reason(plan[0])
     counters.count_fsdp("all_gather", reason, reason is None and route.multinode)
     if reason is not None:
@@ -78,13 +79,13 @@ def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> Al
                          param_group, slot_reuse=enabled[1].rs_mode == "slot_reuse")
 
 
-def group_facts(comm: comms.TideAllGather, fsdp_params) -> comms.GroupFacts:
-    """The group's :class:`tide.fsdp.comms.GroupFacts` for this ``fsdp_params`` list: decided at its first
+def all_gather_facts(comm: comms.TideAllGather, fsdp_params) -> comms.AllGatherFacts:
+    """The group's :class:`tide.fsdp.comms.AllGatherFacts` for this ``fsdp_params`` list: decided at its first
     all-gather, then kept on ``comm``."""
     facts = comm.facts
     if facts is None or facts.fsdp_params is not fsdp_params:
-        facts = comm.facts = comms.GroupFacts(fsdp_params, static_all_gather_reason(fsdp_params),
-                                              extensions.hooked(fsdp_params), wiring.bindable(comm))
+        facts = comm.facts = comms.AllGatherFacts(fsdp_params, static_all_gather_reason(fsdp_params),
+                                                  extensions.hooked(fsdp_params))
     return facts
 
 

@@ -208,10 +208,10 @@ def _call_reason(comm, group, stock_comms: tuple, device: torch.device) -> str |
     return common_reason(device)
 
 
-def all_gather_reason(fsdp_params, group, async_op, device, comm, facts) -> str | None:
-    """Why this ``foreach_all_gather`` call must take the stock path, or None for TIDE (``comm``: the
-    group's ``TideAllGather``, None when it is not enabled; ``facts``: its ``GroupFacts``, whose
-    :func:`static_all_gather_reason` comes last)."""
+def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
+    """Why this ``foreach_all_gather`` call must take the stock path, or None (``comm``: the group's
+    ``TideAllGather``, None when it is not enabled). The group's fixed reasons come after these:
+    :func:`static_all_gather_reason`, which ``tide.fsdp.decide`` asks once per group, never while tracing."""
     if (reason := _call_reason(comm, group, STOCK_ALL_GATHERS, device)) is not None:
         return reason
     if async_op:
@@ -229,7 +229,7 @@ def all_gather_reason(fsdp_params, group, async_op, device, comm, facts) -> str 
             return "keep_unsharded_storage"
     if getattr(comm.param_group, "_all_gather_output_fn", _DEFAULT_OUTPUT_FN) is not _DEFAULT_OUTPUT_FN:
         return "all_gather_output_fn"
-    return facts.static_reason
+    return None
 
 
 def arena_reason(plan_mode: str) -> str | None:

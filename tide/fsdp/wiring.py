@@ -180,15 +180,17 @@ def release_at_backward_end() -> None:
     torch.autograd.Variable._execution_engine.queue_callback(release_leases)
 
 
-def plan_all_gather(arena, facts, fsdp_params, world_size: int, inputs: list | None = None) -> tuple[str, int | None]:
+def plan_all_gather(arena, comm, facts, fsdp_params, world_size: int,
+                    inputs: list | None = None) -> tuple[str, int | None]:
     """(how this all-gather uses the arena, its slot): ``bound`` (slot; outputs bound there, zero-copy),
     ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups
     that are not :func:`bindable` or larger than a slot), ``busy`` (outputs hold every slot: stock),
-    ``none`` (no arena). ``facts``: the group's ``GroupFacts`` (tide.fsdp.comms); ``inputs``: its
-    tensor-extension inputs (``extensions.pre_all_gather``)."""
+    ``none`` (no arena). ``comm``, ``facts``: the group's ``TideAllGather`` and ``AllGatherFacts``
+    (tide.fsdp.comms; whether it is bindable is asked at every call: ``set_reshard_after_forward`` changes it);
+    ``inputs``: its tensor-extension inputs (``extensions.pre_all_gather``)."""
     if arena is None:
         return "none", None
-    if not facts.bindable:
+    if not bindable(comm):
         return "direct", None
     sizes = None if inputs is None else tuple((t.numel(), t.dtype) for ins in inputs for t in ins or ())
     key = (sizes, arena.slot_bytes)

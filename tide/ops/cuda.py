@@ -5,7 +5,7 @@ serve CUDA calls. When it loads (:func:`hand_over`, a hook of ``tide.extension.l
 kernels take the CUDA dispatch key (csrc/transport/dispatch.cpp). Every call of the two mutating ops
 then asks the gatekeeper (csrc/transport/gate.h) whether it may take the transport; a call it lets
 through runs in C++ without entering Python, and every other call enters these Python kernels with the
-gate's verdict and what the gate found (the plan, the all-gather's slot), which :data:`VERDICTS` turns into
+gate's verdict and what the gate found (the arena, the plan, the all-gather's slot), which :data:`VERDICTS` turns into
 what to do: issue through the transport's Python driver (``tide.transport.all_gather``,
 ``tide.transport.reduce_scatter``) with what the gate found; make what the verdict names as missing (the
 group name's binding, a lease, a plan) and ask the gate again; run the reference backend (the stock
@@ -64,21 +64,32 @@ VERDICTS = {
 
 class _Call:
     """One call of a mutating op that the gate did not let through, and what Python does for each action:
-    ``gate(arena)`` asks the gate again ((verdict, plan[, slot])), ``issue(arena, captured, *found)``,
-    ``new_plan(arena)`` and ``refuse(arena)`` are the transport driver's for these arguments."""
+    ``gate(arena)`` asks the gate again ((verdict, its arena, plan[, slot])), ``issue(arena, captured, *found)``
+    (found: plan[, slot]), ``new_plan(arena)`` and ``refuse(arena)`` are the transport driver's for these
+    arguments."""
 
     def __init__(self, op: str, group_name: str, world_size: int, gate, issue, new_plan, refuse) -> None:
         self.op, self.group_name, self.world_size = op, group_name, world_size
         self.gate, self.issue, self.new_plan, self.refuse = gate, issue, new_plan, refuse
 
 
-def _serve(call: _Call, verdict: str, found: tuple) -> bool:
-    """Act on the gate's ``verdict`` (and what it ``found``) until the call is issued through the transport
-    (True) or belongs to the reference backend (False, counted with why). A verdict that names something
-    missing is acted on once: the gate naming it again after that is a bug, raised."""
+def _serve(call: _Call, verdict: str, native, found: tuple) -> bool:
+    """Act on the gate's ``verdict`` (with the extension arena it found bound to the group name, ``native``,
+    and the plan and slot it ``found``) until the call is issued through the transport (True) or belongs to
+    the reference backend (False, counted with why). A verdict that names something missing is acted on
+    once: the gate naming it again after that is a bug, raised."""
     _transport.WATCHDOG.check()
     route = routes.of_name(call.group_name)
     arena = route.arena if route is not None else None
+    if native is not None and (arena is None or arena.native is not native):
+        # The name is bound to another arena than its group's: a process group re-created under the name of
+        # one whose arena is still enabled (destroy_process_group without tide.transport.disable).
+        if arena is None:
+            raise RuntimeError(f"tide.{call.op}: group name {call.group_name!r} is bound to the arena of another "
+                               "process group of that name, and this one has none: tide.transport.disable (or "
+                               "tide.fsdp.disable) before destroy_process_group")
+        _transport.serving.bind(route)
+        verdict, native, *found = call.gate(arena)
     done = set()
     while True:
         action = VERDICTS[verdict]
@@ -111,10 +122,11 @@ def _serve(call: _Call, verdict: str, found: tuple) -> bool:
             arena.region()
         elif action == "plan":
             call.new_plan(arena)
-        verdict, *found = call.gate(arena)
+        verdict, _, *found = call.gate(arena)
 
 
-def all_gather_into_params_(shards, outs, world_size, group_name, verdict="no_arena", plan=None, slot=-1) -> None:
+def all_gather_into_params_(shards, outs, world_size, group_name, verdict="no_arena", native=None, plan=None,
+                            slot=-1) -> None:
     op = "all_gather_into_params_"
     knobs.validate_once()  # TIDE's first use (a CUDA call enters Python at least at its layout's first call)
     if torch.is_grad_enabled():  # FSDP2 calls under no_grad: nothing to look at on its path
@@ -124,14 +136,14 @@ def all_gather_into_params_(shards, outs, world_size, group_name, verdict="no_ar
                  gate=lambda a: a.ext.gate_all_gather(shards, outs, world_size, group_name),
                  issue=lambda a, captured, plan, slot: driver.issue_call(a, shards, outs, plan, slot, captured),
                  new_plan=lambda a: driver.new_plan(a, shards, outs), refuse=lambda a: driver.refuse(a, shards, outs))
-    if _serve(call, verdict, (plan, slot)):
+    if _serve(call, verdict, native, (plan, slot)):
         counters.count_op(op)
     else:
         reference.all_gather_into_params_(shards, outs, world_size, group_name)
 
 
 def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name, verdict="no_arena",
-                           plan=None) -> None:
+                           native=None, plan=None) -> None:
     op = "reduce_scatter_params_"
     knobs.validate_once()
     if torch.is_grad_enabled():
@@ -143,7 +155,7 @@ def reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, gr
                                                                    captured),
                  new_plan=lambda a: driver.new_plan(a, grads, shard_grads),
                  refuse=lambda a: driver.refuse(a, grads, shard_grads))
-    if _serve(call, verdict, (plan,)):
+    if _serve(call, verdict, native, (plan,)):
         counters.count_op(op)
     else:
         reference.reduce_scatter_params_(grads, shard_grads, scale, accumulate, world_size, group_name)

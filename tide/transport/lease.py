@@ -149,7 +149,8 @@ class Leases:
         """Release the region and unmap every peer (the arena is closing; its work has completed)."""
         self._region, self._symmetric = None, None
         self._set_region(None, [0] * self.world, 0)  # the extension's copy of the region goes too
-        self._set_region = self._sync_pushes = None  # they hold the extension's arena, which closes now
+        # They hold the extension's arena, which closes now.
+        self._set_region = self._sync_pushes = self._held_here = None
         for maps in self._mapped:
             for base in maps.values():
                 self._ext.ipc_close(base=base, device=self.device.index)
