@@ -170,8 +170,8 @@ def test_a_name_bound_to_another_groups_arena_is_bound_again_or_refused(kernels)
     assert cuda_ops._serve(d.call(), "no_plan", object(), (None,)) is True
     assert kernels.bound == [kernels.route] and d.done == ["gate", ("issue", d.arena, False, ("plan",))]
     kernels.route.arena = None
-    with pytest.raises(RuntimeError, match=r"bound to the arena of another process group .* before "
-                                           r"destroy_process_group"):
+    with pytest.raises(RuntimeError, match=r"bound to the arena of a process group destroyed under that name, "
+                                           r"and the group of that name now has none: .* before destroy_process_group"):
         cuda_ops._serve(d.call(), "transport", object(), ("plan",))
 
 

@@ -85,8 +85,9 @@ def _serve(call: _Call, verdict: str, native, found: tuple) -> bool:
         # The name is bound to another arena than its group's: a process group re-created under the name of
         # one whose arena is still enabled (destroy_process_group without tide.transport.disable).
         if arena is None:
-            raise RuntimeError(f"tide.{call.op}: group name {call.group_name!r} is bound to the arena of another "
-                               "process group of that name, and this one has none: tide.transport.disable (or "
+            now = "no process group has it now" if route is None else "the group of that name now has none"
+            raise RuntimeError(f"tide.{call.op}: group name {call.group_name!r} is bound to the arena of a process "
+                               f"group destroyed under that name, and {now}: tide.transport.disable (or "
                                "tide.fsdp.disable) before destroy_process_group")
         _transport.serving.bind(route)
         verdict, native, *found = call.gate(arena)
