@@ -89,8 +89,7 @@ def _serve(call: _Call, verdict: str, native, found: tuple) -> bool:
             raise RuntimeError(f"tide.{call.op}: group name {call.group_name!r} is bound to the arena of a process "
                                f"group destroyed under that name, and {now}: tide.transport.disable (or "
                                "tide.fsdp.disable) before destroy_process_group")
-        _transport.serving.bind(route)
-        verdict, native, *found = call.gate(arena)
+        verdict = "no_arena"  # for its own group's arena: bound below, and the gate asked again
     done = set()
     while True:
         action = VERDICTS[verdict]
