@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <thread>
 
-#include "transport/completions.h"
+#include "transport/driver.h"
 #include "transport/replays.h"
 
 namespace tide {

@@ -15,8 +15,6 @@
 #include <vector>
 
 #include "kernels.h"
-#include "transport/completions.h"
-#include "transport/copies.h"
 #include "transport/driver.h"
 #include "transport/flags.h"
 #include "transport/steady.h"
@@ -41,7 +39,7 @@ class HostTimer {
 inline uint64_t ptr_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
 // How one op call issues on the caller's stream S: eagerly (flag values count up on the host, a
-// completion word for the watchdog: completions.h), or into the CUDA graph S is capturing (the captured
+// completion word for the watchdog: driver.h), or into the CUDA graph S is capturing (the captured
 // protocol of flags.h, a replay mark for the watchdog: replays.h).
 struct Issue {
   cudaStream_t stream;
@@ -150,7 +148,7 @@ class Arena {
   std::vector<int64_t> count_rounds(const std::vector<int64_t>& rounds, bool& fresh);
   void count_call(bool all_gather) { ++(all_gather ? ag_calls_ : rs_calls_); }
 
-  // ---- what a call on a layout seen before needs (steady.h), and the eager ops in flight (completions.h)
+  // ---- what a call on a layout seen before needs (steady.h), and the eager ops in flight (driver.h)
   Steady& steady() { return steady_; }
   const Steady& steady() const { return steady_; }
   const std::shared_ptr<completions::InFlight>& in_flight() const { return in_flight_; }
@@ -163,7 +161,7 @@ class Arena {
   // processes of the host map (tide/transport/board.py): a peer's watchdog reads them with no CUDA call,
   // even while a launch wedged in the driver keeps the flag words unreadable. 0 stops the mirror.
   void publish_progress_to(uint64_t address);
-  // The id of this arena's latest op (transport/completions.h: the watchdog reads its completion word).
+  // The id of this arena's latest op (transport/driver.h: the watchdog reads its completion word).
   uint32_t last_op() const { return last_op_; }
   // Copies the flag words into pinned `host` on a stream of its own: "ok", "timeout" (not done within
   // wait_s: the driver may be wedged) or the CUDA error. Called without the GIL.

@@ -12,7 +12,6 @@
 #include "kernels.h"
 #include "transport/arena.h"
 #include "transport/collectives.h"
-#include "transport/completions.h"
 #include "transport/driver.h"
 #include "transport/flags.h"
 #include "transport/ipc.h"
@@ -296,7 +295,7 @@ void bind_steady(py::class_<Arena, std::shared_ptr<Arena>>& c) {
 
 void bind_arena(pybind11::module_& m) {
   namespace py = pybind11;
-  // An arena's eager ops in flight, polled by the watchdog's thread (completions.h).
+  // An arena's eager ops in flight, polled by the watchdog's thread (driver.h).
   py::class_<completions::InFlight, std::shared_ptr<completions::InFlight>>(m, "InFlight")
       .def("oldest", &completions::InFlight::oldest);
   py::class_<Arena, std::shared_ptr<Arena>> arena(m, "Arena");
@@ -308,7 +307,7 @@ void bind_arena(pybind11::module_& m) {
            py::arg("slot_bytes"), py::arg("ring_depth"), py::arg("entry_bytes"), py::arg("sum_ctas"),
            py::arg("cast_ctas"))
       // The collectives (collectives.h) return (what ran, the op's id for tide.transport's watchdog:
-      // completions.h); each is handed its plan, the all-gather its lane (a slot, or the direct lane: flags.h).
+      // driver.h); each is handed its plan, the all-gather its lane (a slot, or the direct lane: flags.h).
       .def("all_gather", [](Arena& a, const AgPlan& plan, const std::vector<at::Tensor>& shards,
                             const std::vector<at::Tensor>& outs, int64_t lane, int64_t mark) {
              const Ran ran = all_gather(a, plan, shards, outs, lane, mark);
@@ -397,7 +396,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("exchange", &nccl_p2p::Comm::exchange, py::arg("peers"), py::arg("tensors"), py::arg("starts"),
            py::arg("counts"), py::arg("sends"), py::arg("stream"),
            py::call_guard<py::gil_scoped_release>());  // may wait for peers
-  // A completion word for work just issued on the current stream (completions.h): its op id.
+  // A completion word for work just issued on the current stream (driver.h): its op id.
   m.def("mark_completion", [](int64_t device) {
           c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
           const driver::MemOp write = completions::claim(device);

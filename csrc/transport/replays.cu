@@ -7,7 +7,7 @@
 #include <mutex>
 
 #include "kernels.h"
-#include "transport/completions.h"
+#include "transport/driver.h"
 
 namespace tide::replays {
 namespace {

@@ -1,5 +1,5 @@
 // Replay marks: how the watchdog (tide/transport/watchdog.py) bounds a TIDE op that runs inside a
-// CUDA-graph replay, where the completion words of completions.h cannot serve (a value baked into a
+// CUDA-graph replay, where the completion words of driver.h cannot serve (a value baked into a
 // graph node is the same at every replay, so a replayed op would read complete at once).
 //
 // Per device, kMarks pairs of uint32 words in pinned, mapped host memory; a captured op claims one pair

@@ -138,7 +138,7 @@ def test_timeout_is_the_groups_unless_tide_timeout_s_says_otherwise(monkeypatch)
 
 class InFlight:
     """An arena's in-flight list as the extension reports it: (ticket, op, seconds since it began, still
-    issuing) of the oldest op not completed, or None (csrc/transport/completions.h)."""
+    issuing) of the oldest op not completed, or None (csrc/transport/driver.h)."""
 
     def __init__(self):
         self.entry = None

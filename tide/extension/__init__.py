@@ -38,8 +38,6 @@ SOURCES = (
     "ops/sum_contributions.cu",
     "ops/cast_segments.cu",
     "transport/driver.cpp",
-    "transport/copies.cpp",
-    "transport/completions.cpp",
     "transport/replays.cu",
     "transport/ipc.cpp",
     "transport/nccl_p2p.cpp",
@@ -48,7 +46,6 @@ SOURCES = (
     "transport/all_gather.cpp",
     "transport/reduce_scatter.cpp",
     "transport/node_leg.cpp",
-    "transport/gate.cpp",
     "transport/dispatch.cpp",
     "transport/bindings.cpp",
 )

@@ -43,7 +43,7 @@ def capturing() -> bool:
 
 def watched(arena, op: str, call, captured: bool, **kw) -> str:
     """One call into the extension, watched from before it issues anything (the arena's in-flight list,
-    csrc/transport/completions.h); its outcome's name. A ``captured`` call (its stream captures a CUDA graph)
+    csrc/transport/driver.h); its outcome's name. A ``captured`` call (its stream captures a CUDA graph)
     is issued with a replay mark, which the watchdog watches at every replay of the graph
     (tide/transport/watchdog.py)."""
     if captured:

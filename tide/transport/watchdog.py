@@ -5,7 +5,7 @@ sequence leaves them waiting forever, and no kernel spins that could time out. S
 a stream memop on the caller's stream that writes its sequence number into a pinned host word, and one
 daemon thread per process (started with the first arena) polls those words: plain memory reads, no CUDA
 call. An arena's eager ops are listed in C++ from before each issues anything (its in-flight list,
-csrc/transport/completions.h), whether Python or the ops' C++ kernels issued them; other work (the
+csrc/transport/driver.h), whether Python or the ops' C++ kernels issued them; other work (the
 direct NCCL rails) is tracked one :class:`Completion` at a time. (``cudaEventQuery`` blocked on the GPU
 machine: the training thread's launches had filled the stalled streams' queue and spun in the driver under
 a lock the query needed.) When an op has not completed ``timeout_s`` after it was issued
@@ -148,7 +148,7 @@ class Watchdog:
     def track_in_flight(self, in_flight, group: str, timeout_s: float, describe: Callable[[], Iterable[str]],
                         owner: object) -> None:
         """Watch one arena's eager ops until :meth:`forget` (``owner``): ``in_flight.oldest()`` names the
-        oldest not completed (csrc/transport/completions.h)."""
+        oldest not completed (csrc/transport/driver.h)."""
         with self._lock:
             self._in_flight.append(_InFlight(in_flight, group, timeout_s, describe, owner))
         self._start()
@@ -296,7 +296,7 @@ WATCHDOG = Watchdog()
 
 class Completion:
     """One op's completion, for the watchdog, tracked from before its issue: the op's word in the
-    extension's pinned host ring (csrc/transport/completions.h), read with no CUDA call. Until the issuing
+    extension's pinned host ring (csrc/transport/driver.h), read with no CUDA call. Until the issuing
     call returns it is pending, since a launch can block on a stream whose queue is full behind a dead
     peer's flags. It holds no arena: a closed arena is never kept alive, or destroyed, by the
     watchdog's thread."""
