@@ -39,20 +39,21 @@ from tide.transport.watchdog import WATCHDOG
 # ---------------------------------------------------------------------------------------------- transport hooks
 def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
                             compute_stream: torch.Stream, slot: int | None = None, arena=None,
-                            inputs: list | None = None) -> list[torch.Tensor]:
+                            inputs: list | None = None, region: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each param's 1-D all-gather outputs, param-major (one per param, or one per input of a tensor
     extension's: ``inputs``, :mod:`tide.fsdp.extensions`).
 
     With an arena slot (called on the all-gather copy-in stream): FSDP's own output tensors, their
-    storages pointed into the slot at their param-major addresses (:func:`tide.fsdp.wiring.bind_into_slot`;
-    the caller has made the copy-in stream wait for the slot's previous users). Otherwise allocated exactly
+    storages pointed into the slot of the arena's leased data ``region`` at their param-major addresses
+    (:func:`tide.fsdp.wiring.bind_into_slot`; the caller has made the copy-in stream wait for the slot's
+    previous users). Otherwise allocated exactly
     as FSDP's copy-out would (its own ``init_all_gather_outputs`` / ``alloc_all_gather_outputs``) on the
     current stream, and on CUDA ``record_stream``-ed on the compute stream: a block allocated on another
     stream is then not reused before the compute stream is done with it (on the compute stream itself the
     record is a no-op).
     """
     if arena is not None and slot is not None:
-        return wiring.bind_into_slot(arena, fsdp_params, world_size, device, slot, inputs)
+        return wiring.bind_into_slot(arena, region, fsdp_params, world_size, device, slot, inputs)
     outs = extensions.init_outputs(fsdp_params, inputs, world_size, device)
     for p in fsdp_params:
         p.alloc_all_gather_outputs()
@@ -84,14 +85,16 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     compute_stream = handle.current_stream()
     mode, slot = plan
     if mode == "bound":
-        # Leased (if it is not) on the compute stream, so a released region serves its activations.
-        arena.region()
+        # Leased (if it is not) on the compute stream, so a released region serves its activations; the
+        # lease rule is asked here, once: binding takes this region as it is.
+        region = arena.region()
         with handle.stream(copy_in_stream):
             # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the
             # host, its kernels may still run), and its last all-gather or Slot-Reuse reduce elsewhere.
             copy_in_stream.wait_stream(compute_stream)
             arena.slots.wait(slot, copy_in_stream)
-            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, arena, inputs)
+            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, arena, inputs,
+                                           region)
     elif mode == "none":
         # No arena (multi-node groups of one rank per node; the reference transport): from the compute
         # stream's pool, as stock's copy-out allocates them. On the copy-in stream the outputs of an

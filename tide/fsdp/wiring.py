@@ -203,16 +203,16 @@ def plan_all_gather(arena, comm, facts, fsdp_params, world_size: int,
     return ("busy", None) if slot is None else ("bound", slot)
 
 
-def bind_into_slot(arena, fsdp_params, world_size: int, device: torch.device, slot: int,
+def bind_into_slot(arena, region, fsdp_params, world_size: int, device: torch.device, slot: int,
                    inputs: list | None = None) -> list:
     """FSDP's all-gather output tensors (``extensions.init_outputs``: a tensor extension's one per input),
-    their storages pointed into ``slot`` at param-major addresses.
+    their storages pointed into ``slot`` of the data ``region`` the caller leased, at param-major addresses.
 
     ``init_all_gather_outputs`` creates the tensors once (the first call allocates them, and binding frees
     that memory); later unshards find them resharded (storage ``resize_(0)``: the slot pointer is dropped,
     nothing freed) and re-bind them instead of ``alloc_all_gather_outputs`` (which would allocate)."""
     outs = extensions.init_outputs(fsdp_params, inputs, world_size, device)
-    arena.bind_outputs(outs, slot, owners=fsdp_params, world_size=world_size)
+    arena.bind_outputs(outs, slot, owners=fsdp_params, world_size=world_size, region=region)
     return outs
 
 
