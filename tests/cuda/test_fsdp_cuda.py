@@ -17,6 +17,7 @@ tests/cuda/test_capture.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def _cfg():
 
 
 def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool, steps: int = STEPS,
-           setup=None) -> dict:
+           setup=None, on_step=None) -> dict:
     import tide.fsdp
     from tests.fsdp.workers import BF16
     from tide import transport
@@ -61,7 +62,11 @@ def _train(rank: int, *, use_tide: bool, rs_mode: str, prefetch: bool, raf: bool
         tide.fsdp.enable(model, rs_mode=rs_mode, transport="auto")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tide.reset_stats()
-    losses = [train_step(model, optim, cfg, step, rank, device=dev).item() for step in range(steps)]
+    losses = []
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step)
+        losses.append(train_step(model, optim, cfg, step, rank, device=dev).item())
     tokens, targets = batch(cfg, steps, rank, device=dev)
     logits = model(tokens)
     leased_at_loss = [a.leases.held is not None for a in transport.arenas()]
@@ -124,6 +129,62 @@ def _graph_capture_predicates(rank: int) -> dict:
     return {"ag": ag, "rs": rs, "replayed": x.tolist(), "trained": res["losses"]}
 
 
+def _files_entered(rank: int) -> dict:
+    """The ``tide/`` Python files one steady bound all-gather and one steady reduce-scatter of the seam enter, in
+    order of first entry (profiled on the thread that runs each call: the forward's, autograd's in backward),
+    after two steps have made the arena, its plans and leases: the third step's calls."""
+    import sys
+    from pathlib import Path
+
+    import tide
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
+    from tide.fsdp import seam
+
+    root = Path(tide.__file__).resolve().parent.parent
+    calls = {"all_gather": [], "reduce": []}
+
+    def profiled(kind, fn):
+        def run(*args, **kwargs):
+            files, funcs = [], set()
+
+            def tracer(frame, event, _):
+                if event == "call":
+                    path = Path(frame.f_code.co_filename).resolve()
+                    if path.is_relative_to(root / "tide"):
+                        rel = path.relative_to(root).as_posix()
+                        if rel not in files:
+                            files.append(rel)
+                        funcs.add(frame.f_code.co_name)
+            sys.setprofile(tracer)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.setprofile(None)
+                calls[kind].append({"files": files, "funcs": sorted(funcs)})
+        return run
+
+    state = {}
+
+    def setup(model):
+        state["ag"], state["reduce"] = _pg.foreach_all_gather, seam._reduce
+
+    def on_step(step):
+        if step == 2:
+            _pg.foreach_all_gather = profiled("all_gather", state["ag"])
+            seam._reduce = profiled("reduce", state["reduce"])
+
+    try:
+        _train(rank, use_tide=True, rs_mode="slot_reuse", prefetch=True, raf=True, steps=3, setup=setup,
+               on_step=on_step)
+    finally:
+        if state:
+            _pg.foreach_all_gather, seam._reduce = state["ag"], state["reduce"]
+    # Steady: no lease taken in the call (the first call of a phase leases the data region).
+    bound = [c["files"] for c in calls["all_gather"] if "bind_into_slot" in c["funcs"] and "_lease" not in c["funcs"]]
+    reduces = [c["files"] for c in calls["reduce"] if "_tide_reduce" in c["funcs"] and "_lease" not in c["funcs"]]
+    return {"all_gather": bound, "reduce": reduces}
+
+
 def fsdp_cuda(rank: int, world_size: int, names: list, fallbacks: bool) -> dict:
     torch.manual_seed(0)
     out = {}
@@ -138,6 +199,7 @@ def fsdp_cuda(rank: int, world_size: int, names: list, fallbacks: bool) -> dict:
         kw = dict(rs_mode="slot_reuse", prefetch=True, raf=True, setup=async_unshard)
         out["async_op"] = {"stock": _train(rank, use_tide=False, **kw), "tide": _train(rank, use_tide=True, **kw)}
         out["graph_capture"] = _graph_capture_predicates(rank)
+        out["files_entered"] = _files_entered(rank)
     return out
 
 
@@ -251,3 +313,37 @@ def test_capture_before_the_arena_takes_stock(fsdp_run):
         r = res["graph_capture"]
         assert r["ag"] == "capture_before_arena" and r["rs"] == "capture_before_arena", r
         assert r["replayed"] == [1.0] * 4
+
+
+def _steady_path_files(section: str) -> list[str]:
+    """The Python files docs/design.md's numbered steps of ``section`` name (the steady call), in order of first
+    mention."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    start = doc.index(section)
+    text = doc[start:doc.index("\n#", start + 1)]
+    steps = "\n".join(line for line in text.splitlines() if re.match(r"(\d+\. | {3})\S", line))
+    files = []
+    for f in re.findall(r"(tide/[\w/]+\.py)", steps):
+        if f not in files:
+            files.append(f)
+    return files
+
+
+def test_design_md_names_every_file_a_steady_call_enters(fsdp_run):
+    """docs/design.md's paths of one all-gather and one reduce-scatter name, in their numbered steps, every
+    ``tide/`` Python file a steady call of the seam enters, in the order it first enters them (the C++ files
+    they name must exist: tests/test_house.py)."""
+    ws, _, results = fsdp_run
+    if ws != 2:
+        pytest.skip("profiled on 2 ranks")
+    for rank, res in enumerate(results):
+        entered = res["files_entered"]
+        for kind, section in (("all_gather", "### The path of one all-gather"),
+                              ("reduce", "### The path of one reduce-scatter")):
+            assert entered[kind], f"rank {rank}: no steady {kind} was profiled"
+            named = _steady_path_files(section)
+            for files in entered[kind]:
+                assert files == named, (f"rank {rank}: a steady {kind} entered {files}; docs/design.md's "
+                                        f"{section!r} names {named}")
