@@ -89,7 +89,7 @@ stage tests_transport 260 $PY -m pytest tests/cuda -q -rfEs -p no:cacheprovider 
 stage tests_compiled 420 $PY -m pytest tests/cuda/test_compiled_cuda.py tests/cuda/test_compiled_order_cuda.py -q -rfEs \
   -p no:cacheprovider --timeout=400
 TIDE_TRACE=1 stage tests_capture 300 $PY -m pytest tests/cuda/test_capture.py -q -rfEs -p no:cacheprovider --timeout=200
-stage tests_fsdp_cuda 150 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=140
+stage tests_fsdp_cuda 240 $PY -m pytest tests/cuda/test_fsdp_cuda.py -q -rfEs -p no:cacheprovider --timeout=230
 stage tests_multinode 300 $PY -m pytest tests/cuda/test_multinode_cuda.py -q -rfEs -p no:cacheprovider --timeout=290
 stage tests_memory_model 90 $PY -m pytest tests/cuda/test_memory_model.py -q -rfEs -p no:cacheprovider --timeout=85
 # The fault stages trace every TIDE decision (TIDE_TRACE=1): a hung rank's log shows what it last did.
