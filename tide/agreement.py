@@ -1,5 +1,11 @@
 """Ranks agree on a call before any data moves: desynchronisation is an error that names it, not wrong data.
 
+One model of a call for every backend and fault path: :class:`CallRecord` (the op, its number, what it moves,
+its digest and its caller's declared identity) is what ranks compare, whether through the store (the reference
+backend's every call, tide/ops/calls.py; a CUDA plan's first use, below) or on the CUDA transport's issued board
+(the graph ops, tide/transport/graph_calls.py); :func:`different_calls` and :func:`not_reached` word what any of
+them found (ranks whose calls differ; peers that never came).
+
 A TIDE op's transport plan depends only on its op, shapes and dtypes (and flags). On CUDA every rank
 publishes the description of each new plan (the arena's n-th) in the process group's store and compares
 it with its peers' before the plan is first used: ranks that issue another op, layout or dtype there
@@ -10,8 +16,29 @@ compares every call (tide/ops/reference.py).
 """
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from datetime import timedelta
 from typing import Sequence
+
+from tide.meta import call_site
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One call as its ranks compare it: ``op``, its number ``n`` among the calls compared on its group or
+    arena, what it moves (``desc``: :func:`call_desc`), the CRC32 of that (``digest``), and the identity its
+    caller declared (``tide.call_identity``; "" when none)."""
+    op: str
+    n: int
+    desc: str
+    digest: int
+    identity: str
+
+    @classmethod
+    def of(cls, op: str, n: int, tensor_lists: Sequence[Sequence], flags: Sequence = ()) -> "CallRecord":
+        desc = call_desc(op, tensor_lists, flags)
+        return cls(op, n, desc, zlib.crc32(desc.encode()), call_site.describe(call_site.current()))
 
 
 def call_desc(op: str, tensor_lists: Sequence[Sequence], flags: Sequence = ()) -> str:
@@ -40,8 +67,7 @@ def exchange(store, prefix: str, rank: int, world_size: int, value: str, timeout
         store.wait(keys, timedelta(seconds=timeout_s))
     except RuntimeError as e:
         missing = [p for p in range(world_size) if not store.check([keys[p]])]
-        raise RuntimeError(f"{what}: rank(s) {missing} did not reach this call within {timeout_s:g} s (a peer "
-                           f"died or issued fewer TIDE ops): {e}") from None
+        raise RuntimeError(f"{not_reached(what, missing, timeout_s)}: {e}") from None
     theirs = iter(store.multi_get(keys[:rank] + keys[rank + 1:]))
     return [value if p == rank else next(theirs).decode() for p in range(world_size)]
 
@@ -51,6 +77,19 @@ def agree(store, prefix: str, rank: int, world_size: int, desc: str, timeout_s: 
     raises ``RuntimeError`` (the message starts with ``what``) on a mismatch or a missing peer."""
     for p, theirs in enumerate(exchange(store, prefix, rank, world_size, desc, timeout_s, what)):
         if theirs != desc:
-            raise RuntimeError(f"{what}: ranks issued different calls at the same point: this rank {rank} issued "
-                               f"{desc[:200]!r}, rank {p} issued {theirs[:200]!r} (they first differ at "
-                               f"{first_difference(desc, theirs)})")
+            raise RuntimeError(different_calls(f"{what}: ranks", None, rank, repr(desc[:200]), p, repr(theirs[:200]))
+                               + f" (they first differ at {first_difference(desc, theirs)})")
+
+
+def different_calls(ranks: str, n: int | None, rank: int, mine: str, peer: int, theirs: str,
+                    kind: str = "calls") -> str:
+    """The one wording of ranks that issued different calls at the same point (their ``n``-th compared call,
+    when numbered): ``ranks`` names them, ``mine`` and ``theirs`` are this rank's and ``peer``'s calls in words."""
+    at = "at the same point" if n is None else f"at call {n}"
+    return f"{ranks} issued different {kind} {at}: this rank {rank} issued {mine}, rank {peer} issued {theirs}"
+
+
+def not_reached(what: str, missing: Sequence[int], timeout_s: float) -> str:
+    """The one wording of peers that did not reach a call (an exchange, a lease) within the timeout."""
+    return (f"{what}: rank(s) {list(missing)} did not reach this call within {timeout_s:g} s (a peer died or issued "
+            "fewer TIDE ops)")

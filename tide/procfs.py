@@ -20,3 +20,8 @@ def state(pid: int) -> str:
         return "gone"
     return next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")),
                 "state unknown")
+
+
+def ended(process_state: str) -> bool:
+    """Whether a :func:`state` says the process has ended: gone, a zombie, or dead."""
+    return process_state == "gone" or process_state.startswith(("Z", "X"))

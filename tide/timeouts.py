@@ -7,8 +7,18 @@ from __future__ import annotations
 from tide import knobs
 
 
+TIMEOUT_WORDS = "TIDE_TIMEOUT_S, else the process group's timeout"
+
+
 class TideTimeoutError(RuntimeError):
     """A TIDE op did not complete within its timeout (the watchdog's report is the message)."""
+
+
+def did_not_complete(op: str, where: str, waited_s: float, since: str, timeout_s: float) -> str:
+    """The one headline of a call that outlived its timeout, on every backend: ``op`` on ``where`` (its group in
+    words), ``waited_s`` after ``since`` (what started the wait: its issue, a replay)."""
+    return (f"tide: {op} on {where} did not complete {waited_s:.1f} s after {since} (timeout {timeout_s:g} s: "
+            f"{TIMEOUT_WORDS})")
 
 
 def timeout_for(group) -> float:

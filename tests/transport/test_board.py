@@ -36,8 +36,7 @@ def _mirror(b: board.IssuedBoard, ag_uses, rs_rounds) -> None:
 
 
 def _ended(pid) -> bool:
-    state = board.procfs.state(pid)
-    return state == "gone" or state.startswith(("Z", "X"))
+    return board.procfs.ended(board.procfs.state(pid))
 
 
 def _ranks(rank, world, peer_ag_uses, peer_dies):

@@ -10,12 +10,11 @@ import time
 from typing import Callable
 
 from tide import procfs
-from tide.ops.call_groups import BACKSTOP_S, HOST, SCAN_BACK, GroupState, process_ended
+from tide.ops.call_groups import BACKSTOP_S, HOST, SCAN_BACK, GroupState
 from tide.ops.call_watcher import WATCHER, Watch
-from tide.timeouts import TideTimeoutError
+from tide.timeouts import TIMEOUT_WORDS, TideTimeoutError, did_not_complete
 
 DESC_CHARS = 2000  # the description's characters a record carries in words (the CRC covers all of it)
-TIMEOUT_WORDS = "TIDE_TIMEOUT_S, else the process group's timeout"
 EXC_TYPES = {"ValueError": ValueError, "TypeError": TypeError}
 
 
@@ -181,9 +180,9 @@ def _raise_missing(op: str, state: GroupState, rec: dict, records: dict, tombs: 
         state.broken = msg
         raise TidePeerError(msg)
     raise TideTimeoutError(
-        f"tide: {op} on {state.describe()} did not complete {waited:.1f} s after it was issued (timeout "
-        f"{state.timeout_s:g} s: {TIMEOUT_WORDS}): rank(s) {sorted(tombs)} are behind (a peer died, stalled, or "
-        f"issued a different sequence of TIDE ops). Nothing was exchanged.\n{me}\n{lines}")
+        f"{did_not_complete(op, state.describe(), waited, 'it was issued', state.timeout_s)}: rank(s) "
+        f"{sorted(tombs)} are behind (a peer died, stalled, or issued a different sequence of TIDE ops). Nothing was "
+        f"exchanged.\n{me}\n{lines}")
 
 
 def collective_failed(op: str, state: GroupState, n: int, records: dict | None, e: BaseException) -> TidePeerError:
@@ -194,10 +193,10 @@ def collective_failed(op: str, state: GroupState, n: int, records: dict | None, 
     while True:
         try:
             store = state.store()
-            ended = [p for p in range(state.size) if p != state.rank and process_ended(state.peer(p, store)[1])]
+            ended = [p for p in range(state.size) if p != state.rank and procfs.ended(state.peer(p, store)[1])]
         except Exception:
             ended = [p for p, who in state.who.items()
-                     if who["host"] == HOST and process_ended(procfs.state(who["pid"]))]
+                     if who["host"] == HOST and procfs.ended(procfs.state(who["pid"]))]
         if ended or time.monotonic() > deadline:
             break
         time.sleep(0.05)

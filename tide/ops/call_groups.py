@@ -224,10 +224,6 @@ def threaded_ranks(group: dist.ProcessGroup) -> bool:
         return False
 
 
-def process_ended(state: str) -> bool:
-    return state == "gone" or state.startswith(("Z", "X"))
-
-
 def _world_store():
     """The default group's store, or None."""
     world = dist.GroupMember.WORLD if dist.is_initialized() else None

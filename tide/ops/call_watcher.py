@@ -12,8 +12,8 @@ import time
 import weakref
 from typing import Sequence
 
-from tide import trace
-from tide.ops.call_groups import GroupState, process_ended
+from tide import procfs, trace
+from tide.ops.call_groups import GroupState
 
 POLL_S = 0.25  # how often the watcher looks at exchanges in progress (a dead peer is named within this)
 
@@ -105,7 +105,7 @@ class Watcher:
             who, life = state.peer(p, store)
             if late:
                 tomb = {"tomb": "timeout", "by": state.rank, "n": w.n, "after_s": state.timeout_s}
-            elif who is not None and process_ended(life):
+            elif who is not None and procfs.ended(life):
                 tomb = {"tomb": "ended", "by": state.rank, "n": w.n, "pid": who["pid"], "life": life}
             else:
                 notice = state.notice(p, w.since_wall)

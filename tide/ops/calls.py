@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -64,13 +63,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from tide.meta import call_site, checks
+from tide.meta import checks
 from tide.ops import call_exchange
-from tide.ops.call_exchange import (DESC_CHARS, EXC_TYPES, TIMEOUT_WORDS, TidePeerError, collective_failed,
-                                    peer_lines, record_words)
+from tide.ops.call_exchange import DESC_CHARS, EXC_TYPES, TidePeerError, collective_failed, peer_lines, record_words
 from tide.ops.call_groups import GroupState, notify_refusal, state_of, threaded_ranks
-from tide.agreement import call_desc, first_difference
-from tide.timeouts import TideTimeoutError
+from tide.agreement import CallRecord, different_calls, first_difference
+from tide.timeouts import TideTimeoutError, did_not_complete
 
 __all__ = ["Call", "TideConcurrentCallError", "TidePeerError", "agreed", "refuse", "refuse_without_group",
            "resolve_group", "world_size_error"]
@@ -99,14 +97,14 @@ def _fingerprint(rec: dict) -> tuple:
 
 
 def _mismatch(op: str, state: GroupState, n: int, mine: dict, p: int, theirs: dict) -> RuntimeError:
-    head = f"tide.{op}: ranks of {state.describe()} issued different calls at call {n}: "
+    ranks = f"tide.{op}: ranks of {state.describe()}"
     tail = ". Nothing was exchanged: a rank skipped, added or reordered a TIDE call"
     if mine["crc"] != theirs["crc"] or mine["op"] != theirs["op"]:
         where = first_difference(mine["desc"], theirs["desc"])
         if mine["desc"] == theirs["desc"]:
             where = f"beyond their first {DESC_CHARS} characters"
-        return RuntimeError(f"{head}this rank {state.rank} issued {record_words(mine)}, rank {p} issued "
-                            f"{record_words(theirs)}; their op or layouts first differ at {where}{tail}")
+        return RuntimeError(different_calls(ranks, n, state.rank, record_words(mine), p, record_words(theirs))
+                            + f"; their op or layouts first differ at {where}{tail}")
 
     def which(rec: dict) -> str:
         words = rec["id"] or "no declared identity"
@@ -115,8 +113,8 @@ def _mismatch(op: str, state: GroupState, n: int, mine: dict, p: int, theirs: di
         return words
 
     layout = mine["desc"] if len(mine["desc"]) <= 300 else mine["desc"][:300] + "..."
-    return RuntimeError(f"{head}this rank {state.rank} issued [{which(mine)}], rank {p} issued [{which(theirs)}], "
-                        f"both {layout}{tail}")
+    return RuntimeError(different_calls(ranks, n, state.rank, f"[{which(mine)}]", p, f"[{which(theirs)}]")
+                        + f", both {layout}{tail}")
 
 
 
@@ -163,11 +161,11 @@ class Call:
                 w.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except RuntimeError as e:
                 if not w.is_completed():
+                    headline = did_not_complete(self.op, state.describe(), state.timeout_s,
+                                                "its collectives were issued", state.timeout_s)
                     err = TideTimeoutError(
-                        f"tide: {self.op} on {state.describe()} did not complete {state.timeout_s:g} s after its "
-                        f"collectives were issued (timeout {state.timeout_s:g} s: {TIMEOUT_WORDS}), though every "
-                        f"rank had agreed to call {self.n}: a peer stalled inside it. The group cannot be used "
-                        f"again.\n{peer_lines(state, self.n, self.records, state.store)}")
+                        f"{headline}, though every rank had agreed to call {self.n}: a peer stalled inside it. The "
+                        f"group cannot be used again.\n{peer_lines(state, self.n, self.records, state.store)}")
                 else:
                     err = collective_failed(self.op, state, self.n, self.records, e)
                 state.broken = str(err)
@@ -245,9 +243,9 @@ class agreed:  # noqa: N801 (a context manager, used like a function)
         state.calls += 1
         n = state.calls
         state.in_flight = f"tide.{op}, call {n}, from thread {thread.name!r}"
-        desc = call_desc(op, desc_lists, extra)
-        rec = {"n": n, "op": op, "desc": desc[:DESC_CHARS], "cut": len(desc) > DESC_CHARS,
-               "crc": zlib.crc32(desc.encode()), "id": call_site.describe(call_site.current()),
+        call = CallRecord.of(op, n, desc_lists, extra)
+        rec = {"n": n, "op": op, "desc": call.desc[:DESC_CHARS], "cut": len(call.desc) > DESC_CHARS,
+               "crc": call.digest, "id": call.identity,
                "thread": thread.name, "tcount": tcount,
                "error": [type(error).__name__, str(error)] if error is not None else None}
         try:

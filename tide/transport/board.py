@@ -40,7 +40,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from tide import procfs
+from tide import agreement, procfs
 
 _DIR = "/dev/shm"
 _HEADER = 2  # pid, mapped
@@ -138,8 +138,7 @@ class IssuedBoard:
                        if struct.unpack_from("<I", self._map, self._lease_slot(p, n, channel))[0] != n]
             if waiting:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{what}: rank(s) {waiting} did not reach this call within {timeout_s:g} s "
-                                       "(a peer died or issued fewer TIDE ops)")
+                    raise RuntimeError(agreement.not_reached(what, waiting, timeout_s))
                 spins += 1
                 time.sleep(0 if spins < 1000 else 5e-5)
         out = []

@@ -22,8 +22,6 @@ refused (tide/transport/issue.py). A call on a board that a peer could not map, 
 """
 from __future__ import annotations
 
-import zlib
-
 from tide import agreement
 
 
@@ -37,19 +35,18 @@ def check(arena, op: str, tensors, flags=()) -> None:
     board = arena.board
     if board is None:
         return
-    desc = agreement.call_desc(op, (tensors,), flags)
-    digest = zlib.crc32(desc.encode())
     arena.graph_calls += 1
     n = arena.graph_calls
-    board.publish_call(n, digest, desc)
+    call = agreement.CallRecord.of(op, n, (tensors,), flags)
+    board.publish_call(n, call.digest, call.desc)
     arena.ext.memory_fence()
     for peer in range(arena.world_size):
         theirs = board.call_of(peer, n) if peer != arena.rank else None
-        if theirs is not None and theirs[0] != digest:
+        if theirs is not None and theirs[0] != call.digest:
             board.refuse_call(n)
             raise TideGraphCallError(
-                f"tide.{op}: ranks of group {arena.label} issued different graph calls at call {n}: this rank "
-                f"{arena.rank} issued {desc}, rank {peer} issued {theirs[1]}. Nothing of it was issued here; the "
+                agreement.different_calls(f"tide.{op}: ranks of group {arena.label}", n, arena.rank, call.desc, peer,
+                                          theirs[1], kind="graph calls") + ". Nothing of it was issued here; the "
                 "peers that issued it wait until TIDE_TIMEOUT_S. The ranks' compiled graphs issue their "
                 "collectives in different orders (a graph compiled on some ranks only, or without "
                 "tide.compile's pass on some)")

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from tide import trace
-from tide.timeouts import TideTimeoutError
+from tide.timeouts import TideTimeoutError, did_not_complete
 
 EXIT_CODE = 124
 BACKSTOP_EXIT_CODE = 1  # faulthandler's exit status, when the watchdog's own thread could not run
@@ -244,10 +244,9 @@ class Watchdog:
         # flag report that blocks in the driver, with or without the GIL, cannot keep the process alive.
         grace = min(self.grace_s, p.timeout_s)
         faulthandler.dump_traceback_later(REPORT_S + grace + 1, exit=True)
-        headline = (f"tide: {p.op} on group {p.group} did not complete {now - p.issued:.1f} s after it "
-                    f"{'began this replay' if p.replaying else 'was issued'} "
-                    f"(timeout {p.timeout_s:g} s: TIDE_TIMEOUT_S, else the process group's timeout). A peer died, "
-                    f"stalled, or issued a different sequence of TIDE ops.")
+        since = "it began this replay" if p.replaying else "it was issued"
+        headline = (f"{did_not_complete(p.op, f'group {p.group}', now - p.issued, since, p.timeout_s)}. A peer "
+                    "died, stalled, or issued a different sequence of TIDE ops.")
         # The headline goes out at once: a training thread that raises and ends early still leaves it.
         sys.stderr.write(headline + "\n")
         sys.stderr.flush()
