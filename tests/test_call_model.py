@@ -4,7 +4,6 @@ is written once."""
 import os
 import zlib
 
-import pytest
 import torch
 
 import tide

@@ -60,3 +60,30 @@ def test_call_desc_and_first_difference():
     long_a, long_b = "x" * 500 + "A" + "y" * 500, "x" * 500 + "B" + "y" * 500
     diff = first_difference(long_a, long_b)
     assert "A" in diff and "B" in diff and len(diff) < 200
+
+
+def _new_plans(rank, world_size, other_layout: bool):
+    """The transport's plan agreement (``issue.agree_plan``) on an arena stand-in with the real store: two plans
+    that agree, then a third whose layout differs on rank 1."""
+    import types
+
+    import torch.distributed as dist
+
+    from tide.transport import issue
+
+    arena = types.SimpleNamespace(store=dist.distributed_c10d._get_default_store(), store_prefix="tide/test/arena",
+                                  rank=rank, world_size=world_size, timeout_s=30.0, label="'g'", plans_agreed=0,
+                                  symmetric_bytes=0, data_bytes=0)
+    for rows in (4, 5):
+        issue.agree_plan(arena, "all_gather_into_params_", ([torch.empty(rows, 3, dtype=torch.bfloat16)],))
+    rows = 7 if other_layout and rank == 1 else 6
+    issue.agree_plan(arena, "all_gather_into_params_", ([torch.empty(rows, 3, dtype=torch.bfloat16)],))
+    return arena.plans_agreed
+
+
+def test_new_plans_are_numbered_and_a_different_one_is_named():
+    assert [o.detail for o in run_ranks_outcomes(_new_plans, 2, False, timeout=120)] == [3, 3]
+    for o in run_ranks_outcomes(_new_plans, 2, True, timeout=120):
+        assert o.status == "error", o
+        assert "tide.all_gather_into_params_ (group 'g', new plan #3): ranks issued different calls" in o.detail
+        assert "(6, 3) bfloat16" in o.detail and "(7, 3) bfloat16" in o.detail

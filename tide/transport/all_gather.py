@@ -20,7 +20,6 @@ from typing import Sequence
 
 import torch
 
-from tide import agreement
 from tide.meta import checks, plans
 from tide.meta.layout import GroupLayout
 from tide.transport import issue
@@ -42,7 +41,7 @@ def new_plan(arena, shards, outs):
     """This call shape's plan (the extension's AgPlan), built after its arguments are checked and every rank
     agreed on it, and kept by the extension for every later call of the shape."""
     _check(arena, shards, outs)
-    issue.agree_plan(arena, OP, agreement.call_desc(OP, (shards, outs)))
+    issue.agree_plan(arena, OP, (shards, outs))
     dtypes = [o.dtype for o in outs]
     layout = plans.all_gather_layout([s.shape for s in shards], dtypes, arena.world_size)
     info = plans.ag_plan_info(layout, arena.rank)

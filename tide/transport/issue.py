@@ -1,7 +1,7 @@
 """How the collectives' drivers enter the extension: a new plan agreed by every rank first, each call
 watched from before it issues anything, and the flag report the watchdog prints when one never completes.
 
-    agree_plan(arena, op, desc)          every rank reaches its next new plan with the same call
+    agree_plan(arena, op, tensor_lists)  every rank reaches its next new plan with the same call
     watched(arena, op, call, captured, **kw)
                                          one extension call under the watchdog (eager, or captured into a
                                          CUDA graph with a replay mark): what it ran
@@ -23,14 +23,14 @@ from tide.transport import board, flag_report, watchdog
 log = logging.getLogger("tide.transport")
 
 
-def agree_plan(arena, op: str, desc: str) -> None:
-    """Every rank reaches its next new plan with the same call (one store round trip per plan): ranks that
-    issue another op, layout or dtype there raise, naming both calls."""
+def agree_plan(arena, op: str, tensor_lists) -> None:
+    """Every rank reaches its next new plan with the same call (its :class:`tide.agreement.CallRecord`, one
+    store round trip per plan): ranks that issue another op, layout or dtype there raise, naming both calls."""
     arena.plans_agreed += 1
-    n = arena.plans_agreed
-    agreement.agree(arena.store, f"{arena.store_prefix}/plan{n}", arena.rank, arena.world_size, desc, arena.timeout_s,
-                    f"tide.{op} (group {arena.label}, new plan #{n})")
-    if n == 1:
+    call = agreement.CallRecord.of(op, arena.plans_agreed, tensor_lists)
+    agreement.agree(arena.store, f"{arena.store_prefix}/plan{call.n}", arena.rank, arena.world_size, call.desc,
+                    arena.timeout_s, f"tide.{op} (group {arena.label}, new plan #{call.n})")
+    if call.n == 1:
         log.info("tide.transport: %r, %d bytes of symmetric memory, %d leased", arena, arena.symmetric_bytes,
                  arena.data_bytes)
 

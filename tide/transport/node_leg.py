@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from tide import agreement, registry, routes
+from tide import registry, routes
 from tide.transport import issue, serving
 from tide.transport.arena import Arena
 from tide.transport.reduce_scatter import native_rounds
@@ -88,7 +88,7 @@ def reduce_partials(arena, key, grads: Sequence[torch.Tensor], out: torch.Tensor
     if plan is None:
         # Node peers that reach a new plan with different gradients raise here, naming the call, rather
         # than wait on each other's rounds.
-        issue.agree_plan(arena, OP_RS, agreement.call_desc(f"{OP_RS} (node partials)", (grads,)))
+        issue.agree_plan(arena, f"{OP_RS} (node partials)", (grads,))
         rs = arena.ext.RsPlan(rounds=native_rounds(arena.ext, rounds), pads=[], grad_dtype=[g.dtype for g in grads])
         plan = arena.plans["partials", key] = arena.native.partials_plan(plan=rs)
     arena.region()

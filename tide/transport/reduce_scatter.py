@@ -14,7 +14,6 @@ from typing import Sequence
 
 import torch
 
-from tide import agreement
 from tide.meta import checks, plans
 from tide.transport import issue
 
@@ -40,7 +39,7 @@ def new_plan(arena, grads, shard_grads):
     """This call shape's plan (the extension's RsPlan), built after its arguments are checked and every rank
     agreed on it, and kept by the extension for every later call of the shape."""
     issue.check_args(arena, OP, _check(arena, grads, shard_grads), ("grads", grads), ("shard_grads", shard_grads))
-    issue.agree_plan(arena, OP, agreement.call_desc(OP, (grads,)))
+    issue.agree_plan(arena, OP, (grads,))
     dtypes = [g.dtype for g in grads]
     info = plans.rs_plan_info([g.shape for g in grads], dtypes, arena.world_size, arena.rank, arena.entry_bytes)
     plan = native_plan(arena.ext, info, dtypes)
