@@ -251,3 +251,26 @@ def test_all_gather_facts_are_decided_once_per_params_list():
     assert decide.all_gather_facts(comm, list(params)).static_reason == "unsupported_dtype"
     params[0].param_dtype, params[0]._sharded_local_tensor = torch.bfloat16, _extension()
     assert decide.all_gather_facts(comm, list(params)).hooked == (True,)
+
+
+def test_a_call_declares_its_identity_only_where_a_backend_compares_it():
+    """The seam names each collective (module, phase, count) for the reference backend's call agreement, which
+    compares CPU calls only; off CPU nothing is declared or counted."""
+    import torch
+
+    from tide import call_identity, registry
+    from tide.fsdp import decide
+    from tide.meta import call_site
+
+    group = type("ParamGroup", (), {"_module_fqn": "layers.3"})()  # call counts hold groups weakly
+    try:
+        for count in (1, 2):
+            identity = decide._identity(group, "all_gather", "forward", torch.device("cpu"))
+            assert isinstance(identity, call_identity)
+            with identity:
+                assert call_site.current() == (("fqn", "layers.3"), ("phase", "forward"), ("count", count))
+        with decide._identity(group, "all_gather", "forward", torch.device("cuda", 0)):
+            assert call_site.current() == ()
+        assert registry.call_counts[group] == {("all_gather", "forward"): 2}
+    finally:
+        registry.call_counts.pop(group, None)

@@ -11,6 +11,7 @@ so a steady call looks facts up and decides only what is its own: the slot it ta
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -32,7 +33,7 @@ class AllGatherCall:
     mode: str = "none"  # tide.fsdp.wiring.plan_all_gather: bound (in ``slot``), direct or none
     slot: int | None = None
     inputs: list | None = None  # the tensor extensions' all-gather inputs (tide.fsdp.extensions)
-    identity: call_identity | None = None
+    identity: contextlib.AbstractContextManager | None = None
     param_group: object | None = None
     slot_reuse: bool = False  # the group's gradients move into its slot (tide.fsdp.hooks)
 
@@ -44,7 +45,7 @@ class ReduceCall:
     comm: comms.TideReduceScatter | None
     arena: object | None = None
     from_slot: bool = False  # the Slot-Reuse hooks moved gradients into the slot since the group's last reduce
-    identity: call_identity | None = None
+    identity: contextlib.AbstractContextManager | None = None
 
 
 def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> AllGatherCall:
@@ -75,7 +76,7 @@ def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> Al
     _joins_the_step(arena)
     param_group = comm.param_group
     phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
-    return AllGatherCall(None, arena, plan[0], plan[1], inputs, _identity(param_group, "all_gather", phase),
+    return AllGatherCall(None, arena, plan[0], plan[1], inputs, _identity(param_group, "all_gather", phase, device),
                          param_group, slot_reuse=enabled[1].rs_mode == "slot_reuse")
 
 
@@ -103,7 +104,7 @@ def reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_inp
         return ReduceCall(reason, comm)
     arena = wiring.arena_for(group, route, device, comm.transport)
     _joins_the_step(arena)
-    return ReduceCall(None, comm, arena, from_slot, _identity(comm.param_group, "reduce_scatter", "backward"))
+    return ReduceCall(None, comm, arena, from_slot, _identity(comm.param_group, "reduce_scatter", "backward", device))
 
 
 def _joins_the_step(arena) -> None:
@@ -119,8 +120,15 @@ def _joins_the_step(arena) -> None:
 # skipped or reordered a module's call then raise on every rank, naming both modules, instead of pairing
 # it with another module's call of the same layout (the reference backend compares them; the CUDA path
 # does not). A step declared around the training step (tide.train does) nests outside.
-def _identity(param_group, op: str, phase: str) -> call_identity:
-    """The identity of ``param_group``'s next TIDE ``op`` in ``phase`` (its count of those)."""
+_UNREAD = contextlib.nullcontext()  # what a call off CPU declares: no backend reads an identity there
+
+
+def _identity(param_group, op: str, phase: str, device) -> contextlib.AbstractContextManager:
+    """The identity of ``param_group``'s next TIDE ``op`` in ``phase`` (its count of those) on a CPU ``device``,
+    where the reference backend's call agreement compares it (tide/ops/calls.py); elsewhere nothing: no
+    backend compares calls' identities off CPU (a CUDA plan or graph call compares what it moves)."""
+    if device.type != "cpu":
+        return _UNREAD
     counts = registry.call_counts.setdefault(param_group, {})
     count = counts[op, phase] = counts.get((op, phase), 0) + 1
     return call_identity(fqn=param_group._module_fqn or "", phase=phase, count=count)
