@@ -1,10 +1,10 @@
 """Ranks agree on a call before any data moves: desynchronisation is an error that names it, not wrong data.
 
 One model of a call for every backend and fault path: :class:`CallRecord` (the op, its number, what it moves,
-its digest and its caller's declared identity) is what ranks compare, whether through the store (the reference
-backend's every call, tide/ops/calls.py; a CUDA plan's first use, below) or on the CUDA transport's issued board
-(the graph ops, tide/transport/graph_calls.py); :func:`different_calls` and :func:`not_reached` word what any of
-them found (ranks whose calls differ; peers that never came).
+its digest and its caller's declared identity). Ranks compare it through the store (the reference backend's
+every call, tide/ops/calls.py, identity included; a CUDA plan's first use, below, by what it moves) or on the
+CUDA transport's issued board (the graph ops, tide/transport/graph_calls.py, by digest); :func:`different_calls`
+and :func:`not_reached` word what any of them found (ranks whose calls differ; peers that never came).
 
 A TIDE op's transport plan depends only on its op, shapes and dtypes (and flags). On CUDA every rank
 publishes the description of each new plan (the arena's n-th) in the process group's store and compares

@@ -12,8 +12,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGat
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide import registry
-from tide.fsdp import compat, fallbacks
-from tide.fsdp import decide
+from tide.fsdp import compat, decide, fallbacks
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -256,10 +255,7 @@ def test_all_gather_facts_are_decided_once_per_params_list():
 def test_a_call_declares_its_identity_only_where_a_backend_compares_it():
     """The seam names each collective (module, phase, count) for the reference backend's call agreement, which
     compares CPU calls only; off CPU nothing is declared or counted."""
-    import torch
-
-    from tide import call_identity, registry
-    from tide.fsdp import decide
+    from tide import call_identity
     from tide.meta import call_site
 
     group = type("ParamGroup", (), {"_module_fqn": "layers.3"})()  # call counts hold groups weakly

@@ -4,7 +4,7 @@ import types
 
 import torch
 
-from tide.fsdp import fallbacks, wiring
+from tide.fsdp import fallbacks, shard_dims, wiring
 from tide.fsdp.comms import AllGatherFacts, TideAllGather
 from tide.transport.slots import SlotLeases
 
@@ -95,8 +95,8 @@ def _arena(slot_bytes):
 
 def _unshard(arena, group, W=2):
     if not hasattr(group, "facts"):  # decided once per group, as tide.fsdp.decide keeps them
-        group.facts = AllGatherFacts(group.fsdp_params, None, ())
-    mode, slot = wiring.plan_all_gather(arena, group._all_gather_comm, group.facts, group.fsdp_params, W)
+        group.facts = AllGatherFacts(group.fsdp_params, None, (), shard_dims.sharded(group.fsdp_params))
+    mode, slot = wiring.plan_all_gather(arena, group._all_gather_comm, group.facts, W)
     if mode == "bound":
         group.storages = [Storage(1000 * (slot + 1) + i) for i in range(len(group.fsdp_params))]
         arena.slots.bind(slot, group.storages, owners=group.fsdp_params)
@@ -139,7 +139,8 @@ def test_groups_that_do_not_use_slots_are_gathered_directly():
     assert _unshard(arena, _group(shard_dim=1))[0] == "direct"  # a Shard(1) param's blocks fit no slot place
     assert _unshard(arena, _group(numel=4096))[0] == "direct"  # larger than a slot
     group = _group()
-    assert wiring.plan_all_gather(None, group._all_gather_comm, AllGatherFacts([], None, ()), [], 2) == ("none", None)
+    no_arena = wiring.plan_all_gather(None, group._all_gather_comm, AllGatherFacts([], None, (), False), 2)
+    assert no_arena == ("none", None)
     assert _unshard(arena, group)[0] == "bound"
     _reshard(group)
     group.post_forward_mesh_info = None  # FSDPModule.set_reshard_after_forward(False) between steps

@@ -34,6 +34,7 @@ class AllGatherFacts:
     fsdp_params: list
     static_reason: str | None  # tide.fsdp.fallbacks.static_all_gather_reason
     hooked: tuple[bool, ...]  # per param, whether it is a tensor extension; () when none is
+    sharded: bool  # a param is sharded on a dim other than 0 (tide.fsdp.shard_dims): never bound into slots
     # Whether the group fits a slot, per (its extensions' input sizes, or None; the arena's slot bytes).
     slot_fits: dict = dataclasses.field(default_factory=dict)
 

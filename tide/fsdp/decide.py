@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from tide import counters, registry, routes
-from tide.fsdp import comm_debug, comms, extensions, wiring
+from tide.fsdp import comm_debug, comms, extensions, shard_dims, wiring
 from tide.fsdp.fallbacks import (all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason,
                                  static_all_gather_reason)
 from tide.meta.call_site import call_identity
@@ -66,7 +66,7 @@ def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> Al
                 inputs = extensions.pre_all_gather(fsdp_params, facts.hooked)
             reason = extension_inputs_reason(inputs)
         if reason is None:
-            plan = wiring.plan_all_gather(arena, comm, facts, fsdp_params, group.size(), inputs)
+            plan = wiring.plan_all_gather(arena, comm, facts, group.size(), inputs)
             reason = arena_reason(plan[0])
     counters.count_fsdp("all_gather", reason, reason is None and route.multinode)
     if reason is not None:
@@ -86,7 +86,7 @@ def all_gather_facts(comm: comms.TideAllGather, fsdp_params) -> comms.AllGatherF
     facts = comm.facts
     if facts is None or facts.fsdp_params is not fsdp_params:
         facts = comm.facts = comms.AllGatherFacts(fsdp_params, static_all_gather_reason(fsdp_params),
-                                                  extensions.hooked(fsdp_params))
+                                                  extensions.hooked(fsdp_params), shard_dims.sharded(fsdp_params))
     return facts
 
 

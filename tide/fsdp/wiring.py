@@ -73,8 +73,9 @@ def rs_piece_bytes(fsdp_params) -> int:
                                 [group_dtype(p).itemsize for p in fsdp_params])
 
 
-def bindable(comm) -> bool:
-    """Whether the group of ``comm`` (its ``TideAllGather``) is bound into slots: groups whose unsharded
+def bindable(comm, sharded: bool) -> bool:
+    """Whether the group of ``comm`` (its ``TideAllGather``; ``sharded``: whether a param of it is sharded on a
+    dim other than 0, ``shard_dims.sharded``) is bound into slots: groups whose unsharded
     params live only while their own module runs: FSDP modules with no FSDP module below them (blocks)
     that reshard after forward (``reshard_after_forward=True``/int). A parent
     (the root: embedding, final norm, head) holds its params across all its children's forward and
@@ -84,8 +85,7 @@ def bindable(comm) -> bool:
     param_group = comm.param_group
     # A Shard(i > 0) param's blocks (tide.fsdp.shard_dims) are params of the op's plan, each padded to its own
     # place in a slot: its output would not be one tensor there, so such groups keep stock's outputs.
-    return (comm.leaf and param_group.post_forward_mesh_info is not None
-            and not shard_dims.sharded(param_group.fsdp_params))
+    return comm.leaf and param_group.post_forward_mesh_info is not None and not sharded
 
 
 def _create_arena(group: dist.ProcessGroup, multinode: bool):
@@ -98,7 +98,8 @@ def _create_arena(group: dist.ProcessGroup, multinode: bool):
     W = group.size()
     key = group_key(group)
     groups = [g for g in enabled_groups(key) if g.fsdp_params]
-    bound = [g for g in groups if bindable(comms.of_group(g)[0]) and static_all_gather_reason(g.fsdp_params) is None]
+    bound = [g for g in groups if bindable(comms.of_group(g)[0], shard_dims.sharded(g.fsdp_params))
+             and static_all_gather_reason(g.fsdp_params) is None]
     layouts = [slot_layout(g.fsdp_params, W) for g in bound]
     if multinode:
         arena = node_leg.enable(group, slot_bytes=max([0] + [layout.slot_bytes for layout in layouts]))
@@ -180,8 +181,7 @@ def release_at_backward_end() -> None:
     torch.autograd.Variable._execution_engine.queue_callback(release_leases)
 
 
-def plan_all_gather(arena, comm, facts, fsdp_params, world_size: int,
-                    inputs: list | None = None) -> tuple[str, int | None]:
+def plan_all_gather(arena, comm, facts, world_size: int, inputs: list | None = None) -> tuple[str, int | None]:
     """(how this all-gather uses the arena, its slot): ``bound`` (slot; outputs bound there, zero-copy),
     ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups
     that are not :func:`bindable` or larger than a slot), ``busy`` (outputs hold every slot: stock),
@@ -190,13 +190,13 @@ def plan_all_gather(arena, comm, facts, fsdp_params, world_size: int,
     ``inputs``: its tensor-extension inputs (``extensions.pre_all_gather``)."""
     if arena is None:
         return "none", None
-    if not bindable(comm):
+    if not bindable(comm, facts.sharded):
         return "direct", None
     sizes = None if inputs is None else tuple((t.numel(), t.dtype) for ins in inputs for t in ins or ())
     key = (sizes, arena.slot_bytes)
     fits = facts.slot_fits.get(key)
     if fits is None:
-        fits = facts.slot_fits[key] = slot_layout(fsdp_params, world_size, inputs).slot_bytes <= arena.slot_bytes
+        fits = facts.slot_fits[key] = slot_layout(facts.fsdp_params, world_size, inputs).slot_bytes <= arena.slot_bytes
     if not fits:
         return "direct", None
     slot = arena.slots.acquire()

@@ -9,7 +9,7 @@ with its peers' skipped one. A caller that knows what a call is in its program d
 
 Blocks nest: an inner block adds its fields to the outer ones (and overrides those it names again), so a
 training loop can declare its step (``tide.train.train_step`` declares ``step``) while the FSDP2 seam
-declares each call's module, phase and per-module count. The reference backend carries the identity in
+declares each CPU call's module, phase and per-module count. The reference backend carries the identity in
 every call's fingerprint (``tide/ops/calls.py``): ranks whose identities differ all raise, naming both
 sides' calls in words, before anything is exchanged. The CUDA transport does not compare identities (it
 has no per-call host exchange).

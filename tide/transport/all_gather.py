@@ -31,16 +31,15 @@ def _lists(shards, outs) -> tuple:
     return ("shards", shards), ("outs", outs)
 
 
-def _check(arena, shards, outs) -> None:
-    """Raise the error of arguments the transport cannot take (nothing is issued)."""
-    issue.check_args(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
-                     *_lists(shards, outs))
+def _check(arena, shards, outs):
+    """The op's argument check of these arguments (run it later: a thunk)."""
+    return lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size)
 
 
 def new_plan(arena, shards, outs):
     """This call shape's plan (the extension's AgPlan), built after its arguments are checked and every rank
     agreed on it, and kept by the extension for every later call of the shape."""
-    _check(arena, shards, outs)
+    issue.check_args(arena, OP, _check(arena, shards, outs), *_lists(shards, outs))
     issue.agree_plan(arena, OP, (shards, outs))
     dtypes = [o.dtype for o in outs]
     layout = plans.all_gather_layout([s.shape for s in shards], dtypes, arena.world_size)
@@ -64,8 +63,7 @@ def issue_call(arena, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tenso
 
 def refuse(arena, shards, outs) -> None:
     """Raise the error of arguments the extension refused."""
-    issue.refuse(arena, OP, lambda: checks.check_all_gather_into_params(OP, shards, outs, arena.world_size),
-                 *_lists(shards, outs))
+    issue.refuse(arena, OP, _check(arena, shards, outs), *_lists(shards, outs))
 
 
 def all_gather_direct(arena, shards: Sequence[torch.Tensor], layout: GroupLayout) -> list[torch.Tensor] | None:
