@@ -116,6 +116,25 @@ def test_a_peer_that_never_leases_is_named_after_the_timeout_and_the_arena_lease
     assert leases.count == 1
 
 
+def test_a_lease_that_peers_never_reach_names_the_graph_calls_they_refused():
+    """A peer whose compiled graph issued another collective refuses it (tide/transport/graph_calls.py) and
+    never comes to the lease this rank waits in: the timeout names that refusal, as the issued board shows."""
+    from tide.transport.board import Record
+
+    class RefusingBoard:
+        def records(self):
+            return [Record(pid=10 + p, mapped=True, ag_uses=[0], rs_rounds=[0], refused_call=1 if p == 2 else 0)
+                    for p in range(WORLD)]
+
+    store, ipc = dist.HashStore(), RecordingIpc()
+    leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 0.5, "grp",
+                    set_region=lambda region, b, context: None, sync_pushes=lambda: None, board=RefusingBoard())
+    store.set("tide/test/lease1/0", f"{handle_of(0, 0).hex()}:0;board=1")
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] did not reach .*; peer 2 refused its graph call 1 "
+                                           r"\(the ranks' compiled graphs issue their collectives in different orders\)"):
+        leases.acquire()
+
+
 def test_an_export_failure_after_the_first_lease_is_an_error_naming_the_ranks():
     store, ipc, bases, syncs = dist.HashStore(), RecordingIpc(), [], []
     leases = make(store, ipc, bases, syncs)

@@ -167,10 +167,13 @@ class Leases:
             region = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             handle, offset, error = self._ext.ipc_export(tensor=region)
             mine = f"error:{error.splitlines()[0]}" if error else f"{handle.hex()}:{offset}"
-            if self._board is not None and self.count > 1:
-                theirs = self._board.exchange_lease(self.count, mine, self._timeout_s, what, self._channel)
-            else:
-                theirs = self._exchange_by_store(mine, what)
+            try:
+                if self._board is not None and self.count > 1:
+                    theirs = self._board.exchange_lease(self.count, mine, self._timeout_s, what, self._channel)
+                else:
+                    theirs = self._exchange_by_store(mine, what)
+            except RuntimeError as e:
+                raise RuntimeError(f"{e}{self._refusals()}") from None
             errors = [(p, v[len("error:"):]) for p, v in enumerate(theirs) if v.startswith("error:")]
             if not errors:
                 self._region = region
@@ -191,6 +194,15 @@ class Leases:
         self._symmetric = symm_mem.rendezvous(self._region, self._group)
         # Never freed, so any context may use it (the extension's rule says so for EVERY_CONTEXT).
         self._set_region(self._region, [int(p) for p in self._symmetric.buffer_ptrs], self._ext.EVERY_CONTEXT)
+
+    def _refusals(self) -> str:
+        """Why peers that never came to a lease may be missing: the graph calls they refused (their compiled
+        graph issued another collective here, tide/transport/graph_calls.py), as the issued board shows."""
+        if self._board is None:
+            return ""
+        return "".join(f"; peer {p} refused its graph call {rec.refused_call} (the ranks' compiled graphs issue "
+                       "their collectives in different orders)"
+                       for p, rec in enumerate(self._board.records()) if p != self.rank and rec.refused_call)
 
     def _exchange_by_store(self, mine: str, what: str) -> list[str]:
         """Every rank's lease value through the store. The first lease, which fixes the mode, also settles
