@@ -12,7 +12,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGat
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide import registry
-from tide.fsdp import compat, decide, fallbacks
+from tide.fsdp import decide, fallbacks
 from tide.fsdp.comms import TideAllGather, TideReduceScatter
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -218,7 +218,7 @@ def test_spmd_data_parallel_params_take_tide_and_tp_axes_do_not():
     ("functorch", ("functorch_active", lambda: True)),
 ])
 def test_tracing_reasons(reason, patch, monkeypatch):
-    monkeypatch.setattr(compat, patch[0], patch[1])
+    monkeypatch.setattr(fallbacks, patch[0], patch[1])
     assert _ag() == reason and _rs() == reason
 
 

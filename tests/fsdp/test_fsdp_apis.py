@@ -66,3 +66,14 @@ def test_symmetric_memory_after_enable_gets_as_far_as_on_stock(runs):
     for r in runs:
         errors = r["symm_mem_errors"]
         assert errors[True] == errors[False] and "NCCL" in errors[False], errors
+
+
+def test_a_comm_set_between_steps_moves_the_group_off_tide_and_back():
+    """A group's all-gather and reduce are decided once and kept (tide/fsdp/decide.py); the kept decision
+    rests on the group's comms, so a user comm set between steps takes effect at the next call, and FSDP2's
+    own comm set back brings the group back to TIDE."""
+    tide_step = {"all_gather": {"tide": ALL_GATHERS // STEPS}, "reduce_scatter": {"tide": REDUCES // STEPS}}
+    user_step = {"all_gather": {"stock:custom_comm": ALL_GATHERS // STEPS},
+                 "reduce_scatter": {"stock:custom_comm": REDUCES // STEPS}}
+    for steps in run_ranks(workers.comms_set_between_steps, 2, timeout=300):
+        assert steps == [tide_step, user_step, tide_step], steps

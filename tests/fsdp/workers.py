@@ -587,6 +587,33 @@ def fsdp_apis(rank: int, world_size: int, steps: int) -> dict:
     return out
 
 
+def comms_set_between_steps(rank: int, world_size: int) -> list[dict]:
+    """``tide.stats()["fsdp"]`` of each of three steps of the tiny model on TIDE: with FSDP2's own comms, with a
+    user's own on every FSDP module (set between steps), and with FSDP2's again."""
+    import warnings
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    torch.set_num_threads(1)
+    cfg = PRESETS["tiny"]
+    model = fsdp_model(cfg, device="cpu", use_tide=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for step, comms in enumerate((None, _user_comms(), (DefaultAllGather, DefaultReduceScatter))):
+        if comms is not None:
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_custom_all_gather(comms[0]())
+                    m.set_custom_reduce_scatter(comms[1]())
+        tide.reset_stats()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the user comms' warning has its own test
+            train_step(model, optim, cfg, step, rank)
+        out.append(tide.stats()["fsdp"])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- CommDebugMode
 def comm_debug_counts(rank: int, world_size: int, steps: int) -> dict:
     """What ``CommDebugMode`` counts, stock then TIDE, for the tiny model with bf16 params and explicit

@@ -9,7 +9,7 @@ hands the call to the mode under the c10d op's name (:class:`CountedAs`), so the
 per module and phase, its tracing tables) takes it as it takes that op, and runs it. The mode is off the
 dispatch stack while the op runs, so the reference backend's own c10d calls inside it are not counted again.
 The mode's module takes about 1.6 s to import: the rules are registered at the seam's first TIDE collective
-after the user imported it (:func:`register_if_loaded`; before that, one dictionary lookup per collective).
+after the user imported it (:func:`register`; before that, one dictionary lookup per collective).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 from tide import registry
 
-_COMM_MODE_MODULE = "torch.distributed.tensor.debug._comm_mode"
+COMM_MODE_MODULE = "torch.distributed.tensor.debug._comm_mode"
 # TIDE op -> the c10d collective it stands for.
 COUNTED_AS = {
     "all_gather_into_params_": "_allgather_base_",
@@ -42,11 +42,10 @@ class CountedAs:
         return f"{self._overloadpacket} ({self.op})"
 
 
-def register_if_loaded() -> None:
-    """Register the rules once ``CommDebugMode``'s module is loaded (nothing to count before)."""
-    if registry.comm_debug_rules or _COMM_MODE_MODULE not in sys.modules:
-        return
-    mode_class = sys.modules[_COMM_MODE_MODULE].CommDebugMode
+def register() -> None:
+    """Register the rules (once ``CommDebugMode``'s module is loaded: ``tide.fsdp.decide`` asks at each TIDE
+    collective until they are)."""
+    mode_class = sys.modules[COMM_MODE_MODULE].CommDebugMode
     counted = {}
     for name, c10d_name in COUNTED_AS.items():
         op = getattr(torch.ops.tide, name).default

@@ -51,6 +51,8 @@ class TideAllGather:
         self.transport = transport
         # What the group's all-gathers rest on that no call changes (tide.fsdp.decide.all_gather_facts).
         self.facts: AllGatherFacts | None = None
+        # The group's all-gather decided on TIDE, kept for the calls it holds for (tide.fsdp.decide.GroupAllGather).
+        self.decided = None
         # The CUDA contract's verdict for this group's ranks (tide.fsdp.fallbacks.contract_reason), once.
         self.contract: tuple[str | None] | None = None
         # (process group, whether its ranks are threads of this process), per process group seen.
@@ -78,6 +80,8 @@ class TideReduceScatter:
         # FSDPParams whose fixed properties (placement, offload, DTensor) passed: each reduce passes a
         # fresh list (the params that have grads), so the check is remembered per param.
         self.checked_params: set[int] = set()
+        # The group's reduce decided on TIDE, kept for the calls it holds for (tide.fsdp.decide.GroupReduce).
+        self.decided = None
         self.contract: tuple[str | None] | None = None
         self.threaded: tuple | None = None
         self.custom_comm_warned = False

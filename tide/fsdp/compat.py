@@ -17,7 +17,6 @@ Shapes seen so far (torch 2.11 to 2.15):
 * Param groups: ``FSDPState._fsdp_param_groups`` (a list, 2.13+) or ``_fsdp_param_group`` (one or None).
 * Gradients accumulated without a reduce: through 2.14 FSDP moves them to ``unsharded_accumulated_grad``;
   from 2.15 they stay in the leaf's ``grad`` (that name is a property reading it).
-* 2.11 traceable FSDP2 (compiled autograd) is detected with ``_fsdp_common.compiled_autograd_enabled``.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ import typing
 import warnings
 
 import torch
-from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_common
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
 from tide import registry
@@ -138,18 +137,3 @@ def reduce_dtype(fsdp_param) -> torch.dtype | None:
     if hasattr(type(fsdp_param), "unsharded_grad_dtype"):
         return fsdp_param.unsharded_grad_dtype
     return fsdp_param.reduce_dtype
-
-
-_compiled_autograd_enabled = getattr(_fsdp_common, "compiled_autograd_enabled", None)
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-
-
-def is_tracing() -> bool:
-    """Inside torch.compile tracing or (2.11) compiled-autograd traceable FSDP2."""
-    if torch.compiler.is_compiling():
-        return True
-    return _compiled_autograd_enabled is not None and bool(_compiled_autograd_enabled())
-
-
-def functorch_active() -> bool:
-    return _functorch_active is not None and bool(_functorch_active())

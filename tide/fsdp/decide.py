@@ -2,27 +2,84 @@
 
 :func:`all_gather` and :func:`reduce` answer a call: its stock reason (``tide.fsdp.fallbacks``; counted in
 ``tide.stats()["fsdp"]``, a user's own comm warned once per group), or the TIDE call, which carries all
-that ``tide.fsdp.seam`` needs to issue it: the group's TIDE state, the arena serving it (its route,
-``tide.routes``; the arena made at the group's first TIDE collective, ``tide.fsdp.wiring``), the tensor
-extensions' all-gather inputs, the all-gather's slot plan, where a reduce reads its gradients, and the
-call's identity (``tide.meta.call_site``). What cannot change between calls is decided once per group and
-kept (the route; the group's :func:`all_gather_facts`: its fixed reasons, tensor extensions and slot fit),
-so a steady call looks facts up and decides only what is its own: the slot it takes.
+that ``tide.fsdp.seam`` needs to issue it: the arena serving the group (its route, ``tide.routes``; the arena
+made at the group's first TIDE collective, ``tide.fsdp.wiring``), the tensor extensions' all-gather inputs,
+the all-gather's slot and output specs, where a reduce reads its gradients, and (on CPU) the call's
+identity (``tide.meta.call_site``).
+
+A group's collective is decided once: its first TIDE call asks every reason and keeps the verdict, with
+the route, the arena and the slot mode, in a :class:`GroupAllGather` or :class:`GroupReduce` on the group's
+TIDE state. Each later call whose settings are the same (:meth:`GroupAllGather.holds`: the params list, the
+process group, the device, FSDP2's comm, the output function, the reshard-after-forward choice, the
+arenas) asks only what can change between calls (``fallbacks.all_gather_call_reason`` /
+``reduce_call_reason``: tracing, capture, the params' state, the gradients), takes its slot, counts, and
+issues. A group with tensor extensions runs their pre-all-gather per call, so its all-gathers are decided
+per call.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import warnings
 
+import torch
 from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from tide import counters, registry, routes
-from tide.fsdp import comm_debug, comms, extensions, shard_dims, wiring
-from tide.fsdp.fallbacks import (all_gather_reason, arena_reason, extension_inputs_reason, reduce_reason,
-                                 static_all_gather_reason)
+from tide.fsdp import comm_debug, comms, extensions, fallbacks, shard_dims, wiring
 from tide.meta.call_site import call_identity
+
+
+@dataclasses.dataclass
+class GroupAllGather:
+    """A group's all-gather decided on TIDE, kept on its ``TideAllGather`` for the calls it :meth:`holds` for."""
+    comm: comms.TideAllGather
+    rs_comm: comms.TideReduceScatter
+    facts: comms.AllGatherFacts
+    group: object  # the process group
+    device: torch.device
+    settings: tuple  # _all_gather_settings when decided
+    route: routes.Route
+    multinode: bool  # the route spans nodes (counted as tide_multinode)
+    arena: object | None
+    mode: str  # wiring.plan_all_gather's: "bound" (a slot per call; "busy" when none is free), "direct", "none"
+    specs: list  # wiring.output_specs: per param, its outputs' (numels, dtypes)
+
+    def holds(self, fsdp_params, group, async_op: bool, device) -> bool:
+        return (self.facts.fsdp_params is fsdp_params and self.group is group and not async_op and self.device == device
+                and self.settings == _all_gather_settings(self.comm.param_group))
+
+
+def _all_gather_settings(param_group) -> tuple:
+    """What the owner of a group can change between its all-gathers that a kept decision rests on: FSDP2's
+    comm (``set_custom_all_gather``), the output function, whether it reshards after forward (slot binding),
+    and the arenas (``tide.routes``' generation: an arena enabled or dropped)."""
+    return (type(param_group._all_gather_comm), getattr(param_group, "_all_gather_output_fn", None),
+            param_group.post_forward_mesh_info is not None, registry.route_generation[0])
+
+
+@dataclasses.dataclass
+class GroupReduce:
+    """A group's reduce decided on TIDE, kept on its ``TideReduceScatter`` for the calls it :meth:`holds` for."""
+    comm: comms.TideReduceScatter
+    group: object
+    device: torch.device
+    settings: tuple  # _reduce_settings when decided
+    route: routes.Route
+    multinode: bool
+    arena: object | None
+
+    def holds(self, group, device, custom_input_fn: bool) -> bool:
+        return (self.group is group and self.device == device and not custom_input_fn
+                and self.settings == _reduce_settings(self.comm.param_group))
+
+
+def _reduce_settings(param_group) -> tuple:
+    """What the owner of a group can change between its reduces that a kept decision rests on: FSDP2's comm
+    (``set_custom_reduce_scatter``) and the arenas."""
+    return type(param_group._reduce_scatter_comm), registry.route_generation[0]
 
 
 @dataclasses.dataclass
@@ -32,10 +89,12 @@ class AllGatherCall:
     arena: object | None = None
     mode: str = "none"  # tide.fsdp.wiring.plan_all_gather: bound (in ``slot``), direct or none
     slot: int | None = None
+    specs: list | None = None  # per param, its outputs' (numels, dtypes): tide.fsdp.wiring.output_specs
     inputs: list | None = None  # the tensor extensions' all-gather inputs (tide.fsdp.extensions)
+    blocks: bool = False  # a param is sharded on a dim other than 0: the op takes its blocks (tide.fsdp.shard_dims)
     identity: contextlib.AbstractContextManager | None = None
     param_group: object | None = None
-    slot_reuse: bool = False  # the group's gradients move into its slot (tide.fsdp.hooks)
+    install_hooks: bool = False  # a Slot-Reuse group has params without their hook yet (tide.fsdp.hooks)
 
 
 @dataclasses.dataclass
@@ -49,35 +108,63 @@ class ReduceCall:
 
 
 def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> AllGatherCall:
-    """The decisions of one all-gather. A group with tensor extensions runs their pre-all-gather here, on
-    the copy-in stream as stock runs it: its inputs size the outputs (on stock after it, stock runs it
-    again, on every rank alike)."""
+    """The decisions of one all-gather: the group's kept decision and this call's own reasons, or (the
+    group's first call, or its settings changed) every reason."""
     enabled = comms.of_params(fsdp_params)
+    kept = enabled[0].decided if enabled is not None else None
+    if kept is not None and kept.holds(fsdp_params, group, async_op, device):
+        reason = fallbacks.all_gather_call_reason(fsdp_params, group, device, kept.route)
+        if reason is None and kept.mode == "bound":
+            mode, slot = wiring.take_slot(kept.arena)
+            reason = fallbacks.arena_reason(mode)
+        else:
+            mode, slot = kept.mode, None
+        return _all_gather_call(kept, reason, mode, slot, kept.specs, None)
+    return _decide_all_gather(enabled, fsdp_params, group, async_op, device, copy_in_stream)
+
+
+def _decide_all_gather(enabled, fsdp_params, group, async_op: bool, device, copy_in_stream) -> AllGatherCall:
+    """Every reason of an all-gather, and the group's decision kept when it holds for later calls. A group with
+    tensor extensions runs their pre-all-gather here, on the copy-in stream as stock runs it: its inputs size
+    the outputs (on stock after it, stock runs it again, on every rank alike)."""
     comm = enabled[0] if enabled is not None else None
-    reason = all_gather_reason(fsdp_params, group, async_op, device, comm)
+    reason = fallbacks.all_gather_reason(fsdp_params, group, async_op, device, comm)
     facts = all_gather_facts(comm, fsdp_params) if reason is None else None
     reason = reason or facts.static_reason
-    arena, plan, inputs, route = None, ("none", None), None, None
-    if reason is None:
-        route = routes.of(group)
-        arena = wiring.arena_for(group, route, device, comm.transport)
-        if facts.hooked:
-            with _get_device_handle(device.type).stream(copy_in_stream):
-                inputs = extensions.pre_all_gather(fsdp_params, facts.hooked)
-            reason = extension_inputs_reason(inputs)
-        if reason is None:
-            plan = wiring.plan_all_gather(arena, comm, facts, group.size(), inputs)
-            reason = arena_reason(plan[0])
-    counters.count_fsdp("all_gather", reason, reason is None and route.multinode)
     if reason is not None:
+        counters.count_fsdp("all_gather", reason)
         if reason == "custom_comm":
             _warn_custom_comm(comm, "all-gather", "set_custom_all_gather")
         return AllGatherCall(reason)
-    _joins_the_step(arena)
-    param_group = comm.param_group
+    arena = wiring.arena_for(group, routes.of(group), device, comm.transport)
+    route = routes.of(group)  # resolved again: making the arena changed it
+    inputs = None
+    if facts.hooked:
+        with _get_device_handle(device.type).stream(copy_in_stream):
+            inputs = extensions.pre_all_gather(fsdp_params, facts.hooked)
+        reason = fallbacks.extension_inputs_reason(inputs)
+    mode, slot = wiring.plan_all_gather(arena, comm, facts, group.size(), inputs) if reason is None else ("none", None)
+    decided = GroupAllGather(comm, enabled[1], facts, group, device, _all_gather_settings(comm.param_group), route,
+                             route.multinode, arena, "bound" if mode == "busy" else mode,
+                             wiring.output_specs(fsdp_params, inputs))
+    if not facts.hooked:
+        comm.decided = decided
+    return _all_gather_call(decided, reason or fallbacks.arena_reason(mode), mode, slot, decided.specs, inputs)
+
+
+def _all_gather_call(decided: GroupAllGather, reason: str | None, mode: str, slot: int | None, specs,
+                     inputs) -> AllGatherCall:
+    """The call of a group decided on TIDE: counted, and stock for this call's own ``reason``."""
+    counters.count_fsdp("all_gather", reason, reason is None and decided.multinode)
+    if reason is not None:
+        return AllGatherCall(reason)
+    _joins_the_step(decided.arena)
+    param_group = decided.comm.param_group
     phase = "backward" if param_group._training_state == TrainingState.PRE_BACKWARD else "forward"
-    return AllGatherCall(None, arena, plan[0], plan[1], inputs, _identity(param_group, "all_gather", phase, device),
-                         param_group, slot_reuse=enabled[1].rs_mode == "slot_reuse")
+    return AllGatherCall(None, decided.arena, mode, slot, specs, inputs, decided.facts.sharded,
+                         _identity(param_group, "all_gather", phase, decided.device), param_group,
+                         install_hooks=(mode == "bound" and decided.rs_comm.rs_mode == "slot_reuse"
+                                        and len(decided.rs_comm.grad_hooks) < len(decided.facts.fsdp_params)))
 
 
 def all_gather_facts(comm: comms.TideAllGather, fsdp_params) -> comms.AllGatherFacts:
@@ -85,26 +172,38 @@ def all_gather_facts(comm: comms.TideAllGather, fsdp_params) -> comms.AllGatherF
     all-gather, then kept on ``comm``."""
     facts = comm.facts
     if facts is None or facts.fsdp_params is not fsdp_params:
-        facts = comm.facts = comms.AllGatherFacts(fsdp_params, static_all_gather_reason(fsdp_params),
+        facts = comm.facts = comms.AllGatherFacts(fsdp_params, fallbacks.static_all_gather_reason(fsdp_params),
                                                   extensions.hooked(fsdp_params), shard_dims.sharded(fsdp_params))
     return facts
 
 
 def reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_input_fn: bool) -> ReduceCall:
-    """The decisions of one reduce."""
+    """The decisions of one reduce: the group's kept decision and this call's own reasons (its gradients), or
+    (the group's first call, or its settings changed) every reason."""
     enabled = comms.of_params(fsdp_params)
     comm = enabled[1] if enabled is not None else None
     from_slot = comm is not None and comm.take_grads_moved_into_slot()
-    reason = reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device, custom_input_fn)
-    route = routes.of(group) if reason is None else None
-    counters.count_fsdp("reduce_scatter", reason, route is not None and route.multinode)
+    kept = comm.decided if comm is not None else None
+    if kept is not None and kept.holds(group, device, custom_input_fn):
+        reason = fallbacks.reduce_call_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device,
+                                              kept.route)
+    else:
+        reason = fallbacks.reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device,
+                                         custom_input_fn)
+        kept = None
+        if reason is None:
+            arena = wiring.arena_for(group, routes.of(group), device, comm.transport)
+            route = routes.of(group)  # resolved again: making the arena changed it
+            kept = comm.decided = GroupReduce(comm, group, device, _reduce_settings(comm.param_group), route,
+                                              route.multinode, arena)
+    counters.count_fsdp("reduce_scatter", reason, reason is None and kept.multinode)
     if reason is not None:
         if reason == "custom_comm":
             _warn_custom_comm(comm, "reduce-scatter", "set_custom_reduce_scatter")
         return ReduceCall(reason, comm)
-    arena = wiring.arena_for(group, route, device, comm.transport)
-    _joins_the_step(arena)
-    return ReduceCall(None, comm, arena, from_slot, _identity(comm.param_group, "reduce_scatter", "backward", device))
+    _joins_the_step(kept.arena)
+    identity = _identity(comm.param_group, "reduce_scatter", "backward", device)
+    return ReduceCall(None, comm, kept.arena, from_slot, identity)
 
 
 def _joins_the_step(arena) -> None:
@@ -112,7 +211,8 @@ def _joins_the_step(arena) -> None:
     (with an arena), and ``CommDebugMode`` counting TIDE's collectives once the user has loaded it."""
     if arena is not None:
         wiring.release_at_backward_end()
-    comm_debug.register_if_loaded()
+    if not registry.comm_debug_rules and comm_debug.COMM_MODE_MODULE in sys.modules:
+        comm_debug.register()
 
 
 # What each TIDE collective is in the program, declared to the ops (tide.meta.call_site): the module's FQN,

@@ -48,17 +48,6 @@ def output_specs(fsdp_param, inputs: Sequence[torch.Tensor] | None) -> tuple[lis
     return [t.numel() for t in inputs], [t.dtype for t in inputs]
 
 
-def init_outputs(fsdp_params, inputs: list | None, world_size: int, device: torch.device) -> list[torch.Tensor]:
-    """FSDP's all-gather output tensors of every param (created once by its ``init_all_gather_outputs``),
-    param-major: one per param, or one per input of an extension's."""
-    outs = []
-    for i, p in enumerate(fsdp_params):
-        numels, dtypes = output_specs(p, None if inputs is None else inputs[i])
-        p.init_all_gather_outputs(numels, dtypes, world_size, device)
-        outs += p.all_gather_outputs
-    return outs
-
-
 def op_pairs(fsdp_params, inputs: list, outs: Sequence[torch.Tensor], world_size: int) -> tuple[list, list]:
     """The op's (shards, outs) of a group with extensions: each extension input and its output as uint8
     views; the other params' (sharded data, output) pairs as ``shard_dims.all_gather_args`` gives them

@@ -13,11 +13,11 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_common
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide import knobs, routes, topology
-from tide.fsdp import compat, joined
+from tide.fsdp import joined
 from tide.fsdp.comms import STOCK_ALL_GATHERS, STOCK_REDUCE_SCATTERS
 from tide.meta.checks import FLOAT_DTYPES
 from tide.meta.multinode import Topology
@@ -48,10 +48,26 @@ def group_dtype(p) -> torch.dtype:
     return p.param_dtype or p.orig_dtype
 
 
+# Where torch has them: 2.11's traceable FSDP2 (compiled autograd), and functorch's transforms.
+_compiled_autograd_enabled = getattr(_fsdp_common, "compiled_autograd_enabled", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def is_tracing() -> bool:
+    """Inside torch.compile tracing or (2.11) compiled-autograd traceable FSDP2."""
+    if torch.compiler.is_compiling():
+        return True
+    return _compiled_autograd_enabled is not None and bool(_compiled_autograd_enabled())
+
+
+def functorch_active() -> bool:
+    return _functorch_active is not None and bool(_functorch_active())
+
+
 def common_reason(device: torch.device) -> str | None:
-    if compat.is_tracing():
+    if is_tracing():
         return "compiling"
-    if compat.functorch_active():
+    if functorch_active():
         return "functorch"
     return None
 
@@ -122,13 +138,14 @@ def _device_reason(device: torch.device, group, comm) -> str | None:
     return comm.contract[0]
 
 
-def capture_reason(device: torch.device, group) -> str | None:
-    """Under CUDA-graph capture, what TIDE cannot capture: a group whose arena does not exist yet (its
-    rendezvous is collective host work; run one step eagerly first, as torchtitan's warm-up does), and a
-    multi-node group (its rails' exchanges are not captured)."""
+def capture_reason(device: torch.device, group, route=None) -> str | None:
+    """Under CUDA-graph capture, what TIDE cannot capture of ``group`` (its ``route``, ``tide.routes``, when the
+    caller holds it): a group whose arena does not exist yet (its rendezvous is collective host work; run one
+    step eagerly first, as torchtitan's warm-up does), and a multi-node group (its rails' exchanges are not
+    captured)."""
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         return None
-    route = routes.of(group)
+    route = route or routes.of(group)
     if route.multinode:
         return "capture_multinode"
     return "capture_before_arena" if route.holder is None else None
@@ -220,15 +237,25 @@ def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
         return "world_size_1"
     if (reason := joined.reason(comm.param_group, group)) is not None:
         return reason
-    if (reason := _device_reason(device, group, comm) or capture_reason(device, group)) is not None:
+    if (reason := _device_reason(device, group, comm)) is not None:
+        return reason
+    if getattr(comm.param_group, "_all_gather_output_fn", _DEFAULT_OUTPUT_FN) is not _DEFAULT_OUTPUT_FN:
+        return "all_gather_output_fn"
+    return all_gather_call_reason(fsdp_params, group, device)
+
+
+def all_gather_call_reason(fsdp_params, group, device, route=None) -> str | None:
+    """The reasons that can change between two all-gathers of a group while its settings stay: tracing,
+    functorch, a CUDA-graph capture (``route``: the group's, ``tide.routes``, when the caller holds it), and
+    the params' state. A group's all-gather decided on TIDE once (``tide.fsdp.decide``) asks only these per
+    call."""
+    if (reason := common_reason(device) or capture_reason(device, group, route)) is not None:
         return reason
     for p in fsdp_params:
         if p.sharded_state != ShardedState.SHARDED:
             return "post_forward_mesh"
         if getattr(p, "keep_unsharded_storage", False):  # torch 2.15+: outputs live across reshard
             return "keep_unsharded_storage"
-    if getattr(comm.param_group, "_all_gather_output_fn", _DEFAULT_OUTPUT_FN) is not _DEFAULT_OUTPUT_FN:
-        return "all_gather_output_fn"
     return None
 
 
@@ -252,7 +279,16 @@ def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device,
         return "world_size_1"
     if (reason := joined.reason(comm.param_group, rs_group)) is not None:
         return reason
-    if (reason := _device_reason(device, rs_group, comm) or capture_reason(device, rs_group)) is not None:
+    if (reason := _device_reason(device, rs_group, comm)) is not None:
+        return reason
+    return reduce_call_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device)
+
+
+def reduce_call_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, route=None) -> str | None:
+    """The reasons that can change between two reduces of a group while its settings stay: tracing,
+    functorch, a CUDA-graph capture (``route``: the group's, when the caller holds it), and the gradients (a
+    reduce decided on TIDE once per group, ``tide.fsdp.decide``, asks only these per call)."""
+    if (reason := common_reason(device) or capture_reason(device, rs_group, route)) is not None:
         return reason
     for g in grads:
         if _subclass(g):  # e.g. the gradient of a tensor extension's subclass parameter

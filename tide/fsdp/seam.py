@@ -37,11 +37,11 @@ from tide.transport.watchdog import WATCHDOG
 
 
 # ---------------------------------------------------------------------------------------------- transport hooks
-def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
+def bind_all_gather_outputs(fsdp_params, specs, world_size: int, device: torch.device,
                             compute_stream: torch.Stream, slot: int | None = None, arena=None,
-                            inputs: list | None = None, region: torch.Tensor | None = None) -> list[torch.Tensor]:
+                            region: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each param's 1-D all-gather outputs, param-major (one per param, or one per input of a tensor
-    extension's: ``inputs``, :mod:`tide.fsdp.extensions`).
+    extension's; ``specs``: their sizes and dtypes, :func:`tide.fsdp.wiring.output_specs`).
 
     With an arena slot (called on the all-gather copy-in stream): FSDP's own output tensors, their
     storages pointed into the slot of the arena's leased data ``region`` at their param-major addresses
@@ -53,8 +53,8 @@ def bind_all_gather_outputs(fsdp_params, world_size: int, device: torch.device,
     record is a no-op).
     """
     if arena is not None and slot is not None:
-        return wiring.bind_into_slot(arena, region, fsdp_params, world_size, device, slot, inputs)
-    outs = extensions.init_outputs(fsdp_params, inputs, world_size, device)
+        return wiring.bind_into_slot(arena, region, fsdp_params, world_size, device, slot, specs)
+    outs = wiring.init_outputs(fsdp_params, specs, world_size, device)
     for p in fsdp_params:
         p.alloc_all_gather_outputs()
     if device.type == "cuda":
@@ -78,12 +78,12 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
 
 
 # ---------------------------------------------------------------------------------------------- TIDE paths
-def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, device, arena=None,
-                     plan=("none", None), inputs: list | None = None) -> TideAllGatherResult:
+def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, device,
+                     call: decide.AllGatherCall) -> TideAllGatherResult:
     handle = _get_device_handle(device.type)
     world_size = group.size()
     compute_stream = handle.current_stream()
-    mode, slot = plan
+    mode, slot, arena, specs, inputs = call.mode, call.slot, call.arena, call.specs, call.inputs
     if mode == "bound":
         # Leased (if it is not) on the compute stream, so a released region serves its activations; the
         # lease rule is asked here, once: binding takes this region as it is.
@@ -93,7 +93,7 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
             # host, its kernels may still run), and its last all-gather or Slot-Reuse reduce elsewhere.
             copy_in_stream.wait_stream(compute_stream)
             arena.slots.wait(slot, copy_in_stream)
-            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, slot, arena, inputs,
+            outs = bind_all_gather_outputs(fsdp_params, specs, world_size, device, compute_stream, slot, arena,
                                            region)
     elif mode == "none":
         # No arena (multi-node groups of one rank per node; the reference transport): from the compute
@@ -102,16 +102,18 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
         # A block freed on the compute stream may still be read by work queued there, so the all-gather
         # writes after that work: without FSDP's explicit forward prefetch it cannot overlap the layer
         # before (an 8B-shaped step on 2 x 1 was still 5-18 % faster than stock's).
-        outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, inputs=inputs)
+        outs = bind_all_gather_outputs(fsdp_params, specs, world_size, device, compute_stream)
         copy_in_stream.wait_stream(compute_stream)
     else:
         # Groups outside a slot keep stock's overlap: allocated on the copy-in stream.
         with handle.stream(copy_in_stream):
-            outs = bind_all_gather_outputs(fsdp_params, world_size, device, compute_stream, inputs=inputs)
+            outs = bind_all_gather_outputs(fsdp_params, specs, world_size, device, compute_stream)
     all_gather_stream.wait_stream(copy_in_stream)
-    if inputs is None:
-        shards, out_blocks = shard_dims.all_gather_args(fsdp_params, [p._sharded_param_data for p in fsdp_params],
-                                                        outs, world_size)
+    shards = [p._sharded_param_data for p in fsdp_params] if inputs is None else None
+    if inputs is None and not call.blocks:
+        out_blocks = outs
+    elif inputs is None:
+        shards, out_blocks = shard_dims.all_gather_args(fsdp_params, shards, outs, world_size)
     else:
         shards, out_blocks = extensions.op_pairs(fsdp_params, inputs, outs, world_size)
         extensions.keep_inputs_for(inputs, all_gather_stream, device)
@@ -199,15 +201,15 @@ _DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input
 @torch.no_grad()
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
                        all_gather_comm):
-    WATCHDOG.check()
+    if WATCHDOG.error is not None:  # an op timed out: raised here, stock path included
+        raise WATCHDOG.error
     call = decide.all_gather(fsdp_params, group, async_op, device, all_gather_copy_in_stream)
     if call.reason is not None:
         return registry.stock_functions["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                                               all_gather_stream, device, all_gather_comm)
     with call.identity:
-        result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, call.arena,
-                                  (call.mode, call.slot), call.inputs)
-    if call.mode == "bound" and call.slot_reuse:
+        result = _tide_all_gather(fsdp_params, group, all_gather_copy_in_stream, all_gather_stream, device, call)
+    if call.install_hooks:
         hooks.install(call.param_group)
     return result
 
@@ -248,7 +250,8 @@ def _stock_with(name: str, arguments: dict, keyword_only: tuple[str, ...] = ()):
 def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, device, divide_factor,
             across: replicate.Across, grad_dtypes, custom_input_fn: bool):
     """Both ``foreach_reduce`` shapes: TIDE's reduce, or ``stock()`` for the reason it records."""
-    WATCHDOG.check()
+    if WATCHDOG.error is not None:
+        raise WATCHDOG.error
     call = decide.reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_input_fn)
     if call.reason is not None:
         out = stock()

@@ -186,8 +186,9 @@ def plan_all_gather(arena, comm, facts, world_size: int, inputs: list | None = N
     ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups
     that are not :func:`bindable` or larger than a slot), ``busy`` (outputs hold every slot: stock),
     ``none`` (no arena). ``comm``, ``facts``: the group's ``TideAllGather`` and ``AllGatherFacts``
-    (tide.fsdp.comms; whether it is bindable is asked at every call: ``set_reshard_after_forward`` changes it);
-    ``inputs``: its tensor-extension inputs (``extensions.pre_all_gather``)."""
+    (tide.fsdp.comms; whether it is bindable rests on ``set_reshard_after_forward``, one of the group's
+    settings ``tide.fsdp.decide`` keeps its decision for); ``inputs``: its tensor-extension inputs
+    (``extensions.pre_all_gather``)."""
     if arena is None:
         return "none", None
     if not bindable(comm, facts.sharded):
@@ -197,21 +198,39 @@ def plan_all_gather(arena, comm, facts, world_size: int, inputs: list | None = N
     fits = facts.slot_fits.get(key)
     if fits is None:
         fits = facts.slot_fits[key] = slot_layout(facts.fsdp_params, world_size, inputs).slot_bytes <= arena.slot_bytes
-    if not fits:
-        return "direct", None
+    return take_slot(arena) if fits else ("direct", None)
+
+
+def take_slot(arena) -> tuple[str, int | None]:
+    """``("bound", slot)``: a free slot of ``arena`` for a group bound into slots, or ``("busy", None)``."""
     slot = arena.slots.acquire()
     return ("busy", None) if slot is None else ("bound", slot)
 
 
-def bind_into_slot(arena, region, fsdp_params, world_size: int, device: torch.device, slot: int,
-                   inputs: list | None = None) -> list:
-    """FSDP's all-gather output tensors (``extensions.init_outputs``: a tensor extension's one per input),
-    their storages pointed into ``slot`` of the data ``region`` the caller leased, at param-major addresses.
+def output_specs(fsdp_params, inputs: list | None) -> list[tuple[list[int], list]]:
+    """Per param, the (numels, dtypes) of its all-gather outputs (``extensions.output_specs``); fixed for a
+    group without tensor extensions (``inputs`` None), so ``tide.fsdp.decide`` keeps them per group."""
+    return [extensions.output_specs(p, None if inputs is None else inputs[i]) for i, p in enumerate(fsdp_params)]
+
+
+def init_outputs(fsdp_params, specs, world_size: int, device: torch.device) -> list[torch.Tensor]:
+    """FSDP's all-gather output tensors of every param (created once by its ``init_all_gather_outputs``),
+    param-major: one per param, or one per input of an extension's (``specs``: :func:`output_specs`)."""
+    outs = []
+    for p, (numels, dtypes) in zip(fsdp_params, specs):
+        p.init_all_gather_outputs(numels, dtypes, world_size, device)
+        outs += p.all_gather_outputs
+    return outs
+
+
+def bind_into_slot(arena, region, fsdp_params, world_size: int, device: torch.device, slot: int, specs) -> list:
+    """FSDP's all-gather output tensors (:func:`init_outputs`), their storages pointed into ``slot`` of the data
+    ``region`` the caller leased, at param-major addresses.
 
     ``init_all_gather_outputs`` creates the tensors once (the first call allocates them, and binding frees
     that memory); later unshards find them resharded (storage ``resize_(0)``: the slot pointer is dropped,
     nothing freed) and re-bind them instead of ``alloc_all_gather_outputs`` (which would allocate)."""
-    outs = extensions.init_outputs(fsdp_params, inputs, world_size, device)
+    outs = init_outputs(fsdp_params, specs, world_size, device)
     arena.bind_outputs(outs, slot, owners=fsdp_params, world_size=world_size, region=region)
     return outs
 
