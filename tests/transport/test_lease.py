@@ -130,8 +130,9 @@ def test_a_lease_that_peers_never_reach_names_the_graph_calls_they_refused():
     leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 0.5, "grp",
                     set_region=lambda region, b, context: None, sync_pushes=lambda: None, board=RefusingBoard())
     store.set("tide/test/lease1/0", f"{handle_of(0, 0).hex()}:0;board=1")
-    with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] did not reach .*; peer 2 refused its graph call 1 "
-                                           r"\(the ranks' compiled graphs issue their collectives in different orders\)"):
+    refusal = (r"; peer 2 refused its graph call 1 "
+               r"\(the ranks' compiled graphs issue their collectives in different orders\)")
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] did not reach .*" + refusal):
         leases.acquire()
 
 

@@ -70,6 +70,7 @@ class GroupReduce:
     route: routes.Route
     multinode: bool
     arena: object | None
+    blocks: bool  # a param of the group is sharded on a dim other than 0 (tide.fsdp.shard_dims)
 
     def holds(self, group, device, custom_input_fn: bool) -> bool:
         return (self.group is group and self.device == device and not custom_input_fn
@@ -105,6 +106,7 @@ class ReduceCall:
     arena: object | None = None
     from_slot: bool = False  # the Slot-Reuse hooks moved gradients into the slot since the group's last reduce
     identity: contextlib.AbstractContextManager | None = None
+    blocks: bool = False  # the op takes the group's Shard(i > 0) params as dim-0 blocks (tide.fsdp.shard_dims)
 
 
 def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> AllGatherCall:
@@ -195,7 +197,7 @@ def reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_inp
             arena = wiring.arena_for(group, routes.of(group), device, comm.transport)
             route = routes.of(group)  # resolved again: making the arena changed it
             kept = comm.decided = GroupReduce(comm, group, device, _reduce_settings(comm.param_group), route,
-                                              route.multinode, arena)
+                                              route.multinode, arena, shard_dims.sharded(comm.param_group.fsdp_params))
     counters.count_fsdp("reduce_scatter", reason, reason is None and kept.multinode)
     if reason is not None:
         if reason == "custom_comm":
@@ -203,7 +205,7 @@ def reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_inp
         return ReduceCall(reason, comm)
     _joins_the_step(kept.arena)
     identity = _identity(comm.param_group, "reduce_scatter", "backward", device)
-    return ReduceCall(None, comm, kept.arena, from_slot, identity)
+    return ReduceCall(None, comm, kept.arena, from_slot, identity, kept.blocks)
 
 
 def _joins_the_step(arena) -> None:

@@ -298,7 +298,7 @@ def reduce_call_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device,
         if g.dtype not in FLOAT_DTYPES:
             return "unsupported_dtype"
         # TIDE sums in fp32 into fp32 shards; a bf16/fp16 reduce (and fp16's pre/post-divide) stays stock.
-        if (reduce_dtype or g.dtype) != torch.float32:
+        if reduce_dtype != torch.float32 and (reduce_dtype or g.dtype) != torch.float32:
             return "reduce_dtype"
     checked = comm.checked_params
     for p in fsdp_params:

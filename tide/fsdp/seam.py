@@ -134,8 +134,8 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     return TideAllGatherResult(outs[0].new_empty(0), event, None, [], [], [])
 
 
-def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes, device, divide_factor, arena=None,
-                 across: replicate.Across = replicate.NONE, from_slot: bool = False):
+def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes, device, divide_factor,
+                 across: replicate.Across, call: decide.ReduceCall):
     handle = _get_device_handle(device.type)
     world_size = rs_group.size()
     # Stock's divide factors for an fp32 reduce; TIDE-RS applies the reduce-scatter's as one fp32 scale.
@@ -144,17 +144,17 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
     # the reduce-scatter event (as stock does with its packed buffer).
     grads = list(unsharded_grads)
     unsharded_grads.clear()
-    if arena is not None:  # leased (if it is not) on the compute stream, as for the all-gather
-        arena.region()
+    if call.arena is not None:  # leased (if it is not) on the compute stream, as for the all-gather
+        call.arena.region()
         # Where the op reads the gradients: the Slot-Reuse hooks moved them into the slot, or autograd's own.
-        counters.count_wiring("rs:slot_reuse" if from_slot else "rs:in_place")
+        counters.count_wiring("rs:slot_reuse" if call.from_slot else "rs:in_place")
     rs_stream.wait_stream(handle.current_stream())
     in_place = (None if across.needs_buffer or f.divides_after
                 else reduce_output.accumulates_in_place(fsdp_params, grads, grad_dtypes, world_size))
     with handle.stream(rs_stream):
         if in_place is not None:
-            reduce_scatter_into_shards(*shard_dims.reduce_scatter_args(fsdp_params, grads, in_place, world_size),
-                                       f.scale, True, world_size, rs_group)
+            reduce_scatter_into_shards(*_reduce_args(call, fsdp_params, grads, in_place, world_size), f.scale, True,
+                                       world_size, rs_group)
             rs_event = rs_stream.record_event()
             reduce_output.post_accumulate_hooks(fsdp_params)
             return compat.reduce_result(grads, rs_event, rs_stream, rs_stream.record_event())
@@ -168,8 +168,8 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
         as_strided = flat.as_strided
         shards = [as_strided(p.padded_sharded_param_size, p.contiguous_sharded_stride, o)
                   for p, o in zip(fsdp_params, offsets)]
-        reduce_scatter_into_shards(*shard_dims.reduce_scatter_args(fsdp_params, grads, shards, world_size),
-                                   f.scale, False, world_size, rs_group)
+        reduce_scatter_into_shards(*_reduce_args(call, fsdp_params, grads, shards, world_size), f.scale, False,
+                                   world_size, rs_group)
         rs_event = rs_stream.record_event()
     after = replicate.finish(flat, across, f, rs_stream, handle)
     if after.partial is not None:  # no all-reduce this step: stock assigns nothing either
@@ -190,6 +190,13 @@ def _tide_reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, grad_dtypes,
         post_event = after.stream.record_event()
     return compat.reduce_result(grads, rs_event, after.stream, post_event, all_reduce_input=after.all_reduce_input,
                                 all_reduce_event=after.all_reduce_event)
+
+
+def _reduce_args(call: decide.ReduceCall, fsdp_params, grads, shard_grads, world_size: int) -> tuple[list, list]:
+    """The op's (grads, shard grads): as they are, or a ``Shard(i > 0)`` group's as dim-0 blocks."""
+    if call.blocks:
+        return shard_dims.reduce_scatter_args(fsdp_params, grads, shard_grads, world_size)
+    return grads, shard_grads
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -258,8 +265,8 @@ def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, de
         wiring.order_slot_after_stock_reduce(fsdp_params, call.comm, group, stream)
         return out
     with call.identity:
-        return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, call.arena,
-                            across, call.from_slot)
+        return _tide_reduce(fsdp_params, unsharded_grads, group, stream, grad_dtypes, device, divide_factor, across,
+                            call)
 
 
 @torch.no_grad()
