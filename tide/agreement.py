@@ -56,6 +56,16 @@ def first_difference(a: str, b: str, context: int = 60) -> str:
     return f"{cut(a)!r} vs {cut(b)!r}"
 
 
+def peer_words(peer: int, global_rank: int | None = None, pid: int | None = None,
+               process_state: str | None = None) -> str:
+    """How both fault backends name a peer of a group in a report: ``peer p (global rank g)``, then its process
+    where it is known, ``, process N (state)`` (the state from /proc: ``tide.procfs.state``)."""
+    words = f"peer {peer}" if global_rank is None else f"peer {peer} (global rank {global_rank})"
+    if pid is not None:
+        return f"{words}, process {pid} ({process_state})"
+    return words if process_state is None else f"{words} ({process_state})"
+
+
 def exchange(store, prefix: str, rank: int, world_size: int, value: str, timeout_s: float, what: str) -> list[str]:
     """Publish ``value`` under ``prefix`` for ``rank`` and return every rank's value, in rank order; raises
     ``RuntimeError`` (the message starts with ``what``) when a peer has not published within ``timeout_s``.

@@ -208,7 +208,8 @@ def test_a_stall_past_tide_timeout_is_named_on_every_rank(out_of_step):
         assert not r["ok"] and r["type"] == "TideTimeoutError", r
         assert TIMEOUT_S - 0.1 < r["s"] < TIMEOUT_S + 3, r  # TIDE's timeout, not gloo's 30 s
         assert "TIDE_TIMEOUT_S" in r["msg"] and "rank(s) [2] are behind" in r["msg"], r["msg"]
-        assert "rank 2 (pid" in r["msg"] and "its last call is 1, reduce_scatter_params_(" in r["msg"], r["msg"]
+        assert "peer 2 (global rank 2), process " in r["msg"], r["msg"]
+        assert "its last call is 1, reduce_scatter_params_(" in r["msg"], r["msg"]
         assert "all_gather_into_params_" in r["msg"] and "group" in r["msg"], r["msg"]
     late = out_of_step[2]["stall"]
     assert not late["ok"] and late["type"] == "TideTimeoutError" and "had given up waiting for it" in late["msg"], late
@@ -272,7 +273,7 @@ def test_a_skipped_direct_call_ends_the_unmatched_rank_in_a_named_error():
     assert "all_gather_into_params_ on group '0'" in msg and "at call 3" in msg, msg
     assert ("TidePeerError" in msg and "rank(s) [1] ended" in msg) or (
         "TideTimeoutError" in msg and "rank(s) [1] are behind" in msg), msg
-    assert "rank 1 (pid" in msg and "its last call is 2, all_gather_into_params_(" in msg, msg
+    assert "peer 1 (global rank 1), process " in msg and "its last call is 2, all_gather_into_params_(" in msg, msg
     assert rank0.seconds - rank1.seconds < TIMEOUT_S + 15 and time.monotonic() - start < 100
 
 

@@ -10,6 +10,7 @@ import time
 from typing import Callable
 
 from tide import procfs
+from tide.agreement import peer_words
 from tide.ops.call_groups import BACKSTOP_S, HOST, SCAN_BACK, GroupState
 from tide.ops.call_watcher import WATCHER, Watch
 from tide.timeouts import TIMEOUT_WORDS, TideTimeoutError, did_not_complete
@@ -73,8 +74,8 @@ def peer_lines(state: GroupState, n: int, records: dict | None, store_of: Callab
             who = state.who.get(p)
             life = procfs.state(who["pid"]) if who and who["host"] == HOST else "state unknown"
             where = f"unknown (the store failed: {type(e).__name__})"
-        pid = f"pid {who['pid']}, " if who else ""
-        lines.append(f"  rank {p} ({pid}{life}): {where}")
+        global_rank = state.global_ranks[p] if state.global_ranks else None
+        lines.append(f"  {peer_words(p, global_rank, who['pid'] if who else None, life)}: {where}")
     return "\n".join(lines)
 
 
@@ -165,7 +166,7 @@ def _raise_missing(op: str, state: GroupState, rec: dict, records: dict, tombs: 
     """Raise for the peers whose records are tombstones: a refusal, a peer that ended, or a timeout."""
     n = rec["n"]
     lines = peer_lines(state, n, records, state.store)
-    me = f"  this rank {state.rank} (pid {os.getpid()}): at call {n}: {record_words(rec)}"
+    me = f"  this rank {state.rank}, process {os.getpid()}: at call {n}: {record_words(rec)}"
     ended = sorted(p for p, r in tombs.items() if r["tomb"] == "ended")
     refused = sorted(p for p, r in tombs.items() if r["tomb"] == "refused")
     if refused and not ended:

@@ -219,13 +219,13 @@ def report(records: list[Record], rank: int, ranks, state=procfs.state) -> list[
     for p, rec in enumerate(records):
         if p == rank:
             continue
-        who = f"  peer {p} (global rank {ranks[p]})"
+        who = f"  {agreement.peer_words(p, ranks[p])}"
         if not rec.mapped:
             lines.append(f"{who}: no record on the issued board (another host, or it could not map the board)")
             continue
         lags = [c for c in (_compare(rec.ag_uses, mine.ag_uses, "all-gather use(s)"),
                             _compare(rec.rs_rounds, mine.rs_rounds, "reduce-scatter round(s)")) if c]
-        lines.append(f"{who}, process {rec.pid} ({state(rec.pid)}): "
+        lines.append(f"  {agreement.peer_words(p, ranks[p], rec.pid, state(rec.pid))}: "
                      + (f"issued all-gather uses {rec.ag_uses} per lane and reduce-scatter rounds {rec.rs_rounds}, "
                         + ", ".join(lags) if lags else "issued as far as this rank"))
         if rec.refused_call:

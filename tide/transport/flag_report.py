@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from tide.agreement import peer_words
+
 
 def lane_name(lane: int, lanes: int) -> str:
     """``slot i``, or ``direct lane`` for the last lane (csrc/transport/flags.h)."""
@@ -65,7 +67,7 @@ def describe(words: Sequence[int], index: Mapping[str, list], progress: Mapping[
     lines = []
     late = behind(words, index, progress, rank)
     for p, lags in late.items():
-        lines.append(f"  peer {p} (global rank {ranks[p]}) is behind: " + "; ".join(lags))
+        lines.append(f"  {peer_words(p, ranks[p])} is behind: " + "; ".join(lags))
     if not late:
         lines.append("  no peer's flags are behind this rank's issued work (the stall is on this GPU's own queue)")
     lanes = len(progress["ag_uses"])

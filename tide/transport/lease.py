@@ -200,8 +200,8 @@ class Leases:
         graph issued another collective here, tide/transport/graph_calls.py), as the issued board shows."""
         if self._board is None:
             return ""
-        return "".join(f"; peer {p} refused its graph call {rec.refused_call} (the ranks' compiled graphs issue "
-                       "their collectives in different orders)"
+        return "".join(f"; {agreement.peer_words(p)} refused its graph call {rec.refused_call} (the ranks' compiled "
+                       "graphs issue their collectives in different orders)"
                        for p, rec in enumerate(self._board.records()) if p != self.rank and rec.refused_call)
 
     def _exchange_by_store(self, mine: str, what: str) -> list[str]:
