@@ -10,7 +10,8 @@ A run's printed output (a ``.log`` file: its lines ``<path> median <us> us (p10 
 its CSV where only the output came back; ``--device`` and ``--mode`` then name the machine and setting.
 
 Writes ``<--name>.csv`` and ``.png`` (default ``host_time_ab``) under ``--out`` and prints each path's median
-over the runs.
+over the runs; for the seam's runs also TIDE's host time over stock's in the same run (median and range), which
+load on the machine moves alike, plotted beside.
 """
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def _run_rows(path: str, device: str, mode: str) -> list[dict]:
     return [r for r in rows if r["path"].startswith("tide_")]
 
 
+def _ratios_to_stock(rows: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """Per (commit, op), each run's TIDE host time over stock's (the seam's runs, whose paths are
+    ``tide_<op>`` and ``stock_<op>``); empty for other runs."""
+    by_run = {(r["commit"], r["run"], r["path"]): float(r["median_us"]) for r in rows}
+    out: dict[tuple[str, str], list[float]] = {}
+    for (commit, run, path), value in by_run.items():
+        stock = by_run.get((commit, run, "stock_" + path.removeprefix("tide_")))
+        if path.startswith("tide_") and stock:
+            out.setdefault((commit, path.removeprefix("tide_")), []).append(value / stock)
+    return out
+
+
 def merged(sides: dict[str, list[str]], device: str = "", mode: str = "") -> list[dict]:
     rows = []
     for commit, paths in sides.items():
@@ -70,10 +83,15 @@ def main() -> None:
         medians = {c: statistics.median(float(r["median_us"]) for r in rows if r["path"] == path and r["commit"] == c)
                    for c in sides}
         print(f"{path:28s} " + "  ".join(f"{c}: {m:6.0f} us" for c, m in medians.items()))
+    ratios = _ratios_to_stock(rows)
+    for (commit, op), values in ratios.items():
+        print(f"tide/stock {op:18s} {commit}: {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, axes = plt.subplots(1, 2 if ratios else 1, figsize=(14 if ratios else 10, 4.5), squeeze=False,
+                             gridspec_kw={"width_ratios": [2, 1]} if ratios else None)
+    ax = axes[0][0]
     for k, (commit, marker) in enumerate(zip(sides, ("o", "s"))):
         xs = [i + (k - 0.5) * 0.3 for i, path in enumerate(paths)
               for r in rows if r["path"] == path and r["commit"] == commit]
@@ -83,6 +101,15 @@ def main() -> None:
     ax.set_ylabel("median host time per call (us)")
     ax.set_title(f"runs, interleaved ({rows[0]['device']}, {rows[0]['mode']})", fontsize=9)
     ax.legend()
+    if ratios:  # the seam's runs: TIDE's host time over stock's in the same run, which load moves alike
+        rax, ops = axes[0][1], list(dict.fromkeys(op for _, op in ratios))
+        for k, (commit, marker) in enumerate(zip(sides, ("o", "s"))):
+            points = [(i + (k - 0.5) * 0.3, v) for i, op in enumerate(ops) for v in ratios.get((commit, op), [])]
+            rax.scatter([x for x, _ in points], [v for _, v in points], marker=marker, label=commit)
+        rax.axhline(1.0, color="grey", lw=0.8)
+        rax.set_xticks(range(len(ops)), ops)
+        rax.set_ylabel("TIDE host time / stock's, same run")
+        rax.legend()
     fig.tight_layout()
     fig.savefig(out / f"{args.name}.png", dpi=120)
 

@@ -196,6 +196,9 @@ def test_supported_calls_take_tide():
     assert _rs(grads=[torch.randn(4, 2).bfloat16(), torch.randn(4)]) is None
     # bf16 grads with no reduce dtype reduce in bf16 (stock's), fp32 ones beside them do not change that.
     assert _rs(grads=[torch.randn(4), torch.randn(4, 2).bfloat16()], reduce_dtype=None) == "reduce_dtype"
+    # fp32 grads with no reduce dtype reduce in fp32: TIDE's; with a bf16 one they reduce in bf16: stock's.
+    assert _rs(grads=[torch.randn(4)], reduce_dtype=None) is None
+    assert _rs(grads=[torch.randn(4)], reduce_dtype=torch.bfloat16) == "reduce_dtype"
     assert _ag(params=[_param(keep_unsharded_storage=False)]) is None
 
 

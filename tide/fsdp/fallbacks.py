@@ -290,7 +290,12 @@ def reduce_call_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device,
     reduce decided on TIDE once per group, ``tide.fsdp.decide``, asks only these per call)."""
     if (reason := common_reason(device) or capture_reason(device, rs_group, route)) is not None:
         return reason
+    fp32_reduce = reduce_dtype == torch.float32
     for g in grads:
+        # One test per gradient on a steady call; the reasons, in order, only when it fails.
+        if type(g) is torch.Tensor and g.is_contiguous() and (
+                (fp32_reduce and g.dtype in FLOAT_DTYPES) or (reduce_dtype is None and g.dtype == torch.float32)):
+            continue
         if _subclass(g):  # e.g. the gradient of a tensor extension's subclass parameter
             return "subclass_grad"
         if not g.is_contiguous():
@@ -298,7 +303,7 @@ def reduce_call_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device,
         if g.dtype not in FLOAT_DTYPES:
             return "unsupported_dtype"
         # TIDE sums in fp32 into fp32 shards; a bf16/fp16 reduce (and fp16's pre/post-divide) stays stock.
-        if reduce_dtype != torch.float32 and (reduce_dtype or g.dtype) != torch.float32:
+        if (reduce_dtype or g.dtype) != torch.float32:
             return "reduce_dtype"
     checked = comm.checked_params
     for p in fsdp_params:
