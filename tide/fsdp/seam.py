@@ -109,14 +109,13 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
         with handle.stream(copy_in_stream):
             outs = bind_all_gather_outputs(fsdp_params, specs, world_size, device, compute_stream)
     all_gather_stream.wait_stream(copy_in_stream)
-    shards = [p._sharded_param_data for p in fsdp_params] if inputs is None else None
-    if inputs is None and not call.blocks:
-        out_blocks = outs
-    elif inputs is None:
-        shards, out_blocks = shard_dims.all_gather_args(fsdp_params, shards, outs, world_size)
-    else:
+    if inputs is not None:
         shards, out_blocks = extensions.op_pairs(fsdp_params, inputs, outs, world_size)
         extensions.keep_inputs_for(inputs, all_gather_stream, device)
+    else:
+        shards, out_blocks = [p._sharded_param_data for p in fsdp_params], outs
+        if call.blocks:  # a Shard(i > 0) param's blocks, decided per group
+            shards, out_blocks = shard_dims.all_gather_args(fsdp_params, shards, outs, world_size)
     # The unsharded params alias these outputs and autograd may have saved them (re-gather in
     # backward): keep their version counters as stock copy-out does. Inference tensors have none.
     preserved = tuple(o for o in outs if not o.is_inference())
@@ -208,8 +207,7 @@ _DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input
 @torch.no_grad()
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
                        all_gather_comm):
-    if WATCHDOG.error is not None:  # an op timed out: raised here, stock path included
-        raise WATCHDOG.error
+    WATCHDOG.check()
     call = decide.all_gather(fsdp_params, group, async_op, device, all_gather_copy_in_stream)
     if call.reason is not None:
         return registry.stock_functions["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
@@ -257,8 +255,7 @@ def _stock_with(name: str, arguments: dict, keyword_only: tuple[str, ...] = ()):
 def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, device, divide_factor,
             across: replicate.Across, grad_dtypes, custom_input_fn: bool):
     """Both ``foreach_reduce`` shapes: TIDE's reduce, or ``stock()`` for the reason it records."""
-    if WATCHDOG.error is not None:
-        raise WATCHDOG.error
+    WATCHDOG.check()
     call = decide.reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_input_fn)
     if call.reason is not None:
         out = stock()
