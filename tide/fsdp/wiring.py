@@ -59,8 +59,7 @@ def slot_layout(fsdp_params, world_size: int, inputs: list | None = None):
     """The group's all-gather layout as the transport binds it (1-D padded shards, param-major; a tensor
     extension's inputs where ``inputs`` has them, else an estimate: ``extensions.output_specs``)."""
     numels, dtypes = [], []
-    for i, p in enumerate(fsdp_params):
-        n, d = extensions.output_specs(p, None if inputs is None else inputs[i])
+    for n, d in output_specs(fsdp_params, inputs):
         numels += n
         dtypes += d
     return plans.all_gather_layout([(n,) for n in numels], dtypes, world_size)
