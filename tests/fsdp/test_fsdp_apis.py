@@ -77,3 +77,22 @@ def test_a_comm_set_between_steps_moves_the_group_off_tide_and_back():
                  "reduce_scatter": {"stock:custom_comm": REDUCES // STEPS}}
     for steps in run_ranks(workers.comms_set_between_steps, 2, timeout=300):
         assert steps == [tide_step, user_step, tide_step], steps
+
+
+def test_a_group_is_decided_at_its_first_call_and_later_calls_ask_only_their_own_reasons():
+    """tide/fsdp/decide.py: a group's first all-gather and reduce ask every reason (joined, the contract, the
+    route, the arena); later calls of the same settings ask only the reasons that can change per call."""
+    # (The op's reference backend resolves its group's route per call on CPU: not the seam's decision.)
+    decided_once = {("tide/fsdp/fallbacks.py", "all_gather_reason"), ("tide/fsdp/fallbacks.py", "reduce_reason"),
+                    ("tide/fsdp/joined.py", "reason"), ("tide/fsdp/wiring.py", "arena_for"),
+                    ("tide/fsdp/decide.py", "_decide_all_gather"), ("tide/fsdp/fallbacks.py", "_device_reason")}
+    per_call = {"all_gather": ("tide/fsdp/fallbacks.py", "all_gather_call_reason"),
+                "reduce": ("tide/fsdp/fallbacks.py", "reduce_call_reason")}
+    for steps in run_ranks(workers.steady_calls, 2, timeout=300):
+        for kind in ("all_gather", "reduce"):
+            first = steps[0][kind][0]
+            assert decided_once & set(first), first  # the group's first call decides
+            for step in (1, 2):
+                for entered in steps[step][kind]:
+                    assert not decided_once & set(entered), (step, kind, sorted(decided_once & set(entered)))
+                    assert per_call[kind] in entered, (step, kind, entered)

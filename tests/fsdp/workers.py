@@ -614,6 +614,52 @@ def comms_set_between_steps(rank: int, world_size: int) -> list[dict]:
     return out
 
 
+def steady_calls(rank: int, world_size: int, steps: int = 3) -> dict:
+    """The ``tide/`` functions each all-gather and reduce of the tiny model on TIDE calls, per step: (file,
+    function) pairs, profiled around the seam's ``foreach_all_gather`` and ``_reduce``."""
+    import sys
+    from pathlib import Path
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
+
+    from tide.fsdp import seam
+
+    root = Path(tide.__file__).resolve().parent
+    calls: dict = {}
+    step_now = [0]
+
+    def profiled(kind, fn):
+        def run(*args, **kwargs):
+            entered = set()
+
+            def tracer(frame, event, _):
+                if event == "call":
+                    path = Path(frame.f_code.co_filename).resolve()
+                    if path.is_relative_to(root):
+                        entered.add((path.relative_to(root.parent).as_posix(), frame.f_code.co_name))
+            sys.setprofile(tracer)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.setprofile(None)
+                calls.setdefault(step_now[0], {}).setdefault(kind, []).append(sorted(entered))
+        return run
+
+    torch.set_num_threads(1)
+    cfg = PRESETS["tiny"]
+    model = fsdp_model(cfg, device="cpu", use_tide=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = _pg.foreach_all_gather, seam._reduce
+    _pg.foreach_all_gather, seam._reduce = profiled("all_gather", saved[0]), profiled("reduce", saved[1])
+    try:
+        for step in range(steps):
+            step_now[0] = step
+            train_step(model, optim, cfg, step, rank)
+    finally:
+        _pg.foreach_all_gather, seam._reduce = saved
+    return calls
+
+
 # ---------------------------------------------------------------------------------------------- CommDebugMode
 def comm_debug_counts(rank: int, world_size: int, steps: int) -> dict:
     """What ``CommDebugMode`` counts, stock then TIDE, for the tiny model with bf16 params and explicit
