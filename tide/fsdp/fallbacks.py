@@ -1,5 +1,8 @@
 """Why an FSDP2 collective takes the stock path: one predicate per call kind, each a function of the
-call's arguments and of facts fixed per group (docs/fsdp.md has the table of reasons).
+call's arguments and of facts fixed per group (docs/fsdp.md has the table of reasons). Of each kind's
+reasons, those that can change between two calls of a group whose settings stay are a predicate of their own
+(:func:`all_gather_call_reason`, :func:`reduce_call_reason`): the only ones a group decided on TIDE once asks
+per call (``tide.fsdp.decide``).
 
 Every input is host-side state that is identical on every rank, so all ranks decide alike (a rank that
 took another path than its peers would leave them waiting in a collective). The only facts that need the
