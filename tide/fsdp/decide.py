@@ -42,7 +42,7 @@ class GroupAllGather:
     device: torch.device
     settings: tuple  # _all_gather_settings when decided
     route: routes.Route
-    multinode: bool  # the route spans nodes (counted as tide_multinode)
+    multinode: bool  # the route spans nodes (counted as tide_multinode); kept: the route's property asks topology
     arena: object | None
     mode: str  # wiring.plan_all_gather's: "bound" (a slot per call; "busy" when none is free), "direct", "none"
     specs: list  # wiring.output_specs: per param, its outputs' (numels, dtypes)

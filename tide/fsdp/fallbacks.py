@@ -244,7 +244,7 @@ def all_gather_reason(fsdp_params, group, async_op, device, comm) -> str | None:
         return reason
     if getattr(comm.param_group, "_all_gather_output_fn", _DEFAULT_OUTPUT_FN) is not _DEFAULT_OUTPUT_FN:
         return "all_gather_output_fn"
-    return all_gather_call_reason(fsdp_params, group, device)
+    return _all_gather_state_reason(fsdp_params, group, device)  # tracing was asked first (_call_reason)
 
 
 def all_gather_call_reason(fsdp_params, group, device, route=None) -> str | None:
@@ -252,7 +252,11 @@ def all_gather_call_reason(fsdp_params, group, device, route=None) -> str | None
     functorch, a CUDA-graph capture (``route``: the group's, ``tide.routes``, when the caller holds it), and
     the params' state. A group's all-gather decided on TIDE once (``tide.fsdp.decide``) asks only these per
     call."""
-    if (reason := common_reason(device) or capture_reason(device, group, route)) is not None:
+    return common_reason(device) or _all_gather_state_reason(fsdp_params, group, device, route)
+
+
+def _all_gather_state_reason(fsdp_params, group, device, route=None) -> str | None:
+    if (reason := capture_reason(device, group, route)) is not None:
         return reason
     for p in fsdp_params:
         if p.sharded_state != ShardedState.SHARDED:
@@ -284,14 +288,19 @@ def reduce_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device,
         return reason
     if (reason := _device_reason(device, rs_group, comm)) is not None:
         return reason
-    return reduce_call_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device)
+    return _reduce_state_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device)  # tracing asked first
 
 
 def reduce_call_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, route=None) -> str | None:
     """The reasons that can change between two reduces of a group while its settings stay: tracing,
     functorch, a CUDA-graph capture (``route``: the group's, when the caller holds it), and the gradients (a
     reduce decided on TIDE once per group, ``tide.fsdp.decide``, asks only these per call)."""
-    if (reason := common_reason(device) or capture_reason(device, rs_group, route)) is not None:
+    return common_reason(device) or _reduce_state_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device,
+                                                         route)
+
+
+def _reduce_state_reason(fsdp_params, grads, rs_group, comm, reduce_dtype, device, route=None) -> str | None:
+    if (reason := capture_reason(device, rs_group, route)) is not None:
         return reason
     fp32_reduce = reduce_dtype == torch.float32
     for g in grads:
