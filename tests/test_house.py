@@ -160,7 +160,8 @@ def test_the_design_docs_call_paths_name_code_that_exists():
         else:
             name = re.split(r"[.:]+", token.split("(")[0])[-1]
             found = bool(re.search(rf"^\s*(def|class) {name}\b|^{name} = ", python, re.M)
-                         or re.search(rf"\b{name}\(", cpp) or f'"{name}"' in verdicts
+                         or re.search(rf"\b{name}\(", cpp) or f'.def("{name}"' in cpp  # a binding
+                         or f'"{name}"' in verdicts
                          or f'"{token}"' in python)  # a counter's name
         if not found:
             missing.append(token)

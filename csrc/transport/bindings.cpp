@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 
 #include "kernels.h"
 #include "transport/arena.h"
@@ -267,6 +268,14 @@ void bind_steady(py::class_<Arena, std::shared_ptr<Arena>>& c) {
              return a.steady().held_in(
                  capture_id(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())).stream()));
            })
+      // The held region if the lease rule lets the current stream's context use it, the stream recorded as
+      // one of its users; None otherwise (tide/transport/arena.py then leases, or raises the rule's error).
+      .def("region_here", [](Arena& a) -> std::optional<at::Tensor> {
+             const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device()));
+             if (!a.steady().held_in(capture_id(stream.stream()))) return std::nullopt;
+             a.steady().use_region_on(stream);
+             return a.steady().region();
+           })
       .def("use_region_on_current_stream", [](Arena& a) {
              a.steady().use_region_on(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())));
            })
@@ -286,9 +295,6 @@ void bind_steady(py::class_<Arena, std::shared_ptr<Arena>>& c) {
       // Slots' busy events (tide/transport/slots.py); `stream` is a torch stream's cuda_stream.
       .def("slot_used", [](Arena& a, int64_t slot, uint64_t stream) {
              a.steady().slot_used(slot, reinterpret_cast<cudaStream_t>(stream));
-           }, py::arg("slot"), py::arg("stream"))
-      .def("slot_wait", [](Arena& a, int64_t slot, uint64_t stream) {
-             a.steady().slot_wait(slot, reinterpret_cast<cudaStream_t>(stream));
            }, py::arg("slot"), py::arg("stream"))
       .def("slot_uses", [](Arena& a, int64_t slot) { return a.steady().slot_uses(slot); }, py::arg("slot"));
 }

@@ -252,7 +252,7 @@ def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
     grads_cpu, init, scale, _ = rs_case(rng, world_size, rank, seed + 1, 11)
     shards_d = [s.to(dev) for s in shards]
     grads_d = [g.to(dev) for g in grads_cpu]
-    checked, slots = 0, set()
+    checked, slots, marked = 0, set(), []
     gen = torch.Generator().manual_seed(seed * 31 + rank)
     for t in range(repeats):
         # All-gather: new data in the same shard tensors, outputs bound in the next slot (2 of 3 calls)
@@ -269,7 +269,10 @@ def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
             outs = [torch.empty((world_size * s.numel(),), dtype=dt, device=dev) for s, dt in zip(new, out_dtypes)]
         for o in outs:
             poison(o)
+        uses = arena.slots.uses(slot) if bound else 0
         torch.ops.tide.all_gather_into_params_(shards_d, outs, world_size, name)
+        if bound:  # the op records its use of the slot: the next all-gather there waits for it
+            marked.append(arena.slots.uses(slot) - uses)
         got = [o.clone() for o in outs]
         want = ref_all_gather(new, out_dtypes, world_size, name)
         for i, (g, w) in enumerate(zip(got, want)):
@@ -296,8 +299,8 @@ def repeated_calls(rank: int, world_size: int, seed: int, repeats: int) -> dict:
             assert_bits(f"rank {rank} repeat {t} reduce_scatter param {i} (grads: {where}, acc={acc})", g, w)
         checked += 2
     torch.cuda.synchronize()
-    return {"checked": checked, "slots": sorted(slots), "counters": arena.counters(), "stats": tide.stats()["ops"],
-            "steady": dict(arena.ext.steady_calls())}
+    return {"checked": checked, "slots": sorted(slots), "marked": marked, "counters": arena.counters(),
+            "stats": tide.stats()["ops"], "steady": dict(arena.ext.steady_calls())}
 
 
 def lease_cycles(rank: int, world_size: int, seed: int, cycles: int) -> dict:

@@ -53,11 +53,12 @@ def test_randomized_stress(ext, world_size):
 
 def test_repeated_calls_bitexact(ext):
     """The same plans called again and again: both slots, unbound outputs, refilled and fresh
-    gradients and gradients in either slot, a ring of depth 2 that the pushes wrap; all bit-exact, and
-    the calls on a layout seen before taken by the C++ kernels without Python."""
+    gradients and gradients in either slot, a ring of depth 2 that the pushes wrap; all bit-exact, each
+    all-gather into a slot marking that slot used once, and the calls on a layout seen before taken by the C++
+    kernels without Python."""
     for rank, r in enumerate(_run(ranks.repeated_calls, 3, 4321, 8)):
         c = r["counters"]
-        assert r["checked"] == 16 and r["slots"] == [0, 1], (rank, r)
+        assert r["checked"] == 16 and r["slots"] == [0, 1] and r["marked"] == [1] * 6, (rank, r)
         assert c["all_gathers"] > 0 and c["reduce_scatters"] == 8 and c["ce_copies"] > 0, (rank, c)
         assert r["stats"].get("all_gather_into_params_:stock:outputs_not_in_slot") == 2, (rank, r["stats"])
         # After each shape's first call (Python builds its plan) every call stays in C++, but the unbound

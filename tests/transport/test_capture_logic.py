@@ -219,17 +219,16 @@ def test_the_watchdog_reads_every_captured_op_of_a_device_in_one_call_and_forget
 
 
 # ------------------------------------------------------------------------------------------ slots
-def test_slot_uses_and_waits_go_to_the_extensions_events_by_raw_stream():
+def test_slot_uses_go_to_the_extensions_events_by_raw_stream():
     """The events themselves, and the rule that a stream waits only for a use of its own context, are the
-    extension's (csrc/transport/steady.h; the capture tests run them on CUDA)."""
+    extension's (csrc/transport/steady.h; the all-gather waits for them itself; the capture tests run them on
+    CUDA)."""
     calls = []
     events = types.SimpleNamespace(slot_used=lambda **kw: calls.append(("used", kw)),
-                                   slot_wait=lambda **kw: calls.append(("wait", kw)),
                                    slot_uses=lambda slot: 3 if slot == 1 else 0)
     slots, s = SlotLeases(2, events=events), types.SimpleNamespace(cuda_stream=0x7F00)
     slots.used(1, s)
-    slots.wait(0, s)
-    assert calls == [("used", {"slot": 1, "stream": 0x7F00}), ("wait", {"slot": 0, "stream": 0x7F00})]
+    assert calls == [("used", {"slot": 1, "stream": 0x7F00})]
     assert slots.uses(1) == 3 and slots.uses(0) == 0
 
 

@@ -43,10 +43,9 @@ def bind_all_gather_outputs(fsdp_params, specs, world_size: int, device: torch.d
     """Each param's 1-D all-gather outputs, param-major (one per param, or one per input of a tensor
     extension's; ``specs``: their sizes and dtypes, :func:`tide.fsdp.wiring.output_specs`).
 
-    With an arena slot (called on the all-gather copy-in stream): FSDP's own output tensors, their
-    storages pointed into the slot of the arena's leased data ``region`` at their param-major addresses
-    (:func:`tide.fsdp.wiring.bind_into_slot`; the caller has made the copy-in stream wait for the slot's
-    previous users). Otherwise allocated exactly
+    With an arena slot: FSDP's own output tensors, their storages pointed into the slot of the arena's leased
+    data ``region`` at their param-major addresses (:func:`tide.fsdp.wiring.bind_into_slot`; host work only:
+    the all-gather op waits for the slot's previous users before it writes). Otherwise allocated exactly
     as FSDP's copy-out would (its own ``init_all_gather_outputs`` / ``alloc_all_gather_outputs``) on the
     current stream, and on CUDA ``record_stream``-ed on the compute stream: a block allocated on another
     stream is then not reused before the compute stream is done with it (on the compute stream itself the
@@ -85,16 +84,13 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     compute_stream = handle.current_stream()
     mode, slot, arena, specs, inputs = call.mode, call.slot, call.arena, call.specs, call.inputs
     if mode == "bound":
-        # Leased (if it is not) on the compute stream, so a released region serves its activations; the
-        # lease rule is asked here, once: binding takes this region as it is.
-        region = arena.region()
-        with handle.stream(copy_in_stream):
-            # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the
-            # host, its kernels may still run), and its last all-gather or Slot-Reuse reduce elsewhere.
-            copy_in_stream.wait_stream(compute_stream)
-            arena.slots.wait(slot, copy_in_stream)
-            outs = bind_all_gather_outputs(fsdp_params, specs, world_size, device, compute_stream, slot, arena,
-                                           region)
+        # Bound on the compute stream: the phase's first call leases the region there, so a released region
+        # serves its activations. The lease rule is asked here, once: binding takes this region as it is.
+        outs = bind_all_gather_outputs(fsdp_params, specs, world_size, device, compute_stream, slot, arena,
+                                       arena.region())
+        # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the host, its
+        # kernels may still run); the op itself waits for the slot's last use on other streams.
+        copy_in_stream.wait_stream(compute_stream)
     elif mode == "none":
         # No arena (multi-node groups of one rank per node; the reference transport): from the compute
         # stream's pool, as stock's copy-out allocates them. On the copy-in stream the outputs of an
@@ -126,8 +122,6 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
         else:
             all_gather_into_outputs(shards, out_blocks, world_size, group)
         event = all_gather_stream.record_event()
-        if mode == "bound":
-            arena.slots.used(slot, all_gather_stream)
     if mode != "none":
         counters.count_wiring(f"ag:{mode}")
     return TideAllGatherResult(outs[0].new_empty(0), event, None, [], [], [])

@@ -217,9 +217,13 @@ class Arena:
 
     def region(self) -> torch.Tensor:
         """This rank's data region (slots and ring), leased if none is held (collective then: every rank
-        at the same point); the current stream is recorded as a user of it."""
-        region = self.leases.acquire()
-        self.native.use_region_on_current_stream()  # the allocator keeps the set: once per lease suffices
+        at the same point); the current stream is recorded as a user of it. A held region is found in one
+        call of the extension, which asks the lease rule (``Steady::held_in``); only a call it refuses enters
+        :class:`tide.transport.lease.Leases` (a new lease, or the rule's error)."""
+        region = self.native.region_here()
+        if region is None:
+            region = self.leases.acquire()
+            self.native.use_region_on_current_stream()  # the allocator keeps the set: once per lease suffices
         return region
 
     def release(self) -> None:
@@ -349,7 +353,7 @@ class Arena:
                              f"{self.slot_bytes}")
         if region is None:
             region = self.region()
-        elif region is not self.leases.held:
+        elif self.leases.held is None or region.data_ptr() != self.leases.held.data_ptr():
             raise ValueError("tide.transport.bind_outputs: region is not the arena's held data region (Arena.region())")
         base = region.data_ptr() + self._slot_base(slot)
         # All outputs are checked before any is bound; each keeps the region alive until it is resharded.

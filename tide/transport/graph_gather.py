@@ -46,7 +46,6 @@ def gather(arena, shards: Sequence[torch.Tensor], world_size: int,
 
 
 def _into_slot(arena, shards, world_size: int, group_name: str, slot: int) -> list[torch.Tensor]:
-    arena.slots.wait(slot, torch.cuda.current_stream(arena.device))
     # Each output gets a storage of its own, pointed into the slot (the caching allocator's block it starts
     # with goes back at once); the slot is held while any of them lives.
     flat = [torch.empty(world_size * s.numel(), dtype=s.dtype, device=arena.device) for s in shards]

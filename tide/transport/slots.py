@@ -4,22 +4,23 @@ and when a slot may be reused.
 A slot is *held* while storages bound into it are alive and still point at it (FSDP's reshard
 ``resize_(0)`` drops the pointer, whose deleter only lets go of the arena's leased region:
 tide/transport/lease.py; a compiled graph frees the outputs of ``all_gather_start`` when it has read them
-last: their storages die). The leases hold the storages weakly, so that they never keep one alive. *Busy* until the
-event of its last use on a stream other than the compute stream (the all-gather that filled it, a Slot-Reuse
-reduce-scatter that read gradients from it) has completed: the next user's stream waits for that
-event. Every decision depends only on host-side state that evolves identically on every rank (which
-groups are unsharded), never on timing, so all ranks choose the same slot for every all-gather: the
-peers push into that slot index.
+last: their storages die). The leases hold the storages weakly, so that they never keep one alive. *Busy*
+until the event of its last use on a stream other than the compute stream (the all-gather that filled it, a
+Slot-Reuse reduce-scatter that read gradients from it) has completed: the next all-gather into it waits for
+that event on its own stream before any rank writes there (csrc/transport/all_gather.cpp). Every decision
+depends only on host-side state that evolves identically on every rank (which groups are unsharded), never
+on timing, so all ranks choose the same slot for every all-gather: the peers push into that slot index.
 
-The busy events live in the extension (csrc/transport/steady.h), where the ops' C++ kernels record a
-Slot-Reuse reduce-scatter's use without entering Python. An event belongs to the context it was
-recorded in: eager work, or one CUDA-graph capture. A stream waits only for an event of its own
-context: CUDA refuses a wait across a capture's boundary, and none is needed there. A capture's first
-use of a slot lies in a region leased inside that capture (tide/transport/lease.py), and a replay's
-work is ordered after everything queued before it on its stream, as work after it is after the whole
-replay.
+The busy events live in the extension (csrc/transport/steady.h), where the ops' C++ kernels wait for them
+and record their own uses (an all-gather's slot, the slots a Slot-Reuse reduce-scatter reads) without
+entering Python; a stock reduce that read the slot records its use here (:meth:`SlotLeases.used`). An
+event belongs to the context it was recorded in: eager work, or one CUDA-graph capture. A stream waits only
+for an event of its own context: CUDA refuses a wait across a capture's boundary, and none is needed there.
+A capture's first use of a slot lies in a region leased inside that capture (tide/transport/lease.py), and
+a replay's work is ordered after everything queued before it on its stream, as work after it is after the
+whole replay.
 
-Pure Python but for ``events``: the extension's arena (``slot_used`` / ``slot_wait`` / ``slot_uses``,
+Pure Python but for ``events``: the extension's arena (``slot_used`` / ``slot_uses``,
 streams as their ``cuda_stream``), or a stand-in.
 """
 from __future__ import annotations
@@ -58,11 +59,6 @@ class SlotLeases:
         self._cursor = (slot + 1) % self.num_slots
         self._bound[slot] = None
         return slot
-
-    def wait(self, slot: int, stream) -> None:
-        """Order ``stream`` after the last use of ``slot`` off the compute stream, if that use was in the
-        current context."""
-        self._events.slot_wait(slot=slot, stream=stream.cuda_stream)
 
     def bind(self, slot: int, storages: Sequence, owners: Sequence = ()) -> None:
         """Record the storages just bound into ``slot`` (and, for each owner key, that it lives there)."""
