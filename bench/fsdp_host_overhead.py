@@ -1,8 +1,8 @@
 """Host (CPU) time of the FSDP2 seam vs stock FSDP2, per unshard and per reduce of a 60-parameter group.
 
-    python bench/fsdp_host_overhead.py [--reps 300] [--dim 16]
+    python bench/fsdp_host_overhead.py [--reps 300] [--dim 16] [--device cpu|cuda]
 
-2 ranks, CPU, gloo. One ``fully_shard`` group of 30 ``Linear(dim, dim)`` layers (60 parameters),
+2 ranks. One ``fully_shard`` group of 30 ``Linear(dim, dim)`` layers (60 parameters) below an FSDP root,
 bf16 params with fp32 reduce. Timed per call, on rank 0, medians over ``--reps``:
 
 * unshard: ``FSDPParamGroup.unshard()`` + ``wait_for_unshard()`` (-> ``foreach_all_gather`` and
@@ -17,8 +17,13 @@ comm object's call, timed by a delegating comm; TIDE: the seam's ``all_gather_in
 ``reduce_scatter_into_shards`` hooks), and ``host = total - collective`` is the Python/launch path that
 surrounds the collective: what the seam adds or removes. ``host cpu`` counts the calling thread's CPU
 time (robust when 2 ranks share 2 cores and a rank gets descheduled), ``host wall`` the wall clock.
-On CPU the TIDE collective is the reference backend (one gloo call per parameter), so only ``host``
-compares like with like.
+
+``--device cpu`` (gloo): the TIDE collective is the reference backend (one gloo call per parameter), so only
+``host`` compares like with like. ``--device cuda``: TIDE's group is bound into its arena's slots, so each
+call after the first is the steady call (a slot taken, outputs bound, the op's C++ kernel); the GPU is
+synchronised after each step, outside the timed calls. Stock runs there only with a GPU per rank (NCCL);
+ranks that share one GPU (gloo, symmetric memory) time TIDE alone, whose before/after runs
+``bench/host_time_ab.py`` compares.
 
 Writes under ``--out`` (default bench/out/): fsdp_host_overhead.csv and .png and prints the table.
 """
@@ -44,7 +49,7 @@ from tide.fsdp import seam
 from tide.launch import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_out, pyplot  # noqa: E402
+from common import default_out, pyplot, require_cuda  # noqa: E402
 N_LAYERS = 30  # weight + bias each: 60 parameters in the group
 
 
@@ -86,26 +91,32 @@ class TimedReduceScatter(DefaultReduceScatter):
         return self.timer.wrap(super().__call__)(*args, **kwargs)
 
 
-def _model(dim: int, use_tide: bool, timer: _Timer):
+def _model(dim: int, use_tide: bool, timer: _Timer, device: torch.device):
+    """The timed group (the layers) below an FSDP root of its own: a group that reshards after forward and
+    has no FSDP module below it, which TIDE binds into its arena's slots on CUDA."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(N_LAYERS)))
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    layers = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(N_LAYERS))).to(device)
+    model = nn.Sequential(layers, nn.Linear(dim, dim, device=device))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(layers, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     if use_tide:  # timed through the seam's hooks (bench_rank): a comm of the user's own would take stock
         tide.fsdp.enable(model)
     else:
-        model.set_custom_all_gather(TimedAllGather(timer))
-        model.set_custom_reduce_scatter(TimedReduceScatter(timer))
-    model(torch.randn(2, dim)).sum().backward()  # lazy init, streams, first allocation
-    return model
+        layers.set_custom_all_gather(TimedAllGather(timer))
+        layers.set_custom_reduce_scatter(TimedReduceScatter(timer))
+    model(torch.randn(2, dim, device=device)).sum().backward()  # lazy init, streams, the arena, first allocation
+    return model, layers
 
 
 class _Path:
-    """One model (stock or TIDE) and the per-call samples of its unshard and reduce."""
+    """One model (stock or TIDE) and the per-call samples of its layers' unshard and reduce."""
 
-    def __init__(self, dim: int, use_tide: bool):
+    def __init__(self, dim: int, use_tide: bool, device: torch.device):
         self.timer = _Timer()
-        self.model = _model(dim, use_tide, self.timer)
-        (self.group,) = tide.fsdp.param_groups(self.model)
+        self.device = device
+        self.model, layers = _model(dim, use_tide, self.timer, device)
+        (self.group,) = tide.fsdp.param_groups(layers)
         assert len(self.group.fsdp_params) == 2 * N_LAYERS
         self.samples = {"unshard": [], "reduce": []}  # (total wall, collective wall, total cpu, collective cpu)
 
@@ -125,12 +136,14 @@ class _Path:
 
         self.timed("unshard", unshard)
         g.reshard()
-        grads = [torch.randn(p._orig_size, dtype=torch.bfloat16) for p in g.fsdp_params]
+        grads = [torch.randn(p._orig_size, dtype=torch.bfloat16, device=self.device) for p in g.fsdp_params]
         for p in g.fsdp_params:
             p.sharded_param.grad = None
         self.timed("reduce", lambda: _pg.foreach_reduce(
             g.fsdp_params, grads, g._reduce_scatter_process_group, stream, g._reduce_scatter_comm,
             torch.float32, torch.float32, g.device, None, None, stream, True, None, None, False))
+        if self.device.type == "cuda":  # the next step's calls find the GPU idle, as the first did
+            torch.cuda.synchronize()
 
     def medians(self) -> dict:
         med = statistics.median
@@ -141,16 +154,19 @@ class _Path:
                 for op, rows in self.samples.items()}
 
 
-def bench_rank(rank: int, world_size: int, dim: int, reps: int) -> dict:
+def bench_rank(rank: int, world_size: int, dim: int, reps: int, device_type: str = "cpu",
+               with_stock: bool = True) -> dict:
     """Stock and TIDE calls alternate (ABBA), so load on the machine and the previous call's cache
     footprint hit both alike."""
     torch.set_num_threads(1)
-    paths = {"stock": _Path(dim, False), "tide": _Path(dim, True)}
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    paths = {"stock": _Path(dim, False, device)} if with_stock else {}
+    paths["tide"] = _Path(dim, True, device)
     # Time TIDE's collective through the seam's hook functions (stock's: through its timed comm objects).
     hooks = {name: getattr(seam, name) for name in ("all_gather_into_outputs", "reduce_scatter_into_shards")}
     for name, fn in hooks.items():
         setattr(seam, name, paths["tide"].timer.wrap(fn))
-    stream = torch.cpu.current_stream()
+    stream = torch.cuda.Stream() if device.type == "cuda" else torch.cpu.current_stream()
     tide.reset_stats()
     try:
         order = list(paths.values())
@@ -164,7 +180,9 @@ def bench_rank(rank: int, world_size: int, dim: int, reps: int) -> dict:
     stats = tide.stats()["fsdp"]
     # The stock group was never opted in: the seam hands every one of its calls to stock FSDP2.
     for kind in ("all_gather", "reduce_scatter"):
-        assert stats[kind] == {"stock:not_enabled": reps, "tide": reps}, stats
+        assert stats[kind] == ({"stock:not_enabled": reps} if with_stock else {}) | {"tide": reps}, stats
+    if device.type == "cuda":
+        assert tide.stats()["wiring"].get("ag:bound") == reps, tide.stats()["wiring"]
     return {name: path.medians() for name, path in paths.items()}
 
 
@@ -172,15 +190,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", type=Path, default=default_out(), help="output folder")
     args = p.parse_args(argv)
-    result = run_ranks(bench_rank, 2, args.dim, args.reps, timeout=900)[0]
+    backend, with_stock, where = "gloo", True, "CPU, gloo"
+    if args.device == "cuda":
+        require_cuda("fsdp_host_overhead.py")
+        # NCCL, which stock needs, takes one GPU per rank; ranks that share one time TIDE alone.
+        with_stock = torch.cuda.device_count() >= 2
+        backend = "nccl" if with_stock else "gloo"
+        where = f"{torch.cuda.get_device_name(0)}, {backend}"
+    result = run_ranks(bench_rank, 2, args.dim, args.reps, args.device, with_stock, backend=backend,
+                       device_type=args.device, timeout=900)[0]
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     cols = ("host_cpu_us", "host_wall_us", "collective_wall_us", "total_wall_us")
     rows = [(op, path, *(r[op][c] for c in cols)) for op in ("unshard", "reduce") for path, r in result.items()]
     meta = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d')}, 2 ranks gloo, 60 params of {args.dim}x{args.dim}/{args.dim}, "
+            f"{time.strftime('%Y-%m-%d')}, 2 ranks ({where}), 60 params of {args.dim}x{args.dim}/{args.dim}, "
             f"{args.reps} reps")
     with open(out / "fsdp_host_overhead.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -198,12 +225,12 @@ def main(argv=None) -> int:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ops = ["unshard", "reduce"]
     width = 0.35
-    for i, path in enumerate(("stock", "tide")):
+    for i, path in enumerate(result):
         ax.bar([x + (i - 0.5) * width for x in range(len(ops))], [result[path][op]["host_cpu_us"] for op in ops], width,
                label=path)
     ax.set_xticks(range(len(ops)), ops)
     ax.set_ylabel("host CPU time per call, median (µs)")
-    ax.set_title("FSDP2 seam host time, 60-param group (CPU, gloo, 2 ranks)", fontsize=9)
+    ax.set_title(f"FSDP2 seam host time, 60-param group ({where}, 2 ranks)", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "fsdp_host_overhead.png", dpi=120)

@@ -10,8 +10,8 @@ A run's printed output (a ``.log`` file: its lines ``<path> median <us> us (p10 
 its CSV where only the output came back; ``--device`` and ``--mode`` then name the machine and setting.
 
 Writes ``<--name>.csv`` and ``.png`` (default ``host_time_ab``) under ``--out`` and prints each path's median
-over the runs; for the seam's runs also TIDE's host time over stock's in the same run (median and range), which
-load on the machine moves alike, plotted beside.
+over the runs (and their range); for the seam's runs with stock also TIDE's host time over stock's in the same
+run (median and range), which load on the machine moves alike, plotted beside.
 """
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ def main() -> None:
     out = Path(args.out)
     write_csv(out / f"{args.name}.csv", rows)
     paths = list(dict.fromkeys(r["path"] for r in rows))
-    for path in paths:
-        medians = {c: statistics.median(float(r["median_us"]) for r in rows if r["path"] == path and r["commit"] == c)
-                   for c in sides}
-        print(f"{path:28s} " + "  ".join(f"{c}: {m:6.0f} us" for c, m in medians.items()))
+    for path in paths:  # the median of the runs' medians, and their range
+        runs = {c: [float(r["median_us"]) for r in rows if r["path"] == path and r["commit"] == c] for c in sides}
+        print(f"{path:28s} " + "  ".join(f"{c}: {statistics.median(v):6.1f} us ({min(v):.1f}-{max(v):.1f})"
+                                         for c, v in runs.items() if v))
     ratios = _ratios_to_stock(rows)
     for (commit, op), values in ratios.items():
         print(f"tide/stock {op:18s} {commit}: {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
