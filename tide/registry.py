@@ -51,7 +51,7 @@ used_notices: dict[int, int] = {}  # global rank -> the seq of its last notice a
 process_published: list = [lambda: None]  # weakref of the default group whose store has this process's pid
 
 # ---- tide.fsdp
-enabled_groups: dict[tuple, list] = {}  # ranks -> weak references to the param groups enabled on them
+enabled_groups: dict[tuple, list] = {}  # ranks -> weak references to the TideAllGather states of the groups on them
 created_arenas: dict[tuple, str] = {}  # ranks whose arena the seam created -> a group name over them
 forward_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDP module -> its hook's handle
 released_in_backward: list = [None]  # the backward (graph task) whose end already releases the leases

@@ -98,7 +98,7 @@ def _graph_capture_predicates(rank: int) -> dict:
     for a fresh TIDE model that never ran a step, inside a real CUDA-graph capture of a trivial kernel:
     both collectives answer capture_before_arena."""
     import tide.fsdp
-    from tide.fsdp import comms, fallbacks
+    from tide.fsdp import decide, fallbacks
 
     res = _train(rank, use_tide=True, rs_mode="in_place", prefetch=False, raf=True, steps=1)
     from tests.fsdp.workers import BF16
@@ -116,10 +116,10 @@ def _graph_capture_predicates(rank: int) -> dict:
         try:
             x.add_(1)
             ag = fallbacks.all_gather_reason(g.fsdp_params, g._all_gather_process_group, False, g.device,
-                                             comms.of_group(g)[0])
+                                             decide.of_group(g)[0])
             grads = [torch.empty(p._orig_size, device=dev, dtype=torch.bfloat16) for p in g.fsdp_params]
             rs = fallbacks.reduce_reason(g.fsdp_params, grads, g._reduce_scatter_process_group,
-                                         comms.of_group(g)[1], torch.float32, g.device)
+                                         decide.of_group(g)[1], torch.float32, g.device)
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)

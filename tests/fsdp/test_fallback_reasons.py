@@ -13,7 +13,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide import registry
 from tide.fsdp import decide, fallbacks
-from tide.fsdp.comms import TideAllGather, TideReduceScatter
+from tide.fsdp.decide import TideAllGather, TideReduceScatter
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

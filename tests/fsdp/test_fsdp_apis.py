@@ -1,5 +1,5 @@
 """FSDP2's public APIs that set a param group's comms work with TIDE in either order (CPU, gloo, 2 ranks):
-``enable`` leaves FSDP2's comms in place (tide/fsdp/comms.py). FSDP2's own comm classes keep the group on
+``enable`` leaves FSDP2's comms in place (tide/fsdp/decide.py). FSDP2's own comm classes keep the group on
 TIDE, bit for bit like stock; a user's own comm is used, with the collective on stock FSDP2
 (``stock:custom_comm``) and a warning once per group."""
 import pytest

@@ -215,25 +215,25 @@ def enable_disable(rank: int, world_size: int) -> dict:
     """enable twice (idempotent, updates rs_mode), then disable; FSDP2's own comms stay in place throughout."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    from tide.fsdp import comms
+    from tide.fsdp import decide
 
     torch.set_num_threads(1)
     cfg = PRESETS["tiny"]
     model, optim, first = _train(cfg, rank, use_tide=True, steps=1)
     groups = tide.fsdp.param_groups(model)
-    states = [comms.of_group(g) for g in groups]
+    states = [decide.of_group(g) for g in groups]
     tide.fsdp.enable(model, rs_mode="slot_reuse")
 
     def fsdp_comms_untouched():
         return all(type(g._all_gather_comm) is DefaultAllGather and type(g._reduce_scatter_comm) is DefaultReduceScatter
                    for g in groups)
     once = fsdp_comms_untouched() and all(
-        comms.of_group(g) is state and state[1].rs_mode == "slot_reuse" for g, state in zip(groups, states))
+        decide.of_group(g) is state and state[1].rs_mode == "slot_reuse" for g, state in zip(groups, states))
     tide.reset_stats()
     train_step(model, optim, cfg, 1, rank)
     slot_reuse = tide.stats()["fsdp"]
     tide.fsdp.disable(model)
-    restored = fsdp_comms_untouched() and all(comms.of_group(g) is None for g in groups)
+    restored = fsdp_comms_untouched() and all(decide.of_group(g) is None for g in groups)
     tide.reset_stats()
     train_step(model, optim, cfg, 2, rank)
     return {"first": first["stats"], "once": once, "slot_reuse": slot_reuse, "restored": restored,

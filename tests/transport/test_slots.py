@@ -5,7 +5,7 @@ import types
 import torch
 
 from tide.fsdp import fallbacks, shard_dims, wiring
-from tide.fsdp.comms import AllGatherFacts, TideAllGather
+from tide.fsdp.decide import AllGatherFacts, TideAllGather
 from tide.transport.slots import SlotLeases
 
 

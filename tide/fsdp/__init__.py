@@ -5,8 +5,9 @@ rank-major buffers); unsupported cases take the original FSDP2 path per call (se
 block all-gather outputs bound in its slots, its data region leased for forward and for backward
 (docs/fsdp.md, "CUDA transport wiring").
 
-Modules: ``comms`` (which groups are TIDE's, their per-group state), ``fallbacks`` (why a call takes stock),
-``seam`` (the three wrappers and their install), ``wiring`` (arena and slots), ``hooks`` (Slot-Reuse),
+Modules: ``decide`` (which groups are TIDE's, their per-group state, and each call's decisions), ``fallbacks``
+(why a call takes stock), ``seam`` (the three wrappers and their install), ``wiring`` (arena and slots), ``hooks``
+(Slot-Reuse),
 ``compat`` (torch versions), ``comm_debug`` (``CommDebugMode`` counts TIDE's collectives as stock's).
 """
 from __future__ import annotations
@@ -19,8 +20,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from tide import knobs, topology
 from tide.knobs import RS_MODES, TRANSPORTS
-from tide.fsdp import comms, compat, hooks, seam, wiring
-from tide.fsdp.comms import TideAllGather, TideReduceScatter
+from tide.fsdp import compat, decide, hooks, seam, wiring
+from tide.fsdp.decide import TideAllGather, TideReduceScatter
 from tide.multinode import rails
 from tide.ops import call_groups
 
@@ -109,14 +110,15 @@ def enable(module: nn.Module, *, rs_mode: str = "in_place", transport: str | Non
                       "threads of one process (torch's threaded test backend); TIDE needs a process per rank, so their "
                       "collectives take stock FSDP2 (tide.stats(): stock:threaded_ranks)", RuntimeWarning, stacklevel=2)
     for g, leaf in groups:
-        enabled = comms.of_group(g)
+        enabled = decide.of_group(g)
         if enabled is not None:
             all_gather, reduce_scatter = enabled
             reduce_scatter.rs_mode = rs_mode
             reduce_scatter.transport = all_gather.transport = transport
             continue
-        comms.attach(g, TideAllGather(g, transport, leaf), TideReduceScatter(g, rs_mode, transport))
-        wiring.register_group(g)
+        all_gather = TideAllGather(g, transport, leaf)
+        decide.attach(g, all_gather, TideReduceScatter(g, rs_mode, transport))
+        wiring.register_group(all_gather)
     for m in _fsdp_modules(module):
         wiring.watch_forward(m)
     return module
@@ -127,7 +129,7 @@ def disable(module: nn.Module) -> nn.Module:
     :func:`enable` created, and the direct NCCL rails of multi-node groups, once no enabled group uses them
     (call it between steps: it refuses while unsharded parameters still live in an arena slot)."""
     _check_module("tide.fsdp.disable", module)
-    groups = [g for g in param_groups(module) if comms.of_group(g) is not None]
+    groups = [g for g in param_groups(module) if decide.of_group(g) is not None]
     wiring.check_arenas_idle(groups)  # refuse before changing anything
     process_groups = {wiring.group_key(g._all_gather_process_group): g._all_gather_process_group for g in groups}
     emptied = [key for key in map(wiring.unregister_group, groups) if key is not None]
@@ -138,5 +140,5 @@ def disable(module: nn.Module) -> nn.Module:
         wiring.unwatch_forward(m)
     for g in groups:
         hooks.remove(g)
-        comms.detach(g)
+        decide.detach(g)
     return module

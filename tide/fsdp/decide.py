@@ -1,4 +1,12 @@
-"""Everything the seam decides about one FSDP2 collective before it issues anything, in one place.
+"""Which FSDP2 param groups are TIDE's, their per-group state, and everything the seam decides about one
+FSDP2 collective before it issues anything, in one place.
+
+``tide.fsdp.enable`` gives each param group a :class:`TideAllGather` and a :class:`TideReduceScatter`
+(:func:`attach`). They are not FSDP2 comms: the group's own ``_all_gather_comm`` / ``_reduce_scatter_comm``
+stay FSDP2's, so every FSDP2 API that sets or checks them (``set_custom_all_gather``,
+``set_allocate_memory_from_process_group_for_comm``, ``set_symm_mem_for_comm``, ...) behaves as on stock, in
+either order with ``enable``, and the stock path calls whichever comm FSDP2 holds. A call finds its group's
+state from the ``fsdp_params`` FSDP2 hands it (:func:`of_params`).
 
 :func:`all_gather` and :func:`reduce` answer a call: its stock reason (``tide.fsdp.fallbacks``; counted in
 ``tide.stats()["fsdp"]``, a user's own comm warned once per group), or the TIDE call, which carries all
@@ -22,22 +30,125 @@ import contextlib
 import dataclasses
 import sys
 import warnings
+import weakref
 
 import torch
 from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from tide import counters, registry, routes
-from tide.fsdp import comm_debug, comms, extensions, fallbacks, shard_dims, wiring
+from tide.fsdp import comm_debug, extensions, fallbacks, shard_dims, wiring
 from tide.meta.call_site import call_identity
+from tide.transport.watchdog import WATCHDOG
+
+
+@dataclasses.dataclass
+class AllGatherFacts:
+    """What a group's all-gathers rest on that cannot change between its calls, decided once per
+    ``fsdp_params`` list (FSDP passes the same list on every unshard, and the properties read are fixed once
+    its lazy init has set the dtypes) by :func:`all_gather_facts`."""
+    fsdp_params: list
+    static_reason: str | None  # tide.fsdp.fallbacks.static_all_gather_reason
+    hooked: tuple[bool, ...]  # per param, whether it is a tensor extension; () when none is
+    sharded: bool  # a param is sharded on a dim other than 0 (tide.fsdp.shard_dims): never bound into slots
+    # Whether the group fits a slot, per (its extensions' input sizes, or None; the arena's slot bytes).
+    slot_fits: dict = dataclasses.field(default_factory=dict)
+
+
+class TideAllGather:
+    """TIDE's state of one enabled param group's all-gather."""
+
+    def __init__(self, param_group, transport: str = "auto", leaf: bool = False) -> None:
+        # The FSDPParamGroup, whether its FSDP module has no FSDP module below it (both decide slot
+        # binding), and the transport choice: "auto" uses the CUDA transport's arena on CUDA, "reference"
+        # never creates one.
+        self.param_group = param_group
+        self.leaf = leaf
+        self.transport = transport
+        # What the group's all-gathers rest on that no call changes (:func:`all_gather_facts`).
+        self.facts: AllGatherFacts | None = None
+        # The group's all-gather decided on TIDE, kept for the calls it holds for (:class:`GroupAllGather`).
+        self.decided = None
+        # The CUDA contract's verdict for this group's ranks (tide.fsdp.fallbacks.contract_reason), once.
+        self.contract: tuple[str | None] | None = None
+        # (process group, whether its ranks are threads of this process), per process group seen.
+        self.threaded: tuple | None = None
+        # Whether the user's own comm in the group's slot was warned about (once per group and collective).
+        self.custom_comm_warned = False
+
+    def fsdp_comm(self):
+        """The comm FSDP2 holds for this group's all-gather (the stock path's)."""
+        return self.param_group._all_gather_comm
+
+
+class TideReduceScatter:
+    """TIDE's state of one enabled param group's reduce-scatter; carries the group's ``rs_mode``."""
+
+    def __init__(self, param_group, rs_mode: str, transport: str = "auto") -> None:
+        self.param_group = param_group
+        self.rs_mode = rs_mode
+        self.transport = transport
+        # id(FSDPParam) -> handle of its Slot-Reuse post-accumulate-grad hook (tide.fsdp.hooks).
+        self.grad_hooks: dict = {}
+        # Whether those hooks moved a gradient into the slot since the group's last reduce (tide.stats()["wiring"]
+        # then counts the reduce as rs:slot_reuse), so the reduce needs no look at where each gradient lies.
+        self.grads_moved_into_slot = False
+        # FSDPParams whose fixed properties (placement, offload, DTensor) passed: each reduce passes a
+        # fresh list (the params that have grads), so the check is remembered per param.
+        self.checked_params: set[int] = set()
+        # The group's reduce decided on TIDE, kept for the calls it holds for (:class:`GroupReduce`).
+        self.decided = None
+        self.contract: tuple[str | None] | None = None
+        self.threaded: tuple | None = None
+        self.custom_comm_warned = False
+
+    def take_grads_moved_into_slot(self) -> bool:
+        """Whether the Slot-Reuse hooks moved any gradient into the slot since the last call (and start over)."""
+        moved, self.grads_moved_into_slot = self.grads_moved_into_slot, False
+        return moved
+
+    def fsdp_comm(self):
+        """The comm FSDP2 holds for this group's reduce-scatter (the stock path's)."""
+        return self.param_group._reduce_scatter_comm
+
+
+# The attribute of an FSDPParamGroup holding its (TideAllGather, TideReduceScatter): the state lives and
+# dies with the group.
+_ATTR = "_tide_comms"
+
+
+def attach(param_group, all_gather: TideAllGather, reduce_scatter: TideReduceScatter) -> None:
+    setattr(param_group, _ATTR, (all_gather, reduce_scatter))
+    for p in param_group.fsdp_params:
+        registry.groups_of_params[p] = weakref.ref(param_group)
+
+
+def detach(param_group) -> None:
+    if hasattr(param_group, _ATTR):
+        delattr(param_group, _ATTR)
+    for p in param_group.fsdp_params:
+        registry.groups_of_params.pop(p, None)
+
+
+def of_group(param_group) -> tuple[TideAllGather, TideReduceScatter] | None:
+    """The group's TIDE state, or None when it is not enabled."""
+    return getattr(param_group, _ATTR, None)
+
+
+def of_params(fsdp_params) -> tuple[TideAllGather, TideReduceScatter] | None:
+    """The TIDE state of the enabled group that holds ``fsdp_params`` (what FSDP2 passes its collectives),
+    or None."""
+    ref = registry.groups_of_params.get(fsdp_params[0]) if fsdp_params else None
+    group = ref() if ref is not None else None
+    return None if group is None else of_group(group)
 
 
 @dataclasses.dataclass
 class GroupAllGather:
     """A group's all-gather decided on TIDE, kept on its ``TideAllGather`` for the calls it :meth:`holds` for."""
-    comm: comms.TideAllGather
-    rs_comm: comms.TideReduceScatter
-    facts: comms.AllGatherFacts
+    comm: TideAllGather
+    rs_comm: TideReduceScatter
+    facts: AllGatherFacts
     group: object  # the process group
     device: torch.device
     settings: tuple  # _all_gather_settings when decided
@@ -63,7 +174,7 @@ def _all_gather_settings(param_group) -> tuple:
 @dataclasses.dataclass
 class GroupReduce:
     """A group's reduce decided on TIDE, kept on its ``TideReduceScatter`` for the calls it :meth:`holds` for."""
-    comm: comms.TideReduceScatter
+    comm: TideReduceScatter
     group: object
     device: torch.device
     settings: tuple  # _reduce_settings when decided
@@ -102,7 +213,7 @@ class AllGatherCall:
 class ReduceCall:
     """One ``foreach_reduce`` call: ``reason`` to take stock, or (None) TIDE's."""
     reason: str | None
-    comm: comms.TideReduceScatter | None
+    comm: TideReduceScatter | None
     arena: object | None = None
     from_slot: bool = False  # the Slot-Reuse hooks moved gradients into the slot since the group's last reduce
     identity: contextlib.AbstractContextManager | None = None
@@ -112,7 +223,7 @@ class ReduceCall:
 def all_gather(fsdp_params, group, async_op: bool, device, copy_in_stream) -> AllGatherCall:
     """The decisions of one all-gather: the group's kept decision and this call's own reasons, or (the
     group's first call, or its settings changed) every reason."""
-    enabled = comms.of_params(fsdp_params)
+    enabled = of_params(fsdp_params)
     kept = enabled[0].decided if enabled is not None else None
     if kept is not None and kept.holds(fsdp_params, group, async_op, device):
         reason = fallbacks.all_gather_call_reason(fsdp_params, group, device, kept.route)
@@ -129,6 +240,7 @@ def _decide_all_gather(enabled, fsdp_params, group, async_op: bool, device, copy
     """Every reason of an all-gather, and the group's decision kept when it holds for later calls. A group with
     tensor extensions runs their pre-all-gather here, on the copy-in stream as stock runs it: its inputs size
     the outputs (on stock after it, stock runs it again, on every rank alike)."""
+    WATCHDOG.check()  # every peer may be needed below (the joined check, the arena's rendezvous)
     comm = enabled[0] if enabled is not None else None
     reason = fallbacks.all_gather_reason(fsdp_params, group, async_op, device, comm)
     facts = all_gather_facts(comm, fsdp_params) if reason is None else None
@@ -169,12 +281,12 @@ def _all_gather_call(decided: GroupAllGather, reason: str | None, mode: str, slo
                                         and len(decided.rs_comm.grad_hooks) < len(decided.facts.fsdp_params)))
 
 
-def all_gather_facts(comm: comms.TideAllGather, fsdp_params) -> comms.AllGatherFacts:
-    """The group's :class:`tide.fsdp.comms.AllGatherFacts` for this ``fsdp_params`` list: decided at its first
+def all_gather_facts(comm: TideAllGather, fsdp_params) -> AllGatherFacts:
+    """The group's :class:`tide.fsdp.AllGatherFacts` for this ``fsdp_params`` list: decided at its first
     all-gather, then kept on ``comm``."""
     facts = comm.facts
     if facts is None or facts.fsdp_params is not fsdp_params:
-        facts = comm.facts = comms.AllGatherFacts(fsdp_params, fallbacks.static_all_gather_reason(fsdp_params),
+        facts = comm.facts = AllGatherFacts(fsdp_params, fallbacks.static_all_gather_reason(fsdp_params),
                                                   extensions.hooked(fsdp_params), shard_dims.sharded(fsdp_params))
     return facts
 
@@ -182,7 +294,7 @@ def all_gather_facts(comm: comms.TideAllGather, fsdp_params) -> comms.AllGatherF
 def reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_input_fn: bool) -> ReduceCall:
     """The decisions of one reduce: the group's kept decision and this call's own reasons (its gradients), or
     (the group's first call, or its settings changed) every reason."""
-    enabled = comms.of_params(fsdp_params)
+    enabled = of_params(fsdp_params)
     comm = enabled[1] if enabled is not None else None
     from_slot = comm is not None and comm.take_grads_moved_into_slot()
     kept = comm.decided if comm is not None else None
@@ -190,6 +302,7 @@ def reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_inp
         reason = fallbacks.reduce_call_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device,
                                               kept.route)
     else:
+        WATCHDOG.check()
         reason = fallbacks.reduce_reason(fsdp_params, unsharded_grads, group, comm, reduce_dtype, device,
                                          custom_input_fn)
         kept = None

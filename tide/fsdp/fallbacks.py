@@ -7,7 +7,7 @@ per call (``tide.fsdp.decide``).
 Every input is host-side state that is identical on every rank, so all ranks decide alike (a rank that
 took another path than its peers would leave them waiting in a collective). The only facts that need the
 machine, the CUDA contract (compute capability, NVLink domain), are looked up once per group and kept in
-its TIDE state (``tide.fsdp.comms``).
+its TIDE state (``tide.fsdp.decide``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from tide import knobs, routes, topology
 from tide.fsdp import joined
-from tide.fsdp.comms import STOCK_ALL_GATHERS, STOCK_REDUCE_SCATTERS
 from tide.meta.checks import FLOAT_DTYPES
 from tide.meta.multinode import Topology
 from tide.ops import call_groups
@@ -36,6 +35,15 @@ REASONS = (
 )
 # Besides these, on a torch whose FSDP2 signatures no seam wrapper fits, every call takes stock as
 # "untested_torch:<the function and its parameters>" (tide.fsdp.compat).
+
+# FSDP2's own comm classes: they only choose where stock's staging buffers come from, which TIDE's path has
+# none of. Any other comm in a group's slot is the user's (set_custom_all_gather / set_custom_reduce_scatter):
+# that collective then keeps it (stock:custom_comm). Looked up by name: torch 2.11 has fewer of them.
+STOCK_ALL_GATHERS = tuple(c for c in (getattr(_fsdp_collectives, n, None) for n in (
+    "DefaultAllGather", "ProcessGroupAllocAllGather", "SymmMemAllGather")) if c is not None)
+STOCK_REDUCE_SCATTERS = tuple(c for c in (getattr(_fsdp_collectives, n, None) for n in (
+    "DefaultReduceScatter", "ProcessGroupAllocReduceScatter", "SymmMemReduceScatter")) if c is not None)
+
 
 # torch 2.15's default all-gather output function (None before): a group with another one keeps stock's.
 _DEFAULT_OUTPUT_FN = getattr(_fsdp_collectives, "_default_all_gather_output_fn", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tide import counters
-from tide.fsdp import comms, compat, extensions
+from tide.fsdp import compat, decide, extensions
 from tide import routes
 
 
@@ -13,7 +13,7 @@ def install(param_group) -> None:
     """Give each unsharded param of a bound Slot-Reuse group a post-accumulate-grad hook
     (:func:`grad_into_slot`), once; the hooks stay until :func:`remove` and do nothing while the group is
     in another mode."""
-    comm = comms.of_group(param_group)[1]
+    comm = decide.of_group(param_group)[1]
     for p in param_group.fsdp_params:
         if id(p) in comm.grad_hooks or not hasattr(p, "_unsharded_param") or not p._unsharded_param.requires_grad:
             continue
@@ -22,7 +22,7 @@ def install(param_group) -> None:
 
 
 def remove(param_group) -> None:
-    comm = comms.of_group(param_group)[1]
+    comm = decide.of_group(param_group)[1]
     for handle in comm.grad_hooks.values():
         handle.remove()
     comm.grad_hooks.clear()
@@ -58,7 +58,7 @@ def grad_into_slot(param_group, fsdp_param, param) -> None:
     with torch.no_grad():
         param.detach().copy_(grad)
     param.grad = place
-    comms.of_group(param_group)[1].grads_moved_into_slot = True
+    decide.of_group(param_group)[1].grads_moved_into_slot = True
     counters.count_wiring("rs:grad_into_slot")
 
 
@@ -66,7 +66,7 @@ def movable(param_group, fsdp_param, param) -> bool:
     """Whether ``param``'s finished gradient may move into a slot (if the group has one): see
     :func:`grad_into_slot`."""
     grad = param.grad
-    enabled = comms.of_group(param_group)
+    enabled = decide.of_group(param_group)
     return not (
         grad is None or enabled is None or enabled[1].rs_mode != "slot_reuse"
         # TIDE reduces into fp32 only; others stay stock

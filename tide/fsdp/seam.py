@@ -4,11 +4,13 @@
 ``torch.distributed.fsdp._fully_shard._fsdp_param_group``'s namespace, where ``FSDPParamGroup`` looks them
 up at call time (whatever was bound there before is kept and called for the stock path, so other
 patchers chain). A param group is opted in by ``enable`` giving it TIDE's per-group state
-(``tide.fsdp.comms``, found from the params FSDP2 passes; FSDP2's own comms stay in place). Every call is
+(``tide.fsdp.decide``, found from the params FSDP2 passes; FSDP2's own comms stay in place). Every call is
 first decided in one place, ``tide.fsdp.decide`` (the stock reason, or all the TIDE call needs: arena, slot
 plan, tensor-extension inputs, identity); this module then only issues: the TIDE path, or the original
-function, counted in ``tide.stats()["fsdp"]`` under ``"stock:<reason>"``. Both collectives first raise the
-transport watchdog's error if a TIDE op has timed out (``tide.transport.watchdog``), stock path included.
+function, counted in ``tide.stats()["fsdp"]`` under ``"stock:<reason>"``. Once a TIDE op has timed out
+(``tide.transport.watchdog``), a stock call raises the watchdog's error here, and a TIDE call in the op (its C++
+kernel then hands every call to the op's Python kernel, whose first step raises it) or where the call would
+wait for peers before it (a group's first call, a new lease).
 
 Everything else FSDP2 owns (streams, events, prefetch, reshard, keep-alives, state) stays stock. Both
 collectives go through the ``torch.ops.tide`` ops on every backend; on CUDA the op finds the arena of the
@@ -29,10 +31,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _pg
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
 
 from tide import counters, registry
 from tide.fsdp import compat, decide, extensions, hooks, reduce_output, replicate, shard_dims, wiring
-from tide.fsdp.comms import TideAllGatherResult
 from tide.transport.watchdog import WATCHDOG
 
 
@@ -77,6 +79,12 @@ def reduce_scatter_into_shards(grads, shard_grads, scale: float, accumulate: boo
 
 
 # ---------------------------------------------------------------------------------------------- TIDE paths
+class TideAllGatherResult(AllGatherResult):
+    """An all-gather whose data TIDE already placed in the params: copy-out only waits its event."""
+
+    __slots__ = ()
+
+
 def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, device,
                      call: decide.AllGatherCall) -> TideAllGatherResult:
     handle = _get_device_handle(device.type)
@@ -201,9 +209,9 @@ _DEFAULT_RS_INPUT_FN = getattr(_fsdp_collectives, "_default_reduce_scatter_input
 @torch.no_grad()
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
                        all_gather_comm):
-    WATCHDOG.check()
     call = decide.all_gather(fsdp_params, group, async_op, device, all_gather_copy_in_stream)
     if call.reason is not None:
+        WATCHDOG.check()  # after a TIDE op timed out, stock's collective would wait for peers that never come
         return registry.stock_functions["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                                               all_gather_stream, device, all_gather_comm)
     with call.identity:
@@ -249,9 +257,9 @@ def _stock_with(name: str, arguments: dict, keyword_only: tuple[str, ...] = ()):
 def _reduce(stock, fsdp_params, unsharded_grads, group, stream, reduce_dtype, device, divide_factor,
             across: replicate.Across, grad_dtypes, custom_input_fn: bool):
     """Both ``foreach_reduce`` shapes: TIDE's reduce, or ``stock()`` for the reason it records."""
-    WATCHDOG.check()
     call = decide.reduce(fsdp_params, unsharded_grads, group, reduce_dtype, device, custom_input_fn)
     if call.reason is not None:
+        WATCHDOG.check()
         out = stock()
         wiring.order_slot_after_stock_reduce(fsdp_params, call.comm, group, stream)
         return out

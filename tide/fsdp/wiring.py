@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tide import counters, registry, routes, transport
-from tide.fsdp import comms, extensions, shard_dims
+from tide.fsdp import extensions, shard_dims
 from tide.fsdp.fallbacks import group_dtype, static_all_gather_reason
 from tide.meta import plans
 from tide.transport import node_leg
@@ -31,14 +31,17 @@ def group_key(group: dist.ProcessGroup) -> tuple:
     return routes.of(group).ranks
 
 
-def register_group(param_group) -> None:
-    """Remember (weakly) that ``param_group`` is enabled on its shard process group (arena sizing)."""
-    groups = registry.enabled_groups.setdefault(group_key(param_group._all_gather_process_group), [])
-    if not any(r() is param_group for r in groups):
-        groups.append(weakref.ref(param_group))
+def register_group(all_gather) -> None:
+    """Remember (weakly) that the param group of ``all_gather`` (its ``TideAllGather`` state, which lives as long
+    as the group) is enabled on its shard process group (arena sizing)."""
+    key = group_key(all_gather.param_group._all_gather_process_group)
+    states = registry.enabled_groups.setdefault(key, [])
+    if not any(r() is all_gather for r in states):
+        states.append(weakref.ref(all_gather))
 
 
 def enabled_groups(key: tuple) -> list:
+    """The ``TideAllGather`` states of the param groups enabled on the ranks ``key``."""
     refs = registry.enabled_groups.get(key, [])
     refs[:] = [r for r in refs if r() is not None]
     return [r() for r in refs]
@@ -48,7 +51,7 @@ def unregister_group(param_group) -> tuple | None:
     """Forget ``param_group``; returns its ranks' key when no enabled group is left on them."""
     key = group_key(param_group._all_gather_process_group)
     refs = registry.enabled_groups.get(key, [])
-    refs[:] = [r for r in refs if r() is not None and r() is not param_group]
+    refs[:] = [r for r in refs if r() is not None and r().param_group is not param_group]
     if refs:
         return None
     registry.enabled_groups.pop(key, None)
@@ -96,9 +99,10 @@ def _create_arena(group: dist.ProcessGroup, multinode: bool):
     one round of the largest bindable group's reduce-scatter (with none, of the largest group's)."""
     W = group.size()
     key = group_key(group)
-    groups = [g for g in enabled_groups(key) if g.fsdp_params]
-    bound = [g for g in groups if bindable(comms.of_group(g)[0], shard_dims.sharded(g.fsdp_params))
-             and static_all_gather_reason(g.fsdp_params) is None]
+    groups = [s.param_group for s in enabled_groups(key) if s.param_group.fsdp_params]
+    bound = [s.param_group for s in enabled_groups(key) if s.param_group.fsdp_params
+             and bindable(s, shard_dims.sharded(s.param_group.fsdp_params))
+             and static_all_gather_reason(s.param_group.fsdp_params) is None]
     layouts = [slot_layout(g.fsdp_params, W) for g in bound]
     if multinode:
         arena = node_leg.enable(group, slot_bytes=max([0] + [layout.slot_bytes for layout in layouts]))
@@ -185,7 +189,7 @@ def plan_all_gather(arena, comm, facts, world_size: int, inputs: list | None = N
     ``direct`` (outputs allocated as stock does, gathered in place by the op's reference backend: groups
     that are not :func:`bindable` or larger than a slot), ``busy`` (outputs hold every slot: stock),
     ``none`` (no arena). ``comm``, ``facts``: the group's ``TideAllGather`` and ``AllGatherFacts``
-    (tide.fsdp.comms; whether it is bindable rests on ``set_reshard_after_forward``, one of the group's
+    (tide.fsdp.decide; whether it is bindable rests on ``set_reshard_after_forward``, one of the group's
     settings ``tide.fsdp.decide`` keeps its decision for); ``inputs``: its tensor-extension inputs
     (``extensions.pre_all_gather``)."""
     if arena is None:

@@ -222,6 +222,7 @@ class Arena:
         :class:`tide.transport.lease.Leases` (a new lease, or the rule's error)."""
         region = self.native.region_here()
         if region is None:
+            watchdog.WATCHDOG.check()  # a lease waits for every peer: none comes once a TIDE op has timed out
             region = self.leases.acquire()
             self.native.use_region_on_current_stream()  # the allocator keeps the set: once per lease suffices
         return region
