@@ -15,8 +15,9 @@
 //                        post ag_ready[i][r] = v with 4-B copies (they follow the data on P);
 //   S:                   wait ag_ready[i][p] >= v for every peer; wait for P.
 // A slot's last use off the caller's stream (its previous all-gather, a Slot-Reuse reduce-scatter reading
-// gradients there: steady.h) is waited for on S before "start", so no rank writes into slot i before it is
-// free; the op then records its own use of slot i on S. The direct lane is leased per call and has no uses.
+// gradients there: the arena's slot events, arena.h) is waited for on S before "start", so no rank writes
+// into slot i before it is free; the op then records its own use of slot i on S. The direct lane is leased
+// per call and has no uses.
 // Captured into a CUDA graph, the same steps run with the captured protocol's words (flags.h): each set
 // to 1 and reset by its reader after its wait, so every replay starts from the words the last one left.
 // "free" flags (write after read) are stream-memop writes into the peer's word: the stream has finished
@@ -75,7 +76,7 @@ Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
   const Issue is = issue_on_current_stream(a.device(), op, mark);
   const WatchedOp watched(a, op, is);
   cudaStream_t S = is.stream;
-  if (lane < K) a.steady().slot_wait(lane, S);
+  if (lane < K) a.slot_wait(lane, S);
   a.start(is);
   {
     HostTimer t(a.host_ns(kEvent));
@@ -110,7 +111,7 @@ Ran all_gather(Arena& a, const AgPlan& plan, at::TensorList shards,
     a.issue_copies(data, a.ag_push(), false);
   }
   a.close_lane(lane, v, is);
-  if (lane < K) a.steady().slot_used(lane, S);
+  if (lane < K) a.slot_used(lane, S);
   return Ran::kTide;
 }
 

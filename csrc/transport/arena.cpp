@@ -1,7 +1,9 @@
-// The Arena of csrc/transport/arena.h: its memory and identity, the streams, and the flag handshakes and
-// counters the collectives (collectives.h) share.
+// The Arena of csrc/transport/arena.h: its memory and identity, the streams, the flag handshakes and
+// counters the collectives (collectives.h) share, and what a call on a layout seen before needs (the
+// lease, plans by call shape, slot events).
 #include "transport/arena.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,12 +19,51 @@ namespace tide {
 namespace {
 constexpr const char* kHostNames[] = {"host_ns_total", "host_ns_kernel", "host_ns_memop", "host_ns_copy",
                                       "host_ns_event"};
+
+void add_tensor(ShapeKey& k, const at::Tensor& t, bool sizes, bool dtype) {
+  if (sizes) {
+    k.push_back(t.dim());
+    for (int64_t s : t.sizes()) k.push_back(s);
+  }
+  if (dtype) k.push_back(static_cast<int64_t>(t.scalar_type()));
+}
+
 }  // namespace
+
+size_t ShapeKeyHash::operator()(const ShapeKey& k) const {
+  size_t h = k.size();
+  for (int64_t v : k) h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h;
+}
+
+ShapeKey ag_key(at::TensorList shards, at::TensorList outs) {
+  ShapeKey k;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    add_tensor(k, shards[i], true, false);
+    if (i < outs.size()) add_tensor(k, outs[i], false, true);
+  }
+  k.push_back(static_cast<int64_t>(shards.size()));
+  return k;
+}
+
+ShapeKey rs_key(at::TensorList grads) {
+  ShapeKey k;
+  for (const at::Tensor& g : grads) add_tensor(k, g, true, true);
+  k.push_back(static_cast<int64_t>(grads.size()));
+  return k;
+}
+
+uint64_t capture_id(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  TIDE_CUDA(cudaStreamGetCaptureInfo(stream, &status, &id));
+  return status == cudaStreamCaptureStatusActive ? id : 0;
+}
 
 Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64_t device, int64_t num_slots,
              int64_t slot_bytes, int64_t ring_depth, int64_t entry_bytes, int64_t sum_ctas, int64_t cast_ctas)
     : rank_(rank), world_(world), device_(device), sum_ctas_(sum_ctas), cast_ctas_(cast_ctas),
-      layout_{FlagLayout{num_slots, ring_depth, world}, slot_bytes, entry_bytes}, steady_(device, num_slots),
+      layout_{FlagLayout{num_slots, ring_depth, world}, slot_bytes, entry_bytes},
       in_flight_(std::make_shared<completions::InFlight>(device)) {
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tide.Arena: rank ", num(rank), " not in [0, ", num(world), ")");
   TORCH_CHECK(static_cast<int64_t>(flag_bases.size()) == world, "tide.Arena: need one flag base pointer per rank");
@@ -36,6 +77,7 @@ Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64
   direct_bases_.assign(world, 0);
   ag_uses_.assign(layout_.flags.L(), 0);
   rs_rounds_.assign(world, 0);
+  slots_.resize(num_slots);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   int lo = 0, hi = 0;
   TIDE_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
@@ -51,15 +93,22 @@ Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64
 Arena::~Arena() {
   // With an op still pending (a dead peer) the streams may never drain: they are left to process teardown
   // rather than waited for. Otherwise every op has joined them into its caller's stream, so they are idle.
-  if (!completions::all_completed(device_)) return;
+  const bool drained = completions::all_completed(device_);
   // Streams and events are left to process teardown when the context is already gone.
   if (cudaSetDevice(static_cast<int>(device_)) != cudaSuccess) return;
-  for (auto s : {ag_push_, rs_push_, reduce_, report_}) {
-    cudaStreamSynchronize(s);
-    cudaStreamDestroy(s);
+  if (drained) {
+    for (auto s : {ag_push_, rs_push_, reduce_, report_}) {
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    }
+    for (auto e : {ev_start_, ev_ag_push_, ev_rs_push_, ev_reduce_, ev_report_}) cudaEventDestroy(e);
+    for (auto e : ev_chunk_) cudaEventDestroy(e);
   }
-  for (auto e : {ev_start_, ev_ag_push_, ev_rs_push_, ev_reduce_, ev_report_}) cudaEventDestroy(e);
-  for (auto e : ev_chunk_) cudaEventDestroy(e);
+  // The slots' busy events, recorded on the callers' streams, go either way: CUDA frees one still pending
+  // once its stream passes it.
+  for (const SlotEvent& s : slots_)
+    for (cudaEvent_t e : {s.eager, s.captured})
+      if (e != nullptr) cudaEventDestroy(e);
 }
 
 std::string Arena::read_flags(const at::Tensor& host, double wait_s) {
@@ -81,7 +130,9 @@ std::string Arena::read_flags(const at::Tensor& host, double wait_s) {
 
 void Arena::set_region(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t context) {
   TORCH_CHECK(static_cast<int64_t>(bases.size()) == world_, "tide.Arena.set_region: need one base per rank");
-  steady_.set_region(region, context);
+  region_ = region;
+  context_ = context;
+  users_.clear();
   for (int64_t p = 0; p < world_; ++p) data_bases_[p] = static_cast<uint64_t>(bases[p]);
   if (bases[rank_] != 0) {
     std::lock_guard<std::mutex> lock(progress_mu_);
@@ -108,9 +159,8 @@ void Arena::check_leased(const char* op) const {
 }
 
 int64_t Arena::slot_of(uint64_t ptr) const {
-  const at::Tensor& region = steady_.region();
-  if (layout_.flags.K == 0 || !region.defined() || ptr < ptr_of(region)) return -1;
-  const int64_t off = static_cast<int64_t>(ptr - ptr_of(region));
+  if (layout_.flags.K == 0 || !region_.defined() || ptr < ptr_of(region_)) return -1;
+  const int64_t off = static_cast<int64_t>(ptr - ptr_of(region_));
   if (off < layout_.slots_off() || off >= layout_.ring_off()) return -1;
   return (off - layout_.slots_off()) / layout_.slot_bytes;
 }
@@ -118,16 +168,70 @@ int64_t Arena::slot_of(uint64_t ptr) const {
 int64_t Arena::outputs_slot(at::TensorList outs) const {
   for (const at::Tensor& o : outs)
     if (o.numel() > 0) return slot_of(ptr_of(o));
-  return !outs.empty() && layout_.flags.K > 0 && steady_.region().defined() ? 0 : -1;
+  return !outs.empty() && layout_.flags.K > 0 && region_.defined() ? 0 : -1;
 }
 
 int64_t Arena::placed_slot(at::TensorList outs, const std::vector<int64_t>& offsets, int64_t need) const {
   const int64_t slot = outputs_slot(outs);
   if (slot < 0 || offsets.size() != outs.size() || need > layout_.slot_bytes) return -1;
-  const uint64_t base = ptr_of(steady_.region()) + layout_.slots_off() + slot * layout_.slot_bytes;
+  const uint64_t base = ptr_of(region_) + layout_.slots_off() + slot * layout_.slot_bytes;
   for (size_t j = 0; j < outs.size(); ++j)
     if (outs[j].numel() > 0 && ptr_of(outs[j]) != base + static_cast<uint64_t>(offsets[j])) return -1;
   return slot;
+}
+
+void Arena::use_region_on(const c10::cuda::CUDAStream& stream) {
+  if (!region_.defined() || std::find(users_.begin(), users_.end(), stream.stream()) != users_.end()) return;
+  c10::cuda::CUDACachingAllocator::recordStream(region_.storage().data_ptr(), stream);
+  users_.push_back(stream.stream());
+}
+
+std::shared_ptr<AgPlan> Arena::ag_plan(const ShapeKey& k) const {
+  std::lock_guard<std::mutex> lock(plans_mu_);
+  auto it = ag_plans_.find(k);
+  return it == ag_plans_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<RsPlan> Arena::rs_plan(const ShapeKey& k) const {
+  std::lock_guard<std::mutex> lock(plans_mu_);
+  auto it = rs_plans_.find(k);
+  return it == rs_plans_.end() ? nullptr : it->second;
+}
+
+void Arena::keep(const ShapeKey& k, std::shared_ptr<AgPlan> p) {
+  std::lock_guard<std::mutex> lock(plans_mu_);
+  ag_plans_[k] = std::move(p);
+}
+
+void Arena::keep(const ShapeKey& k, std::shared_ptr<RsPlan> p) {
+  std::lock_guard<std::mutex> lock(plans_mu_);
+  rs_plans_[k] = std::move(p);
+}
+
+void Arena::forget_plans() {
+  std::lock_guard<std::mutex> lock(plans_mu_);
+  ag_plans_.clear();
+  rs_plans_.clear();
+}
+
+void Arena::slot_used(int64_t slot, cudaStream_t stream) {
+  TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(slots_.size()), "tide.slot_used: slot ", num(slot),
+              " is no slot of the arena");
+  SlotEvent& s = slots_[slot];
+  s.context = capture_id(stream);
+  cudaEvent_t& e = s.context == 0 ? s.eager : s.captured;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  if (e == nullptr) TIDE_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  TIDE_CUDA(cudaEventRecord(e, stream));
+  ++s.uses;
+}
+
+void Arena::slot_wait(int64_t slot, cudaStream_t stream) const {
+  TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(slots_.size()), "tide.slot_wait: slot ", num(slot),
+              " is no slot of the arena");
+  const SlotEvent& s = slots_[slot];
+  if (s.uses == 0 || s.context != capture_id(stream)) return;
+  TIDE_CUDA(cudaStreamWaitEvent(stream, s.context == 0 ? s.eager : s.captured, 0));
 }
 
 WatchedOp::WatchedOp(Arena& a, const char* op, const Issue& is) : a_(a), op_before_(a.last_op()) {

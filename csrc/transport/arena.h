@@ -1,23 +1,30 @@
-// The memory and identity of one set of ranks inside one NVLink domain: a symmetric flag region, a
-// data region leased per phase (laid out as csrc/transport/flags.h says), the streams the collectives
-// issue on, the flag handshakes they share and what this rank has issued. The collectives themselves
-// are all_gather.cpp, reduce_scatter.cpp and node_leg.cpp (collectives.h), each handed its plan and,
-// for an all-gather, its lane: by the ops' C++ kernels once the gate (gate.h) lets a call through, else by
-// Python's drivers (tide/transport/all_gather.py, reduce_scatter.py, node_leg.py).
+// One arena's C++ state, in one object: the memory and identity of one set of ranks inside one NVLink
+// domain (a symmetric flag region, a data region leased per phase, laid out as csrc/transport/flags.h
+// says), the streams the collectives issue on, the flag handshakes they share, what this rank has issued,
+// and what an op call on a layout seen before needs (the held lease and its rule, the plans by call shape,
+// the slots' busy events), so that the ops' C++ kernels (dispatch.cpp) take it without entering Python.
+// The collectives themselves are all_gather.cpp, reduce_scatter.cpp and node_leg.cpp (collectives.h), each
+// handed its plan and, for an all-gather, its lane: by the ops' C++ kernels once the gate (gate.h) lets a
+// call through, else by Python's drivers (tide/transport/all_gather.py, reduce_scatter.py, node_leg.py).
 #pragma once
 
 #include <torch/extension.h>
 
+#include <c10/cuda/CUDAStream.h>
+
 #include <array>
 #include <chrono>
+#include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels.h"
 #include "transport/driver.h"
 #include "transport/flags.h"
-#include "transport/steady.h"
+#include "transport/plans.h"
 
 namespace tide {
 
@@ -49,6 +56,19 @@ struct Issue {
 
 // The current stream of `device` for `op`: `mark` (>= 0) must be given exactly when it is capturing.
 Issue issue_on_current_stream(int64_t device, const char* op, int64_t mark);
+
+// The id of the CUDA-graph capture `stream` is in, 0 when it captures none.
+uint64_t capture_id(cudaStream_t stream);
+
+// A call shape: per tensor its dims, its sizes and its dtype, then the list's length (the key Python's
+// plans had, one tuple per tensor). The arena keeps its plans by it.
+using ShapeKey = std::vector<int64_t>;
+struct ShapeKeyHash {
+  size_t operator()(const ShapeKey& k) const;
+};
+// shards' shapes and outs' dtypes (an all-gather's plan); grads' shapes and dtypes (a reduce-scatter's).
+ShapeKey ag_key(at::TensorList shards, at::TensorList outs);
+ShapeKey rs_key(at::TensorList grads);
 
 class Arena;
 
@@ -97,7 +117,7 @@ class Arena {
   uint64_t entry(int64_t d, int64_t s, int64_t q) const {
     return data_bases_[d] + layout_.ring_off() + (s * world_ + q) * layout_.entry_bytes;
   }
-  // This rank's leased region (undefined when released), leased in capture `context` (0: eagerly), and
+  // This rank's leased region (undefined when released), leased in `context` (the lease, below), and
   // every rank's region address for the ops from now on: set at each lease, on every rank at the same
   // point (tide/transport/lease.py); all 0 while none is leased.
   void set_region(const at::Tensor& region, const std::vector<int64_t>& bases, uint64_t context);
@@ -148,9 +168,40 @@ class Arena {
   std::vector<int64_t> count_rounds(const std::vector<int64_t>& rounds, bool& fresh);
   void count_call(bool all_gather) { ++(all_gather ? ag_calls_ : rs_calls_); }
 
-  // ---- what a call on a layout seen before needs (steady.h), and the eager ops in flight (driver.h)
-  Steady& steady() { return steady_; }
-  const Steady& steady() const { return steady_; }
+  // ---- what a call on a layout seen before needs: the held lease, plans by call shape, the slots' busy
+  // events. The ops' C++ kernels (dispatch.cpp) take it from here without entering Python. Python writes
+  // it where it decides (tide/transport/lease.py at each lease, all_gather.py and reduce_scatter.py at a
+  // new plan, tide/transport/slots.py for the slots); the gate (gate.h) reads it for every call and hands
+  // any call it does not cover to Python. One thread issues an arena's ops at a time (FSDP2: the training
+  // thread, or the autograd thread in backward): of this, nothing is locked but the plans.
+  //
+  // The lease: the region held (set_region; undefined once released) and the context it was leased in:
+  // the capture's id, 0 eagerly, kEveryContext for a symmetric region (never freed, so any context may
+  // use it).
+  static constexpr uint64_t kEveryContext = ~uint64_t{0};
+  const at::Tensor& region() const { return region_; }
+  // Whether a call in `context` (capture_id of its stream) may use the held region: a capture must not
+  // bake in memory that eager work uses, nor eager work use a graph's.
+  bool held_in(uint64_t context) const {
+    return region_.defined() && (context_ == kEveryContext || context_ == context);
+  }
+  // Records `stream` as a user of the held region, once per lease: the allocator reuses the block only
+  // after every such stream has passed its use.
+  void use_region_on(const c10::cuda::CUDAStream& stream);
+  // Plans by call shape (null: none yet).
+  std::shared_ptr<AgPlan> ag_plan(const ShapeKey& k) const;
+  std::shared_ptr<RsPlan> rs_plan(const ShapeKey& k) const;
+  void keep(const ShapeKey& k, std::shared_ptr<AgPlan> p);
+  void keep(const ShapeKey& k, std::shared_ptr<RsPlan> p);
+  void forget_plans();
+  // Slot i's busy event: its latest use off the compute stream, in the context it was recorded in (eager,
+  // or one capture). A stream waits only for a use of its own context: CUDA refuses a wait across a
+  // capture's boundary, and none is needed there (tide/transport/slots.py).
+  void slot_used(int64_t slot, cudaStream_t stream);
+  void slot_wait(int64_t slot, cudaStream_t stream) const;
+  int64_t slot_uses(int64_t slot) const { return slots_.at(slot).uses; }
+
+  // ---- the eager ops in flight (driver.h)
   const std::shared_ptr<completions::InFlight>& in_flight() const { return in_flight_; }
 
   // ---- what this rank has issued (safe from the watchdog's thread while an op runs: the ops release the GIL)
@@ -168,6 +219,12 @@ class Arena {
   std::string read_flags(const at::Tensor& host, double wait_s);
 
  private:
+  struct SlotEvent {
+    cudaEvent_t eager = nullptr, captured = nullptr;  // one per kind of context, created at first use
+    uint64_t context = 0;  // of the latest use
+    int64_t uses = 0;
+  };
+
   void publish_locked();  // the counters into the issued board's words (progress_mu_ held)
 
   int64_t rank_, world_, device_, sum_ctas_, cast_ctas_;
@@ -184,7 +241,13 @@ class Arena {
   cudaEvent_t ev_start_ = nullptr, ev_ag_push_ = nullptr, ev_rs_push_ = nullptr, ev_reduce_ = nullptr;
   std::vector<cudaEvent_t> ev_chunk_;
   uint32_t last_op_ = 0;
-  Steady steady_;
+  at::Tensor region_;  // the lease: the region held, and the context it was leased in
+  uint64_t context_ = 0;
+  std::vector<cudaStream_t> users_;  // streams recorded as the region's users
+  mutable std::mutex plans_mu_;
+  std::unordered_map<ShapeKey, std::shared_ptr<AgPlan>, ShapeKeyHash> ag_plans_;
+  std::unordered_map<ShapeKey, std::shared_ptr<RsPlan>, ShapeKeyHash> rs_plans_;
+  std::vector<SlotEvent> slots_;  // per slot, its busy event
   std::shared_ptr<completions::InFlight> in_flight_;
   cudaStream_t report_ = nullptr;
   cudaEvent_t ev_report_ = nullptr;

@@ -253,9 +253,9 @@ void bind_plans(pybind11::module_& m) {
   py::class_<PartialsPlan, std::shared_ptr<PartialsPlan>>(m, "PartialsPlan");
 }
 
-// What a call on a layout seen before needs (steady.h), bound on the Arena class: where tensors lie,
-// plans by call shape, the slots' busy events.
-void bind_steady(py::class_<Arena, std::shared_ptr<Arena>>& c) {
+// What a call on a layout seen before needs (arena.h), bound on the Arena class: where tensors lie, the
+// lease rule, plans by call shape, the slots' busy events.
+void bind_call_state(py::class_<Arena, std::shared_ptr<Arena>>& c) {
   // Where tensors lie in the held region (arena.h): the one rule the C++ kernels use too.
   c.def("slot_of", [](const Arena& a, uint64_t ptr) { return a.slot_of(ptr); }, py::arg("ptr"))
       .def("outputs_slot", [](const Arena& a, const std::vector<at::Tensor>& outs) { return a.outputs_slot(outs); },
@@ -263,40 +263,40 @@ void bind_steady(py::class_<Arena, std::shared_ptr<Arena>>& c) {
       .def("placed_slot", [](const Arena& a, const std::vector<at::Tensor>& outs, const std::vector<int64_t>& offsets,
                              int64_t need) { return a.placed_slot(outs, offsets, need); },
            py::arg("outs"), py::arg("offsets"), py::arg("need"))
-      // The lease rule (Steady::held_in) for the current stream's context: tide/transport/lease.py asks it.
+      // The lease rule (Arena::held_in) for the current stream's context: tide/transport/lease.py asks it.
       .def("region_held_here", [](const Arena& a) {
-             return a.steady().held_in(
+             return a.held_in(
                  capture_id(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())).stream()));
            })
       // The held region if the lease rule lets the current stream's context use it, the stream recorded as
       // one of its users; None otherwise (tide/transport/arena.py then leases, or raises the rule's error).
       .def("region_here", [](Arena& a) -> std::optional<at::Tensor> {
              const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device()));
-             if (!a.steady().held_in(capture_id(stream.stream()))) return std::nullopt;
-             a.steady().use_region_on(stream);
-             return a.steady().region();
+             if (!a.held_in(capture_id(stream.stream()))) return std::nullopt;
+             a.use_region_on(stream);
+             return a.region();
            })
       .def("use_region_on_current_stream", [](Arena& a) {
-             a.steady().use_region_on(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())));
+             a.use_region_on(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())));
            })
-      // Plans by call shape (steady.h): what a later call of the same shape finds without Python.
+      // Plans by call shape: what a later call of the same shape finds without Python.
       .def("ag_plan", [](const Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
-             return a.steady().ag_plan(ag_key(shards, outs));
+             return a.ag_plan(ag_key(shards, outs));
            }, py::arg("shards"), py::arg("outs"))
       .def("keep_ag_plan", [](Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs,
-                              std::shared_ptr<AgPlan> plan) { a.steady().keep(ag_key(shards, outs), std::move(plan)); },
+                              std::shared_ptr<AgPlan> plan) { a.keep(ag_key(shards, outs), std::move(plan)); },
            py::arg("shards"), py::arg("outs"), py::arg("plan"))
-      .def("rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads) { return a.steady().rs_plan(rs_key(grads)); },
+      .def("rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads) { return a.rs_plan(rs_key(grads)); },
            py::arg("grads"))
       .def("keep_rs_plan", [](Arena& a, const std::vector<at::Tensor>& grads, std::shared_ptr<RsPlan> plan) {
-             a.steady().keep(rs_key(grads), std::move(plan));
+             a.keep(rs_key(grads), std::move(plan));
            }, py::arg("grads"), py::arg("plan"))
-      .def("forget_plans", [](Arena& a) { a.steady().forget_plans(); })
+      .def("forget_plans", [](Arena& a) { a.forget_plans(); })
       // Slots' busy events (tide/transport/slots.py); `stream` is a torch stream's cuda_stream.
       .def("slot_used", [](Arena& a, int64_t slot, uint64_t stream) {
-             a.steady().slot_used(slot, reinterpret_cast<cudaStream_t>(stream));
+             a.slot_used(slot, reinterpret_cast<cudaStream_t>(stream));
            }, py::arg("slot"), py::arg("stream"))
-      .def("slot_uses", [](Arena& a, int64_t slot) { return a.steady().slot_uses(slot); }, py::arg("slot"));
+      .def("slot_uses", [](Arena& a, int64_t slot) { return a.slot_uses(slot); }, py::arg("slot"));
 }
 
 void bind_arena(pybind11::module_& m) {
@@ -305,7 +305,7 @@ void bind_arena(pybind11::module_& m) {
   py::class_<completions::InFlight, std::shared_ptr<completions::InFlight>>(m, "InFlight")
       .def("oldest", &completions::InFlight::oldest);
   py::class_<Arena, std::shared_ptr<Arena>> arena(m, "Arena");
-  bind_steady(arena);
+  bind_call_state(arena);
   arena
       .def(py::init<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                     int64_t>(),
@@ -380,7 +380,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("replay_states", &replays::states, py::arg("device"), py::arg("first"), py::arg("count"));
   // The id of the CUDA-graph capture the current stream of `device` is in, 0 when it captures none: what
   // tells a lease or a slot event of one capture from another's, or from eager work.
-  m.attr("EVERY_CONTEXT") = py::int_(Steady::kEveryContext);  // a symmetric region's context (steady.h)
+  m.attr("EVERY_CONTEXT") = py::int_(Arena::kEveryContext);  // a symmetric region's context (arena.h)
   m.def("capture_id", [](int64_t device) {
     return capture_id(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
   }, py::arg("device"));

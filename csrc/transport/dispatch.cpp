@@ -82,10 +82,9 @@ Verdict common(c10::string_view group, int64_t world, at::TensorList a, at::Tens
   if (*arena == nullptr) return Verdict::kNoArena;
   if (binding.world != world) return Verdict::kWorldSize;
   if (requires_grad(a, b)) return Verdict::kGrad;
-  const Steady& s = (*arena)->steady();
   *stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>((*arena)->device()));
   *capture = capture_id(stream->stream());
-  if (s.region().defined() && !s.held_in(*capture)) return Verdict::kLeaseAcrossCapture;
+  if ((*arena)->region().defined() && !(*arena)->held_in(*capture)) return Verdict::kLeaseAcrossCapture;
   return Verdict::kTransport;
 }
 
@@ -113,7 +112,7 @@ AgGate gate_all_gather(at::TensorList shards, at::TensorList outs, int64_t world
   if (g.verdict != Verdict::kTransport) return g;
   // Outputs can lie only in a held region: without one they lie in no slot.
   if (g.arena->outputs_slot(outs) < 0) return g.verdict = Verdict::kOutputsNotInSlot, g;
-  g.plan = g.arena->steady().ag_plan(ag_key(shards, outs));
+  g.plan = g.arena->ag_plan(ag_key(shards, outs));
   if (g.plan == nullptr) return g.verdict = Verdict::kNoPlan, g;
   g.slot = g.arena->placed_slot(outs, g.plan->out_offset, g.plan->slot_bytes);
   if (g.slot < 0) return g.verdict = Verdict::kOutputsNotInSlot, g;
@@ -126,8 +125,8 @@ RsGate gate_reduce_scatter(at::TensorList grads, at::TensorList shard_grads, int
   uint64_t capture = 0;
   g.verdict = common(group, world, grads, shard_grads, &g.arena, &g.stream, &capture);
   if (g.verdict != Verdict::kTransport) return g;
-  if (!g.arena->steady().region().defined()) return g.verdict = Verdict::kNoLease, g;
-  g.plan = g.arena->steady().rs_plan(rs_key(grads));
+  if (!g.arena->region().defined()) return g.verdict = Verdict::kNoLease, g;
+  g.plan = g.arena->rs_plan(rs_key(grads));
   if (g.plan == nullptr) return g.verdict = Verdict::kNoPlan, g;
   if (capture != 0) g.verdict = Verdict::kCapturing;
   return g;
@@ -159,7 +158,7 @@ R call_python(Kernel k, Args&&... args) {
 
 // Run the collective the gate let through; "refused" when it refused the arguments.
 Verdict run_all_gather(AgGate& g, at::TensorList shards, at::TensorList outs) {
-  g.arena->steady().use_region_on(g.stream);
+  g.arena->use_region_on(g.stream);
   if (all_gather(*g.arena, *g.plan, shards, outs, g.slot, -1) != Ran::kTide) return Verdict::kRefused;
   ++steady_calls[kAgParams];
   return Verdict::kTransport;
@@ -168,7 +167,7 @@ Verdict run_all_gather(AgGate& g, at::TensorList shards, at::TensorList outs) {
 Verdict run_reduce_scatter(RsGate& g, at::TensorList grads, at::TensorList shard_grads, double scale,
                            bool accumulate) {
   Arena& a = *g.arena;
-  a.steady().use_region_on(g.stream);
+  a.use_region_on(g.stream);
   if (reduce_scatter(a, *g.plan, grads, shard_grads, scale, accumulate, -1) != Ran::kTide) return Verdict::kRefused;
   // A slot that holds gradients (the Slot-Reuse hooks put them there) is busy until the stream has read them.
   std::vector<int64_t> read;
@@ -176,7 +175,7 @@ Verdict run_reduce_scatter(RsGate& g, at::TensorList grads, at::TensorList shard
     const int64_t s = grad.numel() > 0 ? a.slot_of(ptr_of(grad)) : -1;
     if (s >= 0 && std::find(read.begin(), read.end(), s) == read.end()) read.push_back(s);
   }
-  for (int64_t s : read) a.steady().slot_used(s, g.stream.stream());
+  for (int64_t s : read) a.slot_used(s, g.stream.stream());
   ++steady_calls[kRsParams];
   return Verdict::kTransport;
 }

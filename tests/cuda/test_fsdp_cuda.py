@@ -179,7 +179,7 @@ def _files_entered(rank: int) -> dict:
     finally:
         if state:
             _pg.foreach_all_gather, seam._reduce = state["ag"], state["reduce"]
-    # Steady: no lease taken in the call (the first call of a phase leases the data region).
+    # A steady call: no lease taken in the call (the first call of a phase leases the data region).
     bound = [c["files"] for c in calls["all_gather"] if "bind_into_slot" in c["funcs"] and "_lease" not in c["funcs"]]
     reduces = [c["files"] for c in calls["reduce"] if "_tide_reduce" in c["funcs"] and "_lease" not in c["funcs"]]
     return {"all_gather": bound, "reduce": reduces}

@@ -221,7 +221,7 @@ def test_the_watchdog_reads_every_captured_op_of_a_device_in_one_call_and_forget
 # ------------------------------------------------------------------------------------------ slots
 def test_slot_uses_go_to_the_extensions_events_by_raw_stream():
     """The events themselves, and the rule that a stream waits only for a use of its own context, are the
-    extension's (csrc/transport/steady.h; the all-gather waits for them itself; the capture tests run them on
+    extension's (csrc/transport/arena.h; the all-gather waits for them itself; the capture tests run them on
     CUDA)."""
     calls = []
     events = types.SimpleNamespace(slot_used=lambda **kw: calls.append(("used", kw)),
@@ -233,9 +233,9 @@ def test_slot_uses_go_to_the_extensions_events_by_raw_stream():
 
 
 # ------------------------------------------------------------------------------------------ leases
-class Steady:
+class LeaseRule:
     """The extension's lease bookkeeping as the Leases feed it: the region's context at each lease (the
-    symmetric one's is every context), and its rule (Steady::held_in) for the current context."""
+    symmetric one's is every context), and its rule (Arena::held_in) for the current context."""
 
     EVERY = -1
 
@@ -250,10 +250,10 @@ class Steady:
 
 
 def _leases(ctx):
-    store, ipc, syncs, steady = dist.HashStore(), RecordingIpc(), [], Steady(ctx)
+    store, ipc, syncs, rule = dist.HashStore(), RecordingIpc(), [], LeaseRule(ctx)
     leases = Leases(ipc, None, store, "tide/test", RANK, WORLD, torch.device("cpu"), NBYTES, 5.0, "test",
-                    set_region=steady.set_region, sync_pushes=lambda: syncs.append(True), context=ctx,
-                    held_here=steady.held_here)
+                    set_region=rule.set_region, sync_pushes=lambda: syncs.append(True), context=ctx,
+                    held_here=rule.held_here)
     return store, ipc, leases, syncs
 
 

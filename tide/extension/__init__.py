@@ -41,7 +41,6 @@ SOURCES = (
     "transport/replays.cu",
     "transport/ipc.cpp",
     "transport/nccl_p2p.cpp",
-    "transport/steady.cpp",
     "transport/arena.cpp",
     "transport/all_gather.cpp",
     "transport/reduce_scatter.cpp",

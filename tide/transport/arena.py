@@ -218,7 +218,7 @@ class Arena:
     def region(self) -> torch.Tensor:
         """This rank's data region (slots and ring), leased if none is held (collective then: every rank
         at the same point); the current stream is recorded as a user of it. A held region is found in one
-        call of the extension, which asks the lease rule (``Steady::held_in``); only a call it refuses enters
+        call of the extension, which asks the lease rule (``Arena::held_in``); only a call it refuses enters
         :class:`tide.transport.lease.Leases` (a new lease, or the rule's error)."""
         region = self.native.region_here()
         if region is None:

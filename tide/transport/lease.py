@@ -65,7 +65,7 @@ class Leases:
         sync_pushes: waits until none of this rank's copies still writes into a peer's region.
         context: the id of the CUDA-graph capture in progress, 0 when none.
         held_here: whether the held region may be used in the current context (the lease rule, written once in
-            the extension: ``Steady::held_in``, csrc/transport/steady.h); None for leases given back within the
+            the extension: ``Arena::held_in``, csrc/transport/arena.h); None for leases given back within the
             call that took them (the direct lane's), which no other context can find held.
         board: the arena's issued board (its ``exchange_lease``), which carries every lease after the first;
             None: the store carries them all.

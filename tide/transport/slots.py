@@ -11,9 +11,9 @@ that event on its own stream before any rank writes there (csrc/transport/all_ga
 depends only on host-side state that evolves identically on every rank (which groups are unsharded), never
 on timing, so all ranks choose the same slot for every all-gather: the peers push into that slot index.
 
-The busy events live in the extension (csrc/transport/steady.h), where the ops' C++ kernels wait for them
-and record their own uses (an all-gather's slot, the slots a Slot-Reuse reduce-scatter reads) without
-entering Python; a stock reduce that read the slot records its use here (:meth:`SlotLeases.used`). An
+The busy events live in the extension's arena (csrc/transport/arena.h), where the ops' C++ kernels wait
+for them and record their own uses (an all-gather's slot, the slots a Slot-Reuse reduce-scatter reads)
+without entering Python; a stock reduce that read the slot records its use here (:meth:`SlotLeases.used`). An
 event belongs to the context it was recorded in: eager work, or one CUDA-graph capture. A stream waits only
 for an event of its own context: CUDA refuses a wait across a capture's boundary, and none is needed there.
 A capture's first use of a slot lies in a region leased inside that capture (tide/transport/lease.py), and
