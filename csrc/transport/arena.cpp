@@ -92,20 +92,17 @@ Arena::Arena(int64_t rank, int64_t world, std::vector<int64_t> flag_bases, int64
 
 Arena::~Arena() {
   // With an op still pending (a dead peer) the streams may never drain: they are left to process teardown
-  // rather than waited for. Otherwise every op has joined them into its caller's stream, so they are idle.
-  const bool drained = completions::all_completed(device_);
+  // rather than waited for, with the events. Otherwise every op has joined them into its caller's stream, so
+  // they are idle.
+  if (!completions::all_completed(device_)) return;
   // Streams and events are left to process teardown when the context is already gone.
   if (cudaSetDevice(static_cast<int>(device_)) != cudaSuccess) return;
-  if (drained) {
-    for (auto s : {ag_push_, rs_push_, reduce_, report_}) {
-      cudaStreamSynchronize(s);
-      cudaStreamDestroy(s);
-    }
-    for (auto e : {ev_start_, ev_ag_push_, ev_rs_push_, ev_reduce_, ev_report_}) cudaEventDestroy(e);
-    for (auto e : ev_chunk_) cudaEventDestroy(e);
+  for (auto s : {ag_push_, rs_push_, reduce_, report_}) {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
   }
-  // The slots' busy events, recorded on the callers' streams, go either way: CUDA frees one still pending
-  // once its stream passes it.
+  for (auto e : {ev_start_, ev_ag_push_, ev_rs_push_, ev_reduce_, ev_report_}) cudaEventDestroy(e);
+  for (auto e : ev_chunk_) cudaEventDestroy(e);
   for (const SlotEvent& s : slots_)
     for (cudaEvent_t e : {s.eager, s.captured})
       if (e != nullptr) cudaEventDestroy(e);
