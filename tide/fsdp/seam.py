@@ -40,21 +40,21 @@ from tide.transport.watchdog import WATCHDOG
 
 # ---------------------------------------------------------------------------------------------- transport hooks
 def bind_all_gather_outputs(fsdp_params, specs, world_size: int, device: torch.device,
-                            compute_stream: torch.Stream, slot: int | None = None, arena=None,
-                            region: torch.Tensor | None = None) -> list[torch.Tensor]:
+                            compute_stream: torch.Stream, slot: int | None = None, arena=None) -> list[torch.Tensor]:
     """Each param's 1-D all-gather outputs, param-major (one per param, or one per input of a tensor
     extension's; ``specs``: their sizes and dtypes, :func:`tide.fsdp.wiring.output_specs`).
 
-    With an arena slot: FSDP's own output tensors, their storages pointed into the slot of the arena's leased
-    data ``region`` at their param-major addresses (:func:`tide.fsdp.wiring.bind_into_slot`; host work only:
-    the all-gather op waits for the slot's previous users before it writes). Otherwise allocated exactly
+    With an arena slot: FSDP's own output tensors, their storages pointed into the slot of the arena's held
+    data region (leased on the current stream if none is held) at their param-major addresses
+    (:func:`tide.fsdp.wiring.bind_into_slot`; host work only: the all-gather op waits for the slot's previous
+    users before it writes). Otherwise allocated exactly
     as FSDP's copy-out would (its own ``init_all_gather_outputs`` / ``alloc_all_gather_outputs``) on the
     current stream, and on CUDA ``record_stream``-ed on the compute stream: a block allocated on another
     stream is then not reused before the compute stream is done with it (on the compute stream itself the
     record is a no-op).
     """
     if arena is not None and slot is not None:
-        return wiring.bind_into_slot(arena, region, fsdp_params, world_size, device, slot, specs)
+        return wiring.bind_into_slot(arena, fsdp_params, world_size, device, slot, specs)
     outs = wiring.init_outputs(fsdp_params, specs, world_size, device)
     for p in fsdp_params:
         p.alloc_all_gather_outputs()
@@ -93,9 +93,8 @@ def _tide_all_gather(fsdp_params, group, copy_in_stream, all_gather_stream, devi
     mode, slot, arena, specs, inputs = call.mode, call.slot, call.arena, call.specs, call.inputs
     if mode == "bound":
         # Bound on the compute stream: the phase's first call leases the region there, so a released region
-        # serves its activations. The lease rule is asked here, once: binding takes this region as it is.
-        outs = bind_all_gather_outputs(fsdp_params, specs, world_size, device, compute_stream, slot, arena,
-                                       arena.region())
+        # serves its activations.
+        outs = bind_all_gather_outputs(fsdp_params, specs, world_size, device, compute_stream, slot, arena)
         # The slot's previous occupant was read on the compute stream (FSDP has resharded it on the host, its
         # kernels may still run); the op itself waits for the slot's last use on other streams.
         copy_in_stream.wait_stream(compute_stream)

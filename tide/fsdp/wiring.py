@@ -226,15 +226,15 @@ def init_outputs(fsdp_params, specs, world_size: int, device: torch.device) -> l
     return outs
 
 
-def bind_into_slot(arena, region, fsdp_params, world_size: int, device: torch.device, slot: int, specs) -> list:
-    """FSDP's all-gather output tensors (:func:`init_outputs`), their storages pointed into ``slot`` of the data
-    ``region`` the caller leased, at param-major addresses.
+def bind_into_slot(arena, fsdp_params, world_size: int, device: torch.device, slot: int, specs) -> list:
+    """FSDP's all-gather output tensors (:func:`init_outputs`), their storages pointed into ``slot`` of the
+    arena's held data region (leased on the current stream if none is held), at param-major addresses.
 
     ``init_all_gather_outputs`` creates the tensors once (the first call allocates them, and binding frees
     that memory); later unshards find them resharded (storage ``resize_(0)``: the slot pointer is dropped,
     nothing freed) and re-bind them instead of ``alloc_all_gather_outputs`` (which would allocate)."""
     outs = init_outputs(fsdp_params, specs, world_size, device)
-    arena.bind_outputs(outs, slot, owners=fsdp_params, world_size=world_size, region=region)
+    arena.bind_outputs(outs, slot, owners=fsdp_params, world_size=world_size)
     return outs
 
 

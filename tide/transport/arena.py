@@ -336,14 +336,13 @@ class Arena:
         return None if slot < 0 else slot
 
     def bind_outputs(self, outs: Sequence[torch.Tensor], slot: int, owners: Sequence = (),
-                     world_size: int | None = None, region: torch.Tensor | None = None) -> None:
+                     world_size: int | None = None) -> None:
         """Point the storages of the 1-D all-gather outputs ``outs`` (their views see it too) into slot
         ``slot`` at their param-major addresses, and lease the slot to them until they are resharded;
         ``owners`` (one key per output, e.g. FSDP's params) remember the slot. Each output must own its
         whole storage (storage offset 0, ``W*shard_numel`` elements), W = ``world_size``: the arena's
-        ranks by default, a multi-node group's for a node arena (:mod:`tide.transport.node_leg`). ``region``: the
-        data region the caller has just leased (:meth:`region`; the FSDP seam leases on the compute stream), so
-        the lease rule is not asked twice in one call; leased here when not given."""
+        ranks by default, a multi-node group's for a node arena (:mod:`tide.transport.node_leg`). The slot is
+        one of the held data region (:meth:`region`, on the current stream: leased there if none is held)."""
         slot = self._check_slot("bind_outputs", slot)
         W = world_size or self.world_size
         places = self._places(outs, W)
@@ -352,10 +351,7 @@ class Arena:
         if places[2] > self.slot_bytes:
             raise ValueError(f"tide.transport.bind_outputs: group needs {places[2]} slot bytes, the arena has "
                              f"{self.slot_bytes}")
-        if region is None:
-            region = self.region()
-        elif self.leases.held is None or region.data_ptr() != self.leases.held.data_ptr():
-            raise ValueError("tide.transport.bind_outputs: region is not the arena's held data region (Arena.region())")
+        region = self.region()
         base = region.data_ptr() + self._slot_base(slot)
         # All outputs are checked before any is bound; each keeps the region alive until it is resharded.
         if not self.ext.bind_storages(outs=outs, device=self.device.index, region=region, base=base,
