@@ -20,6 +20,7 @@ import csv
 import re
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,7 +100,8 @@ def main() -> None:
         ax.scatter(xs, ys, marker=marker, label=f"{commit} ({len(sides[commit])} runs)")
     ax.set_xticks(range(len(paths)), [p.removeprefix("tide_") for p in paths], rotation=30, ha="right")
     ax.set_ylabel("median host time per call (us)")
-    ax.set_title(f"runs, interleaved ({rows[0]['device']}, {rows[0]['mode']})", fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(f"runs, interleaved ({rows[0]['device']}, {rows[0]['mode']})", 110)),
+                 fontsize=9)
     ax.legend()
     if ratios:  # the seam's runs: TIDE's host time over stock's in the same run, which load moves alike
         rax, ops = axes[0][1], list(dict.fromkeys(op for _, op in ratios))
