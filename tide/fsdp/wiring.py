@@ -99,10 +99,10 @@ def _create_arena(group: dist.ProcessGroup, multinode: bool):
     one round of the largest bindable group's reduce-scatter (with none, of the largest group's)."""
     W = group.size()
     key = group_key(group)
-    groups = [s.param_group for s in enabled_groups(key) if s.param_group.fsdp_params]
-    bound = [s.param_group for s in enabled_groups(key) if s.param_group.fsdp_params
-             and bindable(s, shard_dims.sharded(s.param_group.fsdp_params))
-             and static_all_gather_reason(s.param_group.fsdp_params) is None]
+    states = [s for s in enabled_groups(key) if s.param_group.fsdp_params]
+    groups = [s.param_group for s in states]
+    bound = [g for s, g in zip(states, groups) if bindable(s, shard_dims.sharded(g.fsdp_params))
+             and static_all_gather_reason(g.fsdp_params) is None]
     layouts = [slot_layout(g.fsdp_params, W) for g in bound]
     if multinode:
         arena = node_leg.enable(group, slot_bytes=max([0] + [layout.slot_bytes for layout in layouts]))
