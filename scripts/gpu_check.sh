@@ -7,7 +7,7 @@
 #     fault_campaign kernels
 #     collectives
 #     collectives_multinode multinode_host timeline ce_patterns lease_probe (2+ GPUs) overlap sm_room rs_ctas (2+ GPUs)
-#     host_time train_step_8b train_step_multinode (2+ GPUs) train_step_moe train_step_compiled compiled_overlap
+#     host_time seam_host train_step_8b train_step_multinode (2+ GPUs) train_step_moe train_step_compiled compiled_overlap
 #     train_step_8b_graphs
 #     train_step_moe_graphs train_step_8b_float8 (needs torchao) memory layout_conversion
 # Wheels in .whl/ (carried to a machine without a registry: torchao for the float8 test and benchmark) are
@@ -112,6 +112,7 @@ stage overlap 150 $PY bench/overlap.py "${overlap_args[@]}" --out "$WORK/results
 stage sm_room 120 $PY bench/sm_room.py --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage rs_ctas 280 $PY bench/rs_ctas.py --out "$WORK/results"
 stage host_time 90 $PY bench/bench_host_time.py --iters 40 --out "$WORK/results"
+stage seam_host 90 $PY bench/fsdp_host_overhead.py --device cuda --reps 150 --out "$WORK/results"
 stage train_step_8b 280 $PY bench/train_step.py --preset llama8b --steps 10 --out "$WORK/results"
 [ "$gpus" -ge 2 ] && stage train_step_multinode 200 $PY bench/train_step.py --preset llama8b --tokens 1024,4096 \
   --variants stock,tide_in_place --local-world-size 1 --steps 8 --out "$WORK/results"
