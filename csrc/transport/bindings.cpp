@@ -253,6 +253,11 @@ void bind_plans(pybind11::module_& m) {
   py::class_<PartialsPlan, std::shared_ptr<PartialsPlan>>(m, "PartialsPlan");
 }
 
+// The current stream of the arena's device: the context the lease rule asks about, and the region's user.
+c10::cuda::CUDAStream current_stream(const Arena& a) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device()));
+}
+
 // What a call on a layout seen before needs (arena.h), bound on the Arena class: where tensors lie, the
 // lease rule, plans by call shape, the slots' busy events.
 void bind_call_state(py::class_<Arena, std::shared_ptr<Arena>>& c) {
@@ -264,21 +269,16 @@ void bind_call_state(py::class_<Arena, std::shared_ptr<Arena>>& c) {
                              int64_t need) { return a.placed_slot(outs, offsets, need); },
            py::arg("outs"), py::arg("offsets"), py::arg("need"))
       // The lease rule (Arena::held_in) for the current stream's context: tide/transport/lease.py asks it.
-      .def("region_held_here", [](const Arena& a) {
-             return a.held_in(
-                 capture_id(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())).stream()));
-           })
+      .def("region_held_here", [](const Arena& a) { return a.held_in(capture_id(current_stream(a).stream())); })
       // The held region if the lease rule lets the current stream's context use it, the stream recorded as
       // one of its users; None otherwise (tide/transport/arena.py then leases, or raises the rule's error).
       .def("region_here", [](Arena& a) -> std::optional<at::Tensor> {
-             const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device()));
+             const auto stream = current_stream(a);
              if (!a.held_in(capture_id(stream.stream()))) return std::nullopt;
              a.use_region_on(stream);
              return a.region();
            })
-      .def("use_region_on_current_stream", [](Arena& a) {
-             a.use_region_on(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device())));
-           })
+      .def("use_region_on_current_stream", [](Arena& a) { a.use_region_on(current_stream(a)); })
       // Plans by call shape: what a later call of the same shape finds without Python.
       .def("ag_plan", [](const Arena& a, const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& outs) {
              return a.ag_plan(ag_key(shards, outs));
